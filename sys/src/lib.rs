@@ -1,0 +1,13 @@
+//! The Linux syscall layer of fuse-supervisor.
+//!
+//! Every syscall the program makes lives here, typed and documented; the
+//! decisions live in the `fuse-supervisor` crate. Prefer rustix's safe
+//! wrappers; raw calls only for what no crate exposes yet.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod fuse;
+pub mod mount;
+pub mod ns;
+pub mod poll;
+pub mod process;
+pub mod resolve;
