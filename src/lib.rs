@@ -5,3 +5,11 @@
 pub mod demofs;
 pub mod mountinfo;
 pub mod testbed;
+pub mod heal;
+pub mod plan;
+pub mod probe;
+pub mod state;
+pub mod status;
+pub mod supervisor;
+pub mod table;
+pub mod watch;

@@ -1,0 +1,197 @@
+//! Carrying out a heal plan in the watched mount namespace.
+//!
+//! DESIGN.md "How a heal must be done": stack the new source onto each stale
+//! target so running containers (slaves of the target's peer group) receive
+//! it, skip targets a previous stack already reached by propagation, then
+//! flatten so the host keeps exactly one layer per target. Every mount call
+//! goes through an fd that was resolved beneath the kubelet root and checked
+//! to be, at that moment, the mount the plan recorded.
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use fuse_supervisor_sys::{mount, resolve};
+
+use crate::plan::{HealBatch, TargetHeal};
+use crate::probe::SourceHandles;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HealError {
+    #[error("target {path} is not beneath the kubelet root {root}")]
+    OutsideRoot { path: PathBuf, root: PathBuf },
+    #[error("cannot resolve target {path} beneath the kubelet root")]
+    Resolve {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("target {path} changed since it was planned (mount {found}, planned {planned})")]
+    Changed { path: PathBuf, planned: u32, found: u32 },
+    #[error("no handle on {root} inside the source for target {path}")]
+    NoSourceRoot { path: PathBuf, root: PathBuf },
+    #[error("{step} failed for target {path}")]
+    Mount {
+        step: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What happened to one target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Healed {
+    /// The new source was stacked onto it.
+    Stacked,
+    /// A stack on a peer reached it by propagation.
+    Propagated,
+}
+
+#[derive(Debug)]
+pub struct TargetOutcome {
+    pub path: PathBuf,
+    pub result: Result<Healed, HealError>,
+    /// Stale layers removed from the host by flattening.
+    pub layers_removed: usize,
+    /// Flattening failed: healed, but stale layers remain.
+    pub flatten_error: Option<HealError>,
+}
+
+/// Carries out heal batches. The real one mounts; tests record.
+pub trait Executor {
+    fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome>;
+}
+
+/// Where a new top is parked while the layer under it is removed.
+#[derive(Debug)]
+enum Staging {
+    /// A private tmpfs attached nowhere (kernels that mount onto detached
+    /// trees, ≥ 6.15): leaves nothing in any mount table.
+    Detached(OwnedFd),
+}
+
+/// Mounts in the namespace of the calling thread (the supervisor's loop
+/// thread, which joined the watched namespace).
+#[derive(Debug)]
+pub struct MountExecutor {
+    kubelet_root: PathBuf,
+    kubelet_root_fd: OwnedFd,
+    staging: Staging,
+}
+
+impl MountExecutor {
+    pub fn new(kubelet_root: &Path) -> std::io::Result<Self> {
+        Ok(MountExecutor {
+            kubelet_root: kubelet_root.to_path_buf(),
+            kubelet_root_fd: resolve::open_dir(kubelet_root)?,
+            staging: Staging::Detached(mount::detached_tmpfs()?),
+        })
+    }
+
+    /// Resolves a target beneath the kubelet root (no symlinks, no magic
+    /// links, no escaping) and returns it with the ID of its top mount.
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        let relative = path
+            .strip_prefix(&self.kubelet_root)
+            .map_err(|_| HealError::OutsideRoot { path: path.to_path_buf(), root: self.kubelet_root.clone() })?;
+        let resolve_error = |source| HealError::Resolve { path: path.to_path_buf(), source };
+        let fd = resolve::open_beneath(self.kubelet_root_fd.as_fd(), relative).map_err(resolve_error)?;
+        let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
+        Ok((fd, id))
+    }
+
+    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<Healed, HealError> {
+        let (fd, top) = self.open_target(&target.path)?;
+        if top != target.top_mount_id {
+            // An earlier stack of this batch propagated onto it.
+            return Ok(Healed::Propagated);
+        }
+        let from = source.for_root(&target.root_in_source).ok_or_else(|| HealError::NoSourceRoot {
+            path: target.path.clone(),
+            root: target.root_in_source.clone(),
+        })?;
+        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
+        let clone = mount::clone_mount(from.as_fd()).map_err(step("clone source"))?;
+        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(step("stack onto target"))?;
+        Ok(Healed::Stacked)
+    }
+
+    /// Leaves one layer: parks the new top, removes every stale layer that
+    /// was under it (made private first, so the removal does not propagate
+    /// into containers), and puts the new top back.
+    fn flatten(&self, target: &TargetHeal, stale: BorrowedFd<'_>) -> Result<usize, HealError> {
+        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
+        mount::make_private(stale).map_err(step("make stale layer private"))?;
+        let (top_fd, top) = self.open_target(&target.path)?;
+        if target.layer_ids.contains(&top) {
+            return Ok(0); // Nothing new on top: nothing to flatten under.
+        }
+        let new_top = mount::open_mount(top_fd.as_fd()).map_err(step("open new top"))?;
+        let Staging::Detached(staging) = &self.staging;
+        mount::move_mount(new_top.as_fd(), staging.as_fd()).map_err(step("park new top"))?;
+        let mut removed = 0;
+        let result = loop {
+            let (fd, id) = match self.open_target(&target.path) {
+                Ok(opened) => opened,
+                Err(err) => break Err(err),
+            };
+            if !target.layer_ids.contains(&id) {
+                break Ok(fd);
+            }
+            // Lower layers were covered until now: make them private too.
+            if let Err(err) = mount::make_private(fd.as_fd()).and_then(|()| mount::detach_top(fd.as_fd())) {
+                break Err(HealError::Mount { step: "remove stale layer", path: target.path.clone(), source: err });
+            }
+            removed += 1;
+        };
+        // Whatever happened, the new top goes back: a parked mount serves no one.
+        let restore_onto = match result {
+            Ok(fd) => fd,
+            Err(err) => {
+                let (fd, _) = self.open_target(&target.path)?;
+                mount::move_mount(new_top.as_fd(), fd.as_fd()).map_err(step("restore new top"))?;
+                return Err(err);
+            }
+        };
+        mount::move_mount(new_top.as_fd(), restore_onto.as_fd()).map_err(step("restore new top"))?;
+        Ok(removed)
+    }
+}
+
+impl Executor for MountExecutor {
+    fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {
+        // Handles on every stale top, taken before the first stack covers them.
+        let opened: Vec<Result<OwnedFd, HealError>> = batch
+            .targets
+            .iter()
+            .map(|target| {
+                let (fd, id) = self.open_target(&target.path)?;
+                if id != target.top_mount_id {
+                    return Err(HealError::Changed {
+                        path: target.path.clone(),
+                        planned: target.top_mount_id,
+                        found: id,
+                    });
+                }
+                Ok(fd)
+            })
+            .collect();
+        let mut outcomes = Vec::with_capacity(opened.len());
+        let mut stale_tops = Vec::with_capacity(opened.len());
+        for (target, opened) in batch.targets.iter().zip(opened) {
+            let (result, stale_top) = match opened {
+                Ok(fd) => (self.stack(target, source), Some(fd)),
+                Err(err) => (Err(err), None),
+            };
+            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error: None });
+            stale_tops.push(stale_top);
+        }
+        for ((target, stale_top), outcome) in batch.targets.iter().zip(&stale_tops).zip(&mut outcomes) {
+            let (Some(stale_top), Ok(_)) = (stale_top, &outcome.result) else { continue };
+            match self.flatten(target, stale_top.as_fd()) {
+                Ok(removed) => outcome.layers_removed = removed,
+                Err(err) => outcome.flatten_error = Some(err),
+            }
+        }
+        outcomes
+    }
+}

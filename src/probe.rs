@@ -1,0 +1,128 @@
+//! Health probes of FUSE sources, on worker threads with a bounded wait.
+//!
+//! Any access to a FUSE path can hang for as long as its daemon is stopped,
+//! so the loop only ever hands a probe an fd and goes on; the worker reports
+//! back on the loop's channel. A probe stuck in a stopped daemon is never
+//! duplicated: one probe per source is in flight at a time.
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use fuse_supervisor_sys::probe as sys;
+
+/// Handles on a live source, opened by a probe: its root and every
+/// subdirectory that subPath targets need.
+#[derive(Debug)]
+pub struct SourceHandles {
+    pub root: OwnedFd,
+    pub subdirs: BTreeMap<PathBuf, OwnedFd>,
+}
+
+impl SourceHandles {
+    /// The handle to stack onto a target whose root is `root_in_source`.
+    pub fn for_root(&self, root_in_source: &Path) -> Option<&OwnedFd> {
+        if root_in_source.as_os_str().is_empty() { Some(&self.root) } else { self.subdirs.get(root_in_source) }
+    }
+}
+
+/// What a probe found.
+#[derive(Debug)]
+pub enum ProbeOutcome {
+    Live(SourceHandles),
+    /// The daemon answered with an error (ENOTCONN for a dead one).
+    Failed(io::Error),
+}
+
+/// A finished probe, as sent to the loop.
+#[derive(Debug)]
+pub struct ProbeReport {
+    pub source: PathBuf,
+    pub mount_id: u32,
+    pub outcome: ProbeOutcome,
+}
+
+/// Starts probes and remembers which are in flight and since when.
+#[derive(Debug)]
+pub struct Prober {
+    timeout: Duration,
+    in_flight: HashMap<PathBuf, Instant>,
+}
+
+impl Prober {
+    pub fn new(timeout: Duration) -> Self {
+        Prober { timeout, in_flight: HashMap::new() }
+    }
+
+    pub fn in_flight(&self, source: &Path) -> bool {
+        self.in_flight.contains_key(source)
+    }
+
+    /// Probes the source `root` was opened on; `subdirs` are opened below
+    /// it. The report goes to `report` wrapped by `wrap`.
+    pub fn start<E: Send + 'static>(
+        &mut self,
+        source: &Path,
+        mount_id: u32,
+        root: OwnedFd,
+        subdirs: Vec<PathBuf>,
+        report: Sender<E>,
+        wrap: fn(ProbeReport) -> E,
+    ) -> io::Result<()> {
+        let reported = source.to_path_buf();
+        std::thread::Builder::new()
+            .name("probe".into())
+            .spawn(move || {
+                let outcome = probe(root, &subdirs);
+                // The loop may be gone on shutdown; nothing to report to then.
+                let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome }));
+            })
+            .map(drop)?;
+        self.in_flight.insert(source.to_path_buf(), Instant::now());
+        Ok(())
+    }
+
+    /// Called when a report arrives.
+    pub fn finished(&mut self, source: &Path) {
+        self.in_flight.remove(source);
+    }
+
+    /// Sources whose probe has been waiting longer than the timeout: their
+    /// daemon is not answering (stopped, or overloaded).
+    pub fn overdue(&self) -> Vec<PathBuf> {
+        let now = Instant::now();
+        self.in_flight
+            .iter()
+            .filter(|(_, started)| now.duration_since(**started) >= self.timeout)
+            .map(|(path, _)| path.clone())
+            .collect()
+    }
+
+    /// When each in-flight probe becomes overdue.
+    pub fn deadlines(&self) -> impl Iterator<Item = (&Path, Instant)> {
+        self.in_flight.iter().map(|(source, started)| (source.as_path(), *started + self.timeout))
+    }
+}
+
+fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> ProbeOutcome {
+    if let Err(err) = sys::statfs(root.as_fd()) {
+        return ProbeOutcome::Failed(err);
+    }
+    let mut opened = BTreeMap::new();
+    for subdir in subdirs {
+        match sys::open_within_mount(root.as_fd(), subdir) {
+            Ok(fd) => {
+                opened.insert(subdir.clone(), fd);
+            }
+            Err(err) => {
+                return ProbeOutcome::Failed(io::Error::new(
+                    err.kind(),
+                    format!("subdirectory {} of the source: {err}", subdir.display()),
+                ));
+            }
+        }
+    }
+    ProbeOutcome::Live(SourceHandles { root, subdirs: opened })
+}

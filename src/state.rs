@@ -1,0 +1,219 @@
+//! What the supervisor knows about each target, and the state file that
+//! keeps the learned target → source mapping across restarts.
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::table::{Dev, TargetKind};
+
+const STATE_FILE: &str = "state.json";
+const STATE_VERSION: u32 = 1;
+
+/// Where a target's data comes from, learned while it was healthy.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mapping {
+    /// Path of the source (global) mount.
+    pub source: PathBuf,
+    /// Where the target's root lies inside the source: empty for a whole
+    /// volume, the subdirectory for a subPath.
+    pub root_in_source: PathBuf,
+    /// The source mount the target was last seen healthy on.
+    pub source_mount_id: u32,
+    pub peer_group: Option<u32>,
+    pub dev: Dev,
+    pub pod_uid: String,
+    pub kind: TargetKind,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    targets: BTreeMap<PathBuf, Mapping>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot read state file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("state file {path} is not valid")]
+    Invalid {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("state file {path} has version {found}, expected {STATE_VERSION}")]
+    Version { path: PathBuf, found: u32 },
+    #[error("cannot write state file {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The mapping of every known target, persisted under `--state-dir`.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    mappings: BTreeMap<PathBuf, Mapping>,
+}
+
+impl Journal {
+    /// Loads the state file, or starts empty when there is none yet.
+    pub fn load(state_dir: &Path) -> Result<Self, StateError> {
+        let path = state_dir.join(STATE_FILE);
+        let mappings = match fs::read(&path) {
+            Ok(bytes) => {
+                let file: StateFile = serde_json::from_slice(&bytes)
+                    .map_err(|source| StateError::Invalid { path: path.clone(), source })?;
+                if file.version != STATE_VERSION {
+                    return Err(StateError::Version { path, found: file.version });
+                }
+                file.targets
+            }
+            Err(err) if err.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(source) => return Err(StateError::Read { path, source }),
+        };
+        Ok(Journal { path, mappings })
+    }
+
+    /// A journal that never touches disk (offline `status`).
+    pub fn in_memory() -> Self {
+        Journal { path: PathBuf::new(), mappings: BTreeMap::new() }
+    }
+
+    pub fn get(&self, target: &Path) -> Option<&Mapping> {
+        self.mappings.get(target)
+    }
+
+    pub fn mappings(&self) -> &BTreeMap<PathBuf, Mapping> {
+        &self.mappings
+    }
+
+    /// Records a mapping; returns whether anything changed.
+    pub fn record(&mut self, target: &Path, mapping: Mapping) -> bool {
+        if self.mappings.get(target) == Some(&mapping) {
+            return false;
+        }
+        self.mappings.insert(target.to_path_buf(), mapping);
+        true
+    }
+
+    /// Forgets targets for which `keep` says no; returns whether any went.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Path, &Mapping) -> bool) -> bool {
+        let before = self.mappings.len();
+        self.mappings.retain(|path, mapping| keep(path, mapping));
+        before != self.mappings.len()
+    }
+
+    /// Writes the state file atomically: write, fsync, rename, fsync dir.
+    pub fn save(&self) -> Result<(), StateError> {
+        if self.path.as_os_str().is_empty() {
+            return Ok(());
+        }
+        let write = || -> io::Result<()> {
+            let dir = self.path.parent().unwrap_or(Path::new("."));
+            fs::create_dir_all(dir)?;
+            let temporary = self.path.with_extension("json.tmp");
+            let file = StateFile { version: STATE_VERSION, targets: self.mappings.clone() };
+            let bytes = serde_json::to_vec_pretty(&file).map_err(io::Error::other)?;
+            let mut out = fs::File::create(&temporary)?;
+            out.write_all(&bytes)?;
+            out.sync_all()?;
+            fs::rename(&temporary, &self.path)?;
+            fs::File::open(dir)?.sync_all()
+        };
+        write().map_err(|source| StateError::Write { path: self.path.clone(), source })
+    }
+}
+
+/// A target's place in its life cycle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TargetState {
+    Healthy,
+    /// Stale since `since`, waiting for a live source or a heal.
+    Broken {
+        since: SystemTime,
+    },
+    Healing,
+    Healed {
+        outage: Option<Duration>,
+    },
+    /// The last heal failed; retried at `retry_at`.
+    Failed {
+        attempts: u32,
+        retry_at: Instant,
+        error: String,
+    },
+}
+
+impl TargetState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            TargetState::Healthy => "healthy",
+            TargetState::Broken { .. } => "broken",
+            TargetState::Healing => "healing",
+            TargetState::Healed { .. } => "healed",
+            TargetState::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// Capped exponential back-off for failed heals.
+pub fn retry_delay(attempts: u32) -> Duration {
+    const FIRST: Duration = Duration::from_millis(100);
+    const CAP: Duration = Duration::from_secs(30);
+    FIRST.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(CAP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapping() -> Mapping {
+        Mapping {
+            source: "/runtime/g".into(),
+            root_in_source: PathBuf::new(),
+            source_mount_id: 7,
+            peer_group: Some(3),
+            dev: Dev { major: 0, minor: 55 },
+            pod_uid: "uid".into(),
+            kind: TargetKind::Volume,
+        }
+    }
+
+    #[test]
+    fn journal_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut journal = Journal::load(dir.path()).unwrap();
+        assert!(journal.record(Path::new("/k/pods/uid/volumes/v/mount"), mapping()));
+        assert!(!journal.record(Path::new("/k/pods/uid/volumes/v/mount"), mapping()));
+        journal.save().unwrap();
+        let reloaded = Journal::load(dir.path()).unwrap();
+        assert_eq!(reloaded.get(Path::new("/k/pods/uid/volumes/v/mount")), Some(&mapping()));
+    }
+
+    #[test]
+    fn a_corrupt_state_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
+        let err = Journal::load(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("state.json"), "{err}");
+    }
+
+    #[test]
+    fn back_off_doubles_and_is_capped() {
+        assert_eq!(retry_delay(1), Duration::from_millis(100));
+        assert_eq!(retry_delay(2), Duration::from_millis(200));
+        assert_eq!(retry_delay(5), Duration::from_millis(1600));
+        assert_eq!(retry_delay(40), Duration::from_secs(30));
+    }
+}

@@ -1,0 +1,129 @@
+//! `status`: every FUSE source and target of a table, as a person or a
+//! bug report needs them.
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::plan::{self, Assessment};
+use crate::state::Journal;
+use crate::table::{Classified, Dev, Layout, TargetKind};
+
+#[derive(Debug, Serialize)]
+pub struct SourceRow {
+    pub path: PathBuf,
+    pub fs_type: String,
+    pub dev: Dev,
+    pub peer_group: Option<u32>,
+    pub layers: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TargetRow {
+    pub path: PathBuf,
+    pub pod_uid: String,
+    pub kind: TargetKind,
+    pub state: &'static str,
+    pub source: Option<PathBuf>,
+    pub dev: Dev,
+    pub peer_group: Option<u32>,
+    pub layers: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub total_mounts: usize,
+    pub sources: Vec<SourceRow>,
+    pub targets: Vec<TargetRow>,
+}
+
+impl Status {
+    /// Learns what it can from the table into `journal` (a copy of the
+    /// state file, or an empty one) and reports.
+    pub fn new(classified: &Classified, layout: &Layout, journal: &mut Journal) -> Self {
+        plan::learn(classified, layout, journal);
+        let sources = classified
+            .sources
+            .values()
+            .map(|stack| SourceRow {
+                path: stack.path.clone(),
+                fs_type: stack.top().fs_type.clone(),
+                dev: stack.top().dev,
+                peer_group: stack.top().peer_group,
+                layers: stack.layers.len(),
+            })
+            .collect();
+        let targets = classified
+            .targets
+            .iter()
+            .map(|(path, target)| {
+                let mapping = journal.get(path);
+                let assessment = plan::assess(target, mapping, classified);
+                TargetRow {
+                    path: path.clone(),
+                    pod_uid: target.pod_uid.clone(),
+                    kind: target.kind,
+                    state: assessment.name(),
+                    source: mapping.map(|m| m.source.clone()),
+                    dev: target.stack.top().dev,
+                    peer_group: target.stack.top().peer_group,
+                    layers: target.stack.layers.len(),
+                }
+            })
+            .collect();
+        Status { total_mounts: classified.total_mounts, sources, targets }
+    }
+
+    pub fn broken(&self) -> usize {
+        self.targets.iter().filter(|t| t.state == Assessment::Broken.name()).count()
+    }
+
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        let group = |g: Option<u32>| g.map_or("-".to_owned(), |g| g.to_string());
+        let _ = writeln!(
+            out,
+            "{} mounts, {} FUSE sources, {} FUSE targets",
+            self.total_mounts,
+            self.sources.len(),
+            self.targets.len()
+        );
+        let _ = writeln!(out, "\nSOURCES\n{:<8} {:<6} {:<6} {:<20} PATH", "DEV", "GROUP", "LAYERS", "TYPE");
+        for s in &self.sources {
+            let _ = writeln!(
+                out,
+                "{:<8} {:<6} {:<6} {:<20} {}",
+                s.dev,
+                group(s.peer_group),
+                s.layers,
+                s.fs_type,
+                s.path.display()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\nTARGETS\n{:<13} {:<8} {:<6} {:<6} {:<36} {:<8} PATH  <-  SOURCE",
+            "STATE", "DEV", "GROUP", "LAYERS", "POD", "KIND"
+        );
+        for t in &self.targets {
+            let kind = match t.kind {
+                TargetKind::Volume => "volume",
+                TargetKind::Subpath => "subpath",
+            };
+            let source = t.source.as_ref().map_or("?".to_owned(), |s| s.display().to_string());
+            let _ = writeln!(
+                out,
+                "{:<13} {:<8} {:<6} {:<6} {:<36} {:<8} {}  <-  {}",
+                t.state,
+                t.dev,
+                group(t.peer_group),
+                t.layers,
+                t.pod_uid,
+                kind,
+                t.path.display(),
+                source
+            );
+        }
+        out
+    }
+}

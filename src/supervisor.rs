@@ -1,0 +1,518 @@
+//! The supervisor loop: wakes on kernel events, reads the table, plans,
+//! probes sources off-thread and heals.
+//!
+//! The loop thread joins the watched mount namespace and does all mounting
+//! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
+//! calls never reach the daemon). Probes, which do, run on worker threads.
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use fuse_supervisor_sys::{ns, poll::Waker, resolve};
+use tracing::{debug, error, info, info_span, warn};
+
+use crate::heal::{Executor, Healed, MountExecutor};
+use crate::mountinfo::MountInfoReader;
+use crate::plan::{self, Assessment, HealBatch};
+use crate::probe::{ProbeOutcome, ProbeReport, Prober};
+use crate::state::{Journal, StateError, TargetState, retry_delay};
+use crate::table::{Classified, Layout, Snapshot};
+use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
+
+/// How `run` is set up.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub kubelet_root: PathBuf,
+    pub state_dir: PathBuf,
+    /// The mount namespace to heal in (`/proc/1/ns/mnt`: the host's).
+    pub mount_namespace: PathBuf,
+    /// How long a source may take to answer a probe before it is reported
+    /// as not answering (the probe goes on waiting in the background).
+    pub probe_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("cannot join mount namespace {path}")]
+    Namespace {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot open {what}")]
+    Open {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Watch(#[from] crate::watch::WatchError),
+    #[error("cannot start thread {name}")]
+    Thread {
+        name: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Asks a running supervisor to stop; cheap to clone.
+#[derive(Clone)]
+pub struct Shutdown {
+    waker: Arc<Waker>,
+    requested: Arc<AtomicBool>,
+}
+
+impl Shutdown {
+    pub fn new() -> io::Result<Self> {
+        Ok(Shutdown { waker: Arc::new(Waker::new()?), requested: Arc::new(AtomicBool::new(false)) })
+    }
+
+    pub fn request(&self) {
+        self.requested.store(true, Ordering::SeqCst);
+        if let Err(err) = self.waker.wake() {
+            error!(?err, "cannot wake the watcher for shutdown");
+        }
+    }
+
+    pub fn requested(&self) -> bool {
+        self.requested.load(Ordering::SeqCst)
+    }
+}
+
+enum Event {
+    TableChanged,
+    Probed(ProbeReport),
+    WatchFailed(crate::watch::WatchError),
+    Shutdown,
+}
+
+/// Per-target bookkeeping beside the journal's mapping.
+#[derive(Debug)]
+struct TargetRecord {
+    state: TargetState,
+    attempts: u32,
+}
+
+/// Runs until `shutdown` is requested. Call from a thread of its own: it
+/// moves that thread into the watched namespace.
+pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> {
+    ns::join_mount_namespace(&config.mount_namespace)
+        .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
+    let (events, inbox) = mpsc::channel();
+    let open_mountinfo = || {
+        File::open("/proc/thread-self/mountinfo")
+            .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
+    };
+    let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
+    let pending = Arc::new(AtomicBool::new(false));
+    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
+    let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events)?;
+    supervisor.rescan();
+    info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
+    supervisor.serve(&inbox, &pending, shutdown);
+    shutdown.request();
+    if watcher_thread.join().is_err() {
+        error!("watcher thread panicked");
+    }
+    Ok(())
+}
+
+fn spawn_watcher(
+    mut watcher: Box<dyn MountWatcher>,
+    events: Sender<Event>,
+    pending: Arc<AtomicBool>,
+) -> Result<JoinHandle<()>, SupervisorError> {
+    std::thread::Builder::new()
+        .name("watcher".into())
+        .spawn(move || {
+            loop {
+                let event = match watcher.wait() {
+                    Ok(Wake::TableChanged) => {
+                        // A burst of changes becomes one rescan: only the
+                        // first change after the loop's last read is sent.
+                        if pending.swap(true, Ordering::SeqCst) {
+                            continue;
+                        }
+                        Event::TableChanged
+                    }
+                    Ok(Wake::Shutdown) => Event::Shutdown,
+                    Err(err) => Event::WatchFailed(err),
+                };
+                let last = !matches!(event, Event::TableChanged);
+                if events.send(event).is_err() || last {
+                    return;
+                }
+            }
+        })
+        .map_err(|source| SupervisorError::Thread { name: "watcher", source })
+}
+
+struct Supervisor<E: Executor> {
+    layout: Layout,
+    journal: Journal,
+    records: BTreeMap<PathBuf, TargetRecord>,
+    reader: MountInfoReader,
+    prober: Prober,
+    executor: E,
+    events: Sender<Event>,
+    /// When the loop last woke for a table change: heal latency starts here.
+    woke_at: Instant,
+    /// Sources whose probe overran, already reported.
+    reported_overdue: BTreeSet<PathBuf>,
+}
+
+impl Supervisor<MountExecutor> {
+    fn new(config: &Config, reader: MountInfoReader, events: Sender<Event>) -> Result<Self, SupervisorError> {
+        let executor = MountExecutor::new(&config.kubelet_root).map_err(|source| SupervisorError::Open {
+            what: format!("kubelet root {} and a staging mount", config.kubelet_root.display()),
+            source,
+        })?;
+        Ok(Supervisor {
+            layout: Layout::new(&config.kubelet_root),
+            journal: Journal::load(&config.state_dir)?,
+            records: BTreeMap::new(),
+            reader,
+            prober: Prober::new(config.probe_timeout),
+            executor,
+            events,
+            woke_at: Instant::now(),
+            reported_overdue: BTreeSet::new(),
+        })
+    }
+}
+
+impl<E: Executor> Supervisor<E> {
+    fn serve(&mut self, inbox: &Receiver<Event>, pending: &AtomicBool, shutdown: &Shutdown) {
+        while !shutdown.requested() {
+            // Deadlines exist only while something is wrong: an idle
+            // supervisor blocks on the channel with no timeout.
+            let event = match self.next_deadline() {
+                None => inbox.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                Some(at) => inbox.recv_timeout(at.saturating_duration_since(Instant::now())),
+            };
+            match event {
+                Ok(Event::TableChanged) => {
+                    pending.store(false, Ordering::SeqCst);
+                    self.woke_at = Instant::now();
+                    self.rescan();
+                }
+                Ok(Event::Probed(report)) => self.on_probe(report),
+                Ok(Event::WatchFailed(err)) => {
+                    error!(?err, "mount-table watcher stopped");
+                    return;
+                }
+                Ok(Event::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => self.on_deadline(),
+            }
+        }
+    }
+
+    /// The earliest retry or probe deadline still ahead; none while idle.
+    fn next_deadline(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let retries = self.records.values().filter_map(|record| match record.state {
+            TargetState::Failed { retry_at, .. } => Some(retry_at),
+            _ => None,
+        });
+        let probes =
+            self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
+        retries.chain(probes).filter(|at| *at > now).min()
+    }
+
+    fn on_deadline(&mut self) {
+        for source in self.prober.overdue() {
+            if self.reported_overdue.insert(source.clone()) {
+                warn!(source = %source.display(), "source does not answer; its heal waits until it does");
+            }
+        }
+        self.rescan();
+    }
+
+    /// Reads and classifies the table; returns None (state kept) when the
+    /// table cannot be read or parsed.
+    fn read_table(&mut self) -> Option<Classified> {
+        let table = match self.reader.read() {
+            Ok(table) => table,
+            Err(err) => {
+                error!(?err, "cannot read the mount table");
+                return None;
+            }
+        };
+        match Snapshot::parse(table) {
+            Ok(snapshot) => Some(Classified::new(&snapshot, &self.layout)),
+            Err(err) => {
+                error!(%err, "mount table did not parse; keeping the last known state");
+                None
+            }
+        }
+    }
+
+    fn rescan(&mut self) {
+        let Some(classified) = self.read_table() else { return };
+        let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
+        changed |= self.forget_deleted_pods();
+        self.update_states(&classified);
+        if changed && let Err(err) = self.journal.save() {
+            error!(%err, "cannot save state");
+        }
+        for batch in plan::plan(&classified, &self.journal, &[]) {
+            self.start_probe(&batch);
+        }
+    }
+
+    /// A target stays in the work set until healed or its pod is gone.
+    fn forget_deleted_pods(&mut self) -> bool {
+        let pods = self.layout.pods_dir().to_path_buf();
+        let records = &mut self.records;
+        self.journal.retain(|target, mapping| {
+            let keep = pods.join(&mapping.pod_uid).exists();
+            if !keep {
+                info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
+                records.remove(target);
+            }
+            keep
+        })
+    }
+
+    fn update_states(&mut self, classified: &Classified) {
+        for (path, target) in &classified.targets {
+            let mapping = self.journal.get(path);
+            let assessment = plan::assess(target, mapping, classified);
+            let record =
+                self.records.entry(path.clone()).or_insert(TargetRecord { state: TargetState::Healthy, attempts: 0 });
+            let next = match (&record.state, &assessment) {
+                (_, Assessment::Unmanaged) => continue,
+                (TargetState::Healthy | TargetState::Healed { .. }, Assessment::Healthy | Assessment::StaleLayers) => {
+                    TargetState::Healthy
+                }
+                (TargetState::Broken { since }, Assessment::Healthy | Assessment::StaleLayers) => {
+                    // Healed without us: a daemon that mounted over its stale mount.
+                    info!(target = %path.display(), source = ?mapping.map(|m| &m.source), "healed by propagation");
+                    TargetState::Healed { outage: since.elapsed().ok() }
+                }
+                (_, Assessment::Healthy | Assessment::StaleLayers) => TargetState::Healthy,
+                (TargetState::Broken { since }, _) => TargetState::Broken { since: *since },
+                (TargetState::Failed { .. } | TargetState::Healing, _) => record.state.clone(),
+                (_, _) => TargetState::Broken { since: SystemTime::now() },
+            };
+            if std::mem::discriminant(&next) != std::mem::discriminant(&record.state) {
+                info!(
+                    target = %path.display(),
+                    pod = %target.pod_uid,
+                    from = record.state.name(),
+                    to = next.name(),
+                    assessment = assessment.name(),
+                    "target state"
+                );
+            }
+            if matches!(next, TargetState::Healthy) {
+                record.attempts = 0;
+            }
+            record.state = next;
+        }
+    }
+
+    fn in_back_off(&self, target: &Path) -> bool {
+        matches!(self.records.get(target), Some(TargetRecord { state: TargetState::Failed { retry_at, .. }, .. }) if *retry_at > Instant::now())
+    }
+
+    fn start_probe(&mut self, batch: &HealBatch) {
+        let source = &batch.source.path;
+        if self.prober.in_flight(source) || batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
+            return;
+        }
+        let expected = batch.source.top().mount_id;
+        let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
+        let root = match opened {
+            Ok((id, fd)) if id == expected => fd,
+            Ok((id, _)) => {
+                debug!(source = %source.display(), id, expected, "source changed while planning");
+                return;
+            }
+            Err(err) => {
+                warn!(source = %source.display(), ?err, "cannot open source");
+                return;
+            }
+        };
+        let subdirs: BTreeSet<PathBuf> = batch
+            .targets
+            .iter()
+            .filter(|t| !t.root_in_source.as_os_str().is_empty())
+            .map(|t| t.root_in_source.clone())
+            .collect();
+        if let Err(err) =
+            self.prober.start(source, expected, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
+        {
+            error!(source = %source.display(), ?err, "cannot start probe");
+        }
+    }
+
+    fn on_probe(&mut self, report: ProbeReport) {
+        self.prober.finished(&report.source);
+        self.reported_overdue.remove(&report.source);
+        let handles = match report.outcome {
+            ProbeOutcome::Live(handles) => handles,
+            ProbeOutcome::Failed(err) => {
+                warn!(source = %report.source.display(), %err, "source is not serving; waiting for it to be replaced");
+                return;
+            }
+        };
+        // The table may have moved on while the probe ran: plan afresh.
+        let Some(classified) = self.read_table() else { return };
+        let Some(mut batch) = plan::plan(&classified, &self.journal, &[])
+            .into_iter()
+            .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
+        else {
+            return self.rescan();
+        };
+        batch.targets.retain(|target| !self.in_back_off(&target.path));
+        self.heal(&batch, &handles);
+        self.rescan();
+    }
+
+    fn heal(&mut self, batch: &HealBatch, handles: &crate::probe::SourceHandles) {
+        let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
+        let _entered = span.enter();
+        for target in &batch.targets {
+            if let Some(record) = self.records.get_mut(&target.path) {
+                record.state = TargetState::Healing;
+            }
+        }
+        let outcomes = self.executor.heal(batch, handles);
+        let latency = self.woke_at.elapsed();
+        for (target, outcome) in batch.targets.iter().zip(outcomes) {
+            let record = self
+                .records
+                .entry(outcome.path.clone())
+                .or_insert(TargetRecord { state: TargetState::Healing, attempts: 0 });
+            match outcome.result {
+                Ok(how) => {
+                    info!(
+                        target = %outcome.path.display(),
+                        pod = %target.pod_uid,
+                        how = match how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
+                        layers_removed = outcome.layers_removed,
+                        latency_us = latency.as_micros() as u64,
+                        "healed"
+                    );
+                    if let Some(err) = outcome.flatten_error {
+                        warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
+                    }
+                    record.state = TargetState::Healed { outage: None };
+                    record.attempts = 0;
+                }
+                Err(err) => {
+                    record.attempts += 1;
+                    let delay = retry_delay(record.attempts);
+                    warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %err, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
+                    record.state = TargetState::Failed {
+                        attempts: record.attempts,
+                        retry_at: Instant::now() + delay,
+                        error: err.to_string(),
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// What `heal --once` did.
+#[derive(Debug, Default)]
+pub struct OnceSummary {
+    pub planned: usize,
+    pub healed: usize,
+    pub failed: usize,
+}
+
+/// One scan: prints the plan to `out` and, unless `dry_run`, carries it
+/// out. Like `run`, it moves the calling thread into the namespace.
+pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Result<OnceSummary, SupervisorError> {
+    ns::join_mount_namespace(&config.mount_namespace)
+        .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
+    let reader = MountInfoReader::open(Path::new("/proc/thread-self/mountinfo"))
+        .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })?;
+    let (events, inbox) = mpsc::channel();
+    let mut supervisor = Supervisor::new(config, reader, events)?;
+    let mut summary = OnceSummary::default();
+    let Some(classified) = supervisor.read_table() else { return Ok(summary) };
+    if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) {
+        supervisor.journal.save()?;
+    }
+    let batches = plan::plan(&classified, &supervisor.journal, &[]);
+    let _ = writeln!(
+        out,
+        "{} broken target(s) in {} source(s)",
+        batches.iter().map(|b| b.targets.len()).sum::<usize>(),
+        batches.len()
+    );
+    for batch in &batches {
+        for target in &batch.targets {
+            summary.planned += 1;
+            let _ = writeln!(
+                out,
+                "  {} (pod {}) <- {}{}{}",
+                target.path.display(),
+                target.pod_uid,
+                batch.source.path.display(),
+                if target.root_in_source.as_os_str().is_empty() { "" } else { "/" },
+                target.root_in_source.display()
+            );
+        }
+    }
+    if dry_run {
+        return Ok(summary);
+    }
+    for batch in &batches {
+        supervisor.start_probe(batch);
+        let report = match inbox.recv_timeout(config.probe_timeout) {
+            Ok(Event::Probed(report)) => report,
+            _ => {
+                let _ = writeln!(
+                    out,
+                    "source {} did not answer within {:?}; not healed",
+                    batch.source.path.display(),
+                    config.probe_timeout
+                );
+                summary.failed += batch.targets.len();
+                continue;
+            }
+        };
+        let ProbeOutcome::Live(handles) = report.outcome else {
+            let _ = writeln!(out, "source {} is not serving; not healed", batch.source.path.display());
+            summary.failed += batch.targets.len();
+            continue;
+        };
+        for outcome in supervisor.executor.heal(batch, &handles) {
+            match outcome.result {
+                Ok(_) => {
+                    summary.healed += 1;
+                    let _ = writeln!(
+                        out,
+                        "healed {} ({} stale layer(s) removed)",
+                        outcome.path.display(),
+                        outcome.layers_removed
+                    );
+                }
+                Err(err) => {
+                    summary.failed += 1;
+                    let _ = writeln!(out, "failed {}: {err}", outcome.path.display());
+                }
+            }
+        }
+    }
+    if let Some(classified) = supervisor.read_table()
+        && plan::learn(&classified, &supervisor.layout, &mut supervisor.journal)
+    {
+        supervisor.journal.save()?;
+    }
+    Ok(summary)
+}

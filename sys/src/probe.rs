@@ -1,0 +1,26 @@
+//! Calls that reach a FUSE daemon, for health probes. Any of them can block
+//! for as long as the daemon is stopped: call them only from a worker thread.
+use std::io;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::path::Path;
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+
+/// `fstatfs` of the filesystem an fd is on. FUSE answers statfs from the
+/// daemon, never from a cache, so success means the daemon is serving.
+pub fn statfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+    rustix::fs::fstatfs(fd).map(drop).map_err(io::Error::from)
+}
+
+/// Opens `path` below `dir` on the same mount (O_PATH; no symlinks, no
+/// magic links, no crossing into other mounts): a subdirectory of a source.
+pub fn open_within_mount(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
+    rustix::fs::openat2(
+        dir,
+        path,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV,
+    )
+    .map_err(io::Error::from)
+}
