@@ -61,12 +61,30 @@ pub trait Executor {
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome>;
 }
 
-/// Where a new top is parked while the layer under it is removed.
+/// Where a new top is parked while the layer under it is removed: a
+/// private tmpfs on a directory of the supervisor's. (A detached tmpfs would
+/// leave no trace, but 6.18 refuses to move an attached mount onto a
+/// detached tree, and to move it back out: EINVAL both ways.)
 #[derive(Debug)]
-enum Staging {
-    /// A private tmpfs attached nowhere (kernels that mount onto detached
-    /// trees, ≥ 6.15): leaves nothing in any mount table.
-    Detached(OwnedFd),
+struct Staging {
+    dir: OwnedFd,
+}
+
+impl Staging {
+    /// Mounts a private tmpfs on `path` (creating it), or reuses the one a
+    /// previous run left there.
+    fn prepare(path: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(path)?;
+        let parent = path.parent().unwrap_or(Path::new("/"));
+        let here = resolve::mount_id_of(resolve::open_dir(path)?.as_fd())?;
+        if here == resolve::mount_id_of(resolve::open_dir(parent)?.as_fd())? {
+            mount::mount_tmpfs(path)?;
+        }
+        // Private: a new top parked here must not propagate anywhere, and
+        // it could not be moved back out of a shared parent.
+        mount::set_propagation(path, mount::Propagation::Private, false)?;
+        Ok(Staging { dir: resolve::open_dir(path)? })
+    }
 }
 
 /// Mounts in the namespace of the calling thread (the supervisor's loop
@@ -79,11 +97,13 @@ pub struct MountExecutor {
 }
 
 impl MountExecutor {
-    pub fn new(kubelet_root: &Path) -> std::io::Result<Self> {
+    /// Must be called from the thread that mounts, once it is in the
+    /// watched namespace.
+    pub fn new(kubelet_root: &Path, staging_dir: &Path) -> std::io::Result<Self> {
         Ok(MountExecutor {
             kubelet_root: kubelet_root.to_path_buf(),
             kubelet_root_fd: resolve::open_dir(kubelet_root)?,
-            staging: Staging::Detached(mount::detached_tmpfs()?),
+            staging: Staging::prepare(staging_dir)?,
         })
     }
 
@@ -126,8 +146,7 @@ impl MountExecutor {
             return Ok(0); // Nothing new on top: nothing to flatten under.
         }
         let new_top = mount::open_mount(top_fd.as_fd()).map_err(step("open new top"))?;
-        let Staging::Detached(staging) = &self.staging;
-        mount::move_mount(new_top.as_fd(), staging.as_fd()).map_err(step("park new top"))?;
+        mount::move_mount(new_top.as_fd(), self.staging.dir.as_fd()).map_err(step("park new top"))?;
         let mut removed = 0;
         let result = loop {
             let (fd, id) = match self.open_target(&target.path) {

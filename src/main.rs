@@ -72,6 +72,10 @@ struct NodeArgs {
     /// The mount namespace to watch and heal (the host's by default).
     #[arg(long, default_value = "/proc/1/ns/mnt", env = "FUSE_SUPERVISOR_MOUNT_NAMESPACE")]
     mount_namespace: PathBuf,
+    /// A directory in that namespace for a private staging tmpfs, where
+    /// new mounts are parked while the stale layers under them are removed.
+    #[arg(long, default_value = "/run/fuse-supervisor", env = "FUSE_SUPERVISOR_STAGING_DIR")]
+    staging_dir: PathBuf,
     /// How long a FUSE source may take to answer a health probe.
     #[arg(long, default_value = "2s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_PROBE_TIMEOUT")]
     probe_timeout: Duration,
@@ -83,6 +87,7 @@ impl NodeArgs {
             kubelet_root: self.kubelet_root.clone(),
             state_dir: self.state_dir.clone(),
             mount_namespace: self.mount_namespace.clone(),
+            staging_dir: self.staging_dir.clone(),
             probe_timeout: self.probe_timeout,
         }
     }

@@ -33,6 +33,9 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// The mount namespace to heal in (`/proc/1/ns/mnt`: the host's).
     pub mount_namespace: PathBuf,
+    /// A directory in that namespace where a private tmpfs parks new mounts
+    /// while the stale layers under them are removed.
+    pub staging_dir: PathBuf,
     /// How long a source may take to answer a probe before it is reported
     /// as not answering (the probe goes on waiting in the background).
     pub probe_timeout: Duration,
@@ -172,10 +175,15 @@ struct Supervisor<E: Executor> {
 
 impl Supervisor<MountExecutor> {
     fn new(config: &Config, reader: MountInfoReader, events: Sender<Event>) -> Result<Self, SupervisorError> {
-        let executor = MountExecutor::new(&config.kubelet_root).map_err(|source| SupervisorError::Open {
-            what: format!("kubelet root {} and a staging mount", config.kubelet_root.display()),
-            source,
-        })?;
+        let executor =
+            MountExecutor::new(&config.kubelet_root, &config.staging_dir).map_err(|source| SupervisorError::Open {
+                what: format!(
+                    "kubelet root {} and staging mount {}",
+                    config.kubelet_root.display(),
+                    config.staging_dir.display()
+                ),
+                source,
+            })?;
         Ok(Supervisor {
             layout: Layout::new(&config.kubelet_root),
             journal: Journal::load(&config.state_dir)?,

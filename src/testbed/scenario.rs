@@ -1,0 +1,321 @@
+//! Node scenarios built on a [`Sandbox`]: FUSE sources served by a real
+//! daemon that can crash and come back, pods bound to them, and the
+//! supervisor as a separate process. Shared by the heal tests, the demo and
+//! the latency harness.
+use std::collections::HashSet;
+use std::fs;
+use std::io::{self, BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor_sys::mount;
+use fuse_supervisor_sys::process::Signal;
+
+use super::{Sandbox, SandboxChild};
+
+/// The file every source serves at its root, and the subdirectory that
+/// subPath targets bind.
+pub const DATA_FILE: &str = "data.txt";
+pub const SUBDIR: &str = "sub";
+pub const SUBDIR_FILE: &str = "inner.txt";
+
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("{step}")]
+    Io {
+        step: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{what} did not happen within {waited:?}")]
+    Timeout { what: String, waited: Duration },
+    #[error("{daemon} cannot mount over a stale mount (it stats the mount point first)")]
+    CannotMountOverStale { daemon: &'static str },
+}
+
+fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
+    let step = step.into();
+    move |source| ScenarioError::Io { step, source }
+}
+
+/// Which FUSE daemon serves a source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Daemon {
+    /// The project's own filesystem (`internal demofs`).
+    DemoFs,
+    /// Debian's bindfs, a libfuse3 daemon.
+    Bindfs,
+}
+
+impl Daemon {
+    pub fn name(self) -> &'static str {
+        match self {
+            Daemon::DemoFs => "demofs",
+            Daemon::Bindfs => "bindfs",
+        }
+    }
+}
+
+/// How a crashed daemon comes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restart {
+    /// The stale global mount is detached, then the daemon mounts afresh
+    /// (what libfuse daemons must do).
+    UnmountThenMount,
+    /// The daemon mounts over the stale global mount (raw mount(2)); the
+    /// kernel propagates the new mount to every target by itself.
+    MountOverStale,
+}
+
+/// A global FUSE mount under the sandbox's runtime tree and its daemon.
+pub struct FuseSource {
+    pub path: PathBuf,
+    pub backing: PathBuf,
+    daemon: Daemon,
+    binary: PathBuf,
+    process: Option<SandboxChild>,
+    generation: u32,
+}
+
+impl FuseSource {
+    /// Creates the backing directory (a data file and a subdirectory) and
+    /// mounts `runtime/<name>` served by `daemon`.
+    pub fn start(sandbox: &Sandbox, binary: &Path, daemon: Daemon, name: &str) -> Result<Self, ScenarioError> {
+        let backing = sandbox.root().join("backing").join(name);
+        let path = sandbox.runtime_root().join(name).join("fuse");
+        // Files are made from the sandbox thread: the sandbox's tmpfs hides
+        // the host directory of the same name.
+        let (dirs, inner, text) = (
+            [backing.join(SUBDIR), path.clone()],
+            backing.join(SUBDIR).join(SUBDIR_FILE),
+            format!("inside {name}/{SUBDIR}"),
+        );
+        sandbox
+            .run(move || {
+                dirs.iter().try_for_each(fs::create_dir_all)?;
+                fs::write(inner, text)
+            })
+            .map_err(io_step(format!("create backing directory {}", backing.display())))?;
+        let mut source =
+            FuseSource { path, backing, daemon, binary: binary.to_path_buf(), process: None, generation: 0 };
+        source.write_generation(sandbox)?;
+        source.launch(sandbox)?;
+        Ok(source)
+    }
+
+    pub fn daemon(&self) -> Daemon {
+        self.daemon
+    }
+
+    /// What `data.txt` reads while the current daemon generation serves.
+    pub fn expected_content(&self) -> String {
+        format!("{} generation {}", self.path.display(), self.generation)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(SandboxChild::pid)
+    }
+
+    fn write_generation(&self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
+        let (file, content) = (self.backing.join(DATA_FILE), self.expected_content());
+        sandbox.run(move || fs::write(file, content)).map_err(io_step("write data file"))
+    }
+
+    fn launch(&mut self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
+        let before = fuse_mount_ids_at(sandbox, &self.path);
+        let mut command = match self.daemon {
+            Daemon::DemoFs => {
+                let mut command = Command::new(&self.binary);
+                command
+                    .args(["internal", "demofs", "--backing"])
+                    .arg(&self.backing)
+                    .arg("--mountpoint")
+                    .arg(&self.path);
+                command
+            }
+            Daemon::Bindfs => {
+                let mut command = Command::new("bindfs");
+                command.args(["-f", "-o", "allow_other"]).arg(&self.backing).arg(&self.path);
+                command
+            }
+        };
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        self.process = Some(sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?);
+        let path = self.path.clone();
+        wait_for(&format!("{} mounted at {}", self.daemon.name(), path.display()), MOUNT_TIMEOUT, || {
+            fuse_mount_ids_at(sandbox, &path).difference(&before).next().is_some()
+        })
+    }
+
+    /// SIGKILL: the mount stays, every access answers ENOTCONN.
+    pub fn crash(&mut self) -> Result<(), ScenarioError> {
+        if let Some(process) = self.process.take() {
+            process.kill().map_err(io_step(format!("kill {}", self.daemon.name())))?;
+        }
+        Ok(())
+    }
+
+    /// SIGSTOP: the mount stays and every access hangs until [`resume`].
+    pub fn stop(&self) -> Result<(), ScenarioError> {
+        self.signal(Signal::Stop)
+    }
+
+    pub fn resume(&self) -> Result<(), ScenarioError> {
+        self.signal(Signal::Cont)
+    }
+
+    fn signal(&self, signal: Signal) -> Result<(), ScenarioError> {
+        match &self.process {
+            Some(process) => process.signal(signal).map_err(io_step(format!("signal {}", self.daemon.name()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Brings the daemon back with new content, in the given style.
+    pub fn restart(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
+        self.crash()?;
+        match style {
+            Restart::UnmountThenMount => {
+                let path = self.path.clone();
+                sandbox.run(move || mount::detach(&path)).map_err(io_step("detach the stale global mount"))?;
+            }
+            Restart::MountOverStale if self.daemon == Daemon::Bindfs => {
+                return Err(ScenarioError::CannotMountOverStale { daemon: self.daemon.name() });
+            }
+            Restart::MountOverStale => {}
+        }
+        self.generation += 1;
+        self.write_generation(sandbox)?;
+        self.launch(sandbox)
+    }
+
+    /// Binds the source into a pod volume directory, as a CSI driver does.
+    pub fn bind_volume(&self, sandbox: &Sandbox, pod_uid: &str, volume: &str) -> Result<PathBuf, ScenarioError> {
+        let target = sandbox.pod_volume_dir(pod_uid, volume);
+        sandbox.bind(&self.path, &target).map_err(|err| ScenarioError::Io {
+            step: format!("bind {} onto {}: {err}", self.path.display(), target.display()),
+            source: io::Error::other(err.to_string()),
+        })?;
+        Ok(target)
+    }
+
+    /// Binds the source's subdirectory into a pod's volume-subpaths, as the
+    /// kubelet does for a subPath mount.
+    pub fn bind_subpath(&self, sandbox: &Sandbox, pod_uid: &str, volume: &str) -> Result<PathBuf, ScenarioError> {
+        let target = sandbox.subpath_dir(pod_uid, volume, "app", 0);
+        let source = self.path.join(SUBDIR);
+        sandbox.bind(&source, &target).map_err(|err| ScenarioError::Io {
+            step: format!("bind {} onto {}: {err}", source.display(), target.display()),
+            source: io::Error::other(err.to_string()),
+        })?;
+        Ok(target)
+    }
+}
+
+/// IDs of the FUSE mounts at `path` in the sandbox.
+pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {
+    let table = sandbox.mountinfo();
+    let Ok(snapshot) = crate::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
+    snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.mount_id).collect()
+}
+
+/// Number of FUSE layers stacked at `path` in the sandbox.
+pub fn layers_at(sandbox: &Sandbox, path: &Path) -> usize {
+    fuse_mount_ids_at(sandbox, path).len()
+}
+
+/// Polls `done` every few milliseconds; test-side only, never in the supervisor.
+pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -> Result<(), ScenarioError> {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        if Instant::now() >= deadline {
+            return Err(ScenarioError::Timeout { what: what.to_owned(), waited: timeout });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// `fuse-supervisor run` in the sandbox, with its JSON log collected.
+pub struct SupervisorProcess {
+    process: SandboxChild,
+    log: Arc<(Mutex<Vec<String>>, Condvar)>,
+}
+
+impl SupervisorProcess {
+    pub fn start(sandbox: &Sandbox, binary: &Path, state_dir: &Path) -> Result<Self, ScenarioError> {
+        let mut command = Command::new(binary);
+        command
+            .arg("run")
+            .arg("--kubelet-root")
+            .arg(sandbox.kubelet_root())
+            .arg("--state-dir")
+            .arg(state_dir)
+            .arg("--staging-dir")
+            .arg(sandbox.root().join("staging"))
+            // The sandbox thread's namespace is the child's own.
+            .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json", "--log", "debug"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut process = sandbox.spawn(command).map_err(io_step("start the supervisor"))?;
+        let stderr = process.take_stderr().ok_or_else(|| ScenarioError::Io {
+            step: "supervisor stderr".into(),
+            source: io::Error::other("no pipe"),
+        })?;
+        let log: Arc<(Mutex<Vec<String>>, Condvar)> = Arc::default();
+        let collector = Arc::clone(&log);
+        std::thread::Builder::new()
+            .name("supervisor-log".into())
+            .spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let (lines, changed) = &*collector;
+                    lines.lock().unwrap_or_else(PoisonError::into_inner).push(line);
+                    changed.notify_all();
+                }
+            })
+            .map_err(io_step("start the supervisor log thread"))?;
+        let supervisor = SupervisorProcess { process, log };
+        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
+        Ok(supervisor)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// Every log line so far.
+    pub fn log(&self) -> Vec<String> {
+        self.log.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Waits for a log line matching `pred` and returns it.
+    pub fn wait_for_log(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Result<String, ScenarioError> {
+        let deadline = Instant::now() + timeout;
+        let (lines, changed) = &*self.log;
+        let mut guard = lines.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(line) = guard.iter().find(|line| pred(line)) {
+                return Ok(line.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ScenarioError::Timeout {
+                    what: format!("supervisor log line; log so far:\n{}", guard.join("\n")),
+                    waited: timeout,
+                });
+            }
+            guard = changed.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    /// SIGTERM and wait: a clean shutdown.
+    pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
+        self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
+        self.process.wait().map_err(io_step("wait for the supervisor"))
+    }
+}
