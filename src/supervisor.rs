@@ -22,7 +22,7 @@ use crate::heal::{Executor, Healed, MountExecutor};
 use crate::mountinfo::MountInfoReader;
 use crate::plan::{self, Assessment, HealBatch};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
-use crate::state::{Journal, StateError, TargetState, retry_delay};
+use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Layout, Snapshot};
 use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
 
@@ -272,7 +272,14 @@ impl<E: Executor> Supervisor<E> {
         if changed && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
         }
-        for batch in plan::plan(&classified, &self.journal, &[]) {
+        let batches = plan::plan(&classified, &self.journal, &[]);
+        debug!(
+            mounts = classified.total_mounts,
+            targets = classified.targets.len(),
+            batches = batches.len(),
+            "scanned"
+        );
+        for batch in batches {
             self.start_probe(&batch);
         }
     }
@@ -336,6 +343,7 @@ impl<E: Executor> Supervisor<E> {
     fn start_probe(&mut self, batch: &HealBatch) {
         let source = &batch.source.path;
         if self.prober.in_flight(source) || batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
+            debug!(source = %source.display(), in_flight = self.prober.in_flight(source), "not probing");
             return;
         }
         let expected = batch.source.top().mount_id;
@@ -357,6 +365,7 @@ impl<E: Executor> Supervisor<E> {
             .filter(|t| !t.root_in_source.as_os_str().is_empty())
             .map(|t| t.root_in_source.clone())
             .collect();
+        debug!(source = %source.display(), mount_id = expected, "probing source");
         if let Err(err) =
             self.prober.start(source, expected, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
@@ -365,6 +374,7 @@ impl<E: Executor> Supervisor<E> {
     }
 
     fn on_probe(&mut self, report: ProbeReport) {
+        debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
         self.prober.finished(&report.source);
         self.reported_overdue.remove(&report.source);
         let handles = match report.outcome {
@@ -397,6 +407,7 @@ impl<E: Executor> Supervisor<E> {
         }
         let outcomes = self.executor.heal(batch, handles);
         let latency = self.woke_at.elapsed();
+        let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
             let record = self
                 .records
@@ -417,6 +428,20 @@ impl<E: Executor> Supervisor<E> {
                     }
                     record.state = TargetState::Healed { outage: None };
                     record.attempts = 0;
+                    healed_any = true;
+                    // The target is now on the source's current mount: record
+                    // it at once, since the daemon may die again before the
+                    // next scan could learn it from the peer groups.
+                    if let Some(mapping) = self.journal.get(&outcome.path) {
+                        let source = batch.source.top();
+                        let healed = Mapping {
+                            source_mount_id: source.mount_id,
+                            peer_group: source.peer_group,
+                            dev: source.dev,
+                            ..mapping.clone()
+                        };
+                        self.journal.record(&outcome.path, healed);
+                    }
                 }
                 Err(err) => {
                     record.attempts += 1;
@@ -429,6 +454,9 @@ impl<E: Executor> Supervisor<E> {
                     };
                 }
             }
+        }
+        if healed_any && let Err(err) = self.journal.save() {
+            error!(%err, "cannot save state");
         }
     }
 }

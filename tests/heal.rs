@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, layers_at};
+use fuse_supervisor::testbed::scenario::{
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess, layers_at,
+};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -79,6 +81,17 @@ impl Node {
     }
 }
 
+impl Drop for Node {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(supervisor) = &self.supervisor {
+                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
+            }
+            eprintln!("mount table:\n{}", self.sandbox.mountinfo());
+        }
+    }
+}
+
 #[test]
 fn one_pod_is_healed_after_unmount_then_mount() {
     let mut node = Node::new(Daemon::DemoFs, 1);
@@ -110,4 +123,125 @@ fn bindfs_pod_is_healed_after_unmount_then_mount() {
     node.all_read(&node.source.expected_content());
     assert_eq!(layers_at(&node.sandbox, &node.targets[0]), 1, "{}", node.sandbox.mountinfo());
     assert_eq!(node.mounts(), baseline, "{}", node.sandbox.mountinfo());
+}
+
+#[test]
+fn fifty_pods_sharing_one_source_are_all_healed() {
+    let mut node = Node::new(Daemon::Bindfs, 50);
+    node.all_read(&node.source.expected_content());
+    node.start_supervisor();
+    let baseline = node.mounts();
+
+    node.source.crash().unwrap();
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+
+    node.all_read(&node.source.expected_content());
+    for target in &node.targets {
+        assert_eq!(layers_at(&node.sandbox, target), 1, "{}", target.display());
+    }
+    assert_eq!(node.mounts(), baseline, "{}", node.sandbox.mountinfo());
+}
+
+/// A pod volume and a subPath of the same source, each with a reader.
+fn node_with_subpath(daemon: Daemon) -> (Node, PathBuf) {
+    let mut node = Node::new(daemon, 1);
+    let subpath = node.source.bind_subpath(&node.sandbox, "pod-sub", "data").unwrap();
+    node.add_reader("pod-sub", &subpath, Path::new(SUBDIR_FILE));
+    (node, subpath)
+}
+
+fn subpath_reads_only_its_directory(reader: &ContainerReader) {
+    let seen = reader
+        .wait_until(HEAL_TIMEOUT, |o| o.content().is_some_and(|c| c.starts_with("inside")))
+        .expect("subPath reader reads again");
+    assert_eq!(seen.entries(), Some(&[SUBDIR_FILE.to_owned()][..]), "subPath container sees more than its directory");
+}
+
+#[test]
+fn subpath_container_sees_only_its_subdirectory_after_the_heal() {
+    let (mut node, subpath) = node_with_subpath(Daemon::Bindfs);
+    subpath_reads_only_its_directory(&node.readers[1]);
+    node.start_supervisor();
+    let baseline = node.mounts();
+
+    node.source.crash().unwrap();
+    node.readers[1].wait_until(HEAL_TIMEOUT, fails).expect("subPath reader sees the crash");
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+
+    node.all_read(&node.source.expected_content());
+    node.readers[1].wait_until(HEAL_TIMEOUT, |o| o.content().is_some()).unwrap();
+    subpath_reads_only_its_directory(&node.readers[1]);
+    assert_eq!(layers_at(&node.sandbox, &subpath), 1);
+    assert_eq!(node.mounts(), baseline, "{}", node.sandbox.mountinfo());
+}
+
+#[test]
+fn twenty_crash_cycles_end_with_one_layer_per_target_and_the_baseline_count() {
+    let (mut node, subpath) = node_with_subpath(Daemon::Bindfs);
+    for pod in 1..3 {
+        let uid = format!("pod-{pod:04}");
+        let target = node.source.bind_volume(&node.sandbox, &uid, "data").unwrap();
+        node.targets.push(target);
+    }
+    node.start_supervisor();
+    let baseline = node.mounts();
+
+    for cycle in 0..20 {
+        node.source.crash().unwrap();
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+        node.readers[0]
+            .wait_until(HEAL_TIMEOUT, reads(node.source.expected_content()))
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}"));
+        subpath_reads_only_its_directory(&node.readers[1]);
+        // Every heal is finished (flattened) before the next crash.
+        scenario::wait_for("baseline mount count", HEAL_TIMEOUT, || node.mounts() == baseline)
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}\n{}", node.sandbox.mountinfo()));
+    }
+    for target in node.targets.iter().chain([&subpath]) {
+        assert_eq!(layers_at(&node.sandbox, target), 1, "{}", target.display());
+    }
+    assert_eq!(node.mounts(), baseline);
+}
+
+#[test]
+fn a_crash_while_the_supervisor_is_down_is_healed_at_its_next_start() {
+    let mut node = Node::new(Daemon::Bindfs, 2);
+    node.start_supervisor();
+    // It learns the mapping from the healthy peer groups and keeps it.
+    node.supervisor.take().unwrap().stop().unwrap();
+    let baseline = node.mounts();
+
+    node.source.crash().unwrap();
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+    node.readers[0].wait_until(HEAL_TIMEOUT, fails).expect("no heal while the supervisor is down");
+
+    node.start_supervisor();
+    node.all_read(&node.source.expected_content());
+    assert_eq!(node.mounts(), baseline, "{}", node.sandbox.mountinfo());
+}
+
+#[test]
+fn a_stopped_daemon_does_not_hold_up_the_heal_of_another_source() {
+    let mut node = Node::new(Daemon::Bindfs, 1);
+    let mut other = FuseSource::start(&node.sandbox, binary(), Daemon::Bindfs, "other-data").unwrap();
+    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").unwrap();
+    node.add_reader("pod-other", &other_target, Path::new(DATA_FILE));
+    node.start_supervisor();
+    node.supervisor.take().unwrap().stop().unwrap();
+
+    // Both sources crash and come back while the supervisor is down; the
+    // first one's new daemon is stopped before anyone could probe it.
+    node.source.crash().unwrap();
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+    node.source.stop().unwrap();
+    other.crash().unwrap();
+    other.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+
+    node.start_supervisor();
+    node.readers[1].wait_until(HEAL_TIMEOUT, reads(other.expected_content())).expect("the other source heals");
+    assert!(node.readers[0].latest().is_some_and(|o| fails(&o)), "stopped source healed without answering");
+
+    node.source.resume().unwrap();
+    node.readers[0].wait_until(HEAL_TIMEOUT, reads(node.source.expected_content())).expect("heals once resumed");
+    drop(other);
 }
