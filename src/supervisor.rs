@@ -266,6 +266,7 @@ impl<E: Executor> Supervisor<E> {
 
     fn rescan(&mut self) {
         let Some(classified) = self.read_table() else { return };
+        self.report_propagated_heals(&classified);
         let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
         changed |= self.forget_deleted_pods();
         self.update_states(&classified);
@@ -281,6 +282,30 @@ impl<E: Executor> Supervisor<E> {
         );
         for batch in batches {
             self.start_probe(&batch);
+        }
+    }
+
+    /// A daemon that mounts over its stale mount heals root-level targets
+    /// through the kernel's propagation, at the instant its mount appears:
+    /// such a target is never seen broken, only on its source's new
+    /// connection with the recorded one still underneath.
+    fn report_propagated_heals(&self, classified: &Classified) {
+        for (path, target) in &classified.targets {
+            let Some(mapping) = self.journal.get(path) else { continue };
+            let Some(source) = classified.sources.get(&mapping.source) else { continue };
+            let top = target.stack.top();
+            if top.dev != mapping.dev
+                && top.dev == source.top().dev
+                && target.stack.layers.iter().any(|layer| layer.dev == mapping.dev)
+            {
+                info!(
+                    target = %path.display(),
+                    pod = %target.pod_uid,
+                    source = %mapping.source.display(),
+                    stale_layers = target.stack.stale_layers().count(),
+                    "healed by propagation"
+                );
+            }
         }
     }
 

@@ -183,6 +183,30 @@ impl Classified {
                 Role::Other => {}
             }
         }
+        // Kubelet never mounts inside a volume, and a global mount is never
+        // a subdirectory bind inside another: such mounts are copies that a
+        // subPath heal's propagation left under covered stale layers.
+        let nested_targets: Vec<PathBuf> = classified
+            .targets
+            .keys()
+            .filter(|path| path.ancestors().skip(1).any(|above| classified.targets.contains_key(above)))
+            .cloned()
+            .collect();
+        for path in nested_targets {
+            classified.targets.remove(&path);
+        }
+        let nested_sources: Vec<PathBuf> = classified
+            .sources
+            .iter()
+            .filter(|(path, stack)| {
+                stack.top().root != Path::new("/")
+                    && path.ancestors().skip(1).any(|above| classified.sources.contains_key(above))
+            })
+            .map(|(path, _)| path.clone())
+            .collect();
+        for path in nested_sources {
+            classified.sources.remove(&path);
+        }
         classified
     }
 
