@@ -1,3 +1,55 @@
 //! The test world: private mount namespaces and container-model processes,
 //! shared by the integration tests, the demo and the heal-latency harness.
+//!
+//! A [`Sandbox`] is a mount namespace of its own with a node-like layout
+//! (shared tmpfs, `kubelet/pods`, `runtime`); a [`ContainerReader`] is a
+//! process made like a runc container (see [`container`]) that reads one
+//! volume in a loop and reports what it sees.
 pub mod container;
+mod reader;
+mod sandbox;
+pub mod scenario;
+
+pub use reader::{ContainerReader, Observation, Outcome};
+pub use sandbox::{Sandbox, SandboxChild};
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What can go wrong building or observing the test world.
+#[derive(Debug, thiserror::Error)]
+pub enum TestbedError {
+    #[error("cannot create sandbox directory {path}")]
+    CreateRoot {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the sandbox thread")]
+    StartThread(#[source] std::io::Error),
+    #[error("sandbox setup failed: {step}")]
+    Setup {
+        step: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot spawn {program} in the sandbox")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot bind {source_path} onto {target}")]
+    Bind {
+        source_path: PathBuf,
+        target: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("container reader {name} has no stdout pipe")]
+    NoStdout { name: String },
+    #[error("container reader {name} saw nothing matching within {waited:?}; history:\n{history}")]
+    Timeout { name: String, waited: Duration, history: String },
+    #[error("container reader {name} exited before anything matched; history:\n{history}")]
+    ReaderExited { name: String, history: String },
+}

@@ -1,1 +1,150 @@
-//! TODO
+//! Mounting by file descriptor (the new mount API) and the few path-based
+//! mount calls the tests and the demo need.
+//!
+//! Everything here acts in the mount namespace of the *calling thread*; see
+//! [`crate::ns`] to get a thread into the right one first.
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+
+use rustix::mount::{
+    FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+};
+
+/// How a mount passes mount and unmount events to and from others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Propagation {
+    /// `MS_SHARED`: a member of a peer group; events go both ways.
+    Shared,
+    /// `MS_SLAVE`: receives events from its former peer group, sends none.
+    Slave,
+    /// `MS_PRIVATE`: neither receives nor sends.
+    Private,
+}
+
+impl Propagation {
+    fn flags(self) -> MountPropagationFlags {
+        match self {
+            Propagation::Shared => MountPropagationFlags::SHARED,
+            Propagation::Slave => MountPropagationFlags::DOWNSTREAM,
+            Propagation::Private => MountPropagationFlags::PRIVATE,
+        }
+    }
+}
+
+/// `open_tree(at, "", OPEN_TREE_CLONE|OPEN_TREE_CLOEXEC|AT_EMPTY_PATH)`.
+///
+/// A detached, non-recursive bind of the location of `at` (mount and
+/// directory), ready to be attached with [`move_mount`]. Mounts below that
+/// location are not copied. Dropping the fd unmounts the copy if it was never
+/// attached.
+pub fn clone_mount(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH;
+    Ok(rustix::mount::open_tree(at, c"", flags)?)
+}
+
+/// `open_tree(at, "", OPEN_TREE_CLOEXEC|AT_EMPTY_PATH)`: a handle on the mount
+/// `at` is on, itself (no copy), to move it with [`move_mount`].
+pub fn open_mount(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let flags = OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH;
+    Ok(rustix::mount::open_tree(at, c"", flags)?)
+}
+
+/// `move_mount(mount, "", onto, "", MOVE_MOUNT_F_EMPTY_PATH|MOVE_MOUNT_T_EMPTY_PATH)`.
+///
+/// Attaches `mount` (from [`clone_mount`], [`open_mount`] or
+/// [`detached_tmpfs`]) on top of whatever is at `onto`. If the destination is
+/// shared, the kernel propagates copies to its peers and slaves. Fails with
+/// `EINVAL` when the mount being moved has a shared parent.
+pub fn move_mount(mount: BorrowedFd<'_>, onto: BorrowedFd<'_>) -> io::Result<()> {
+    let flags = MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH;
+    Ok(rustix::mount::move_mount(mount, c"", onto, c"", flags)?)
+}
+
+/// Like [`move_mount`], with `MOVE_MOUNT_BENEATH` (Linux ≥ 6.5): the mount is
+/// slid *under* the topmost mount at `onto` instead of stacked on it.
+pub fn move_mount_beneath(mount: BorrowedFd<'_>, onto: BorrowedFd<'_>) -> io::Result<()> {
+    let flags = MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH
+        | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH
+        | MoveMountFlags::MOVE_MOUNT_BENEATH;
+    Ok(rustix::mount::move_mount(mount, c"", onto, c"", flags)?)
+}
+
+/// `mount_setattr(mount, "", AT_EMPTY_PATH, {propagation})`, non-recursive.
+///
+/// Acts on exactly the mount the fd is on, even when other mounts are stacked
+/// on top of it, as long as the fd points at that mount's root (an `O_PATH` fd
+/// taken on the mount point before it was covered does). `EINVAL` otherwise.
+pub fn set_propagation_of(mount: BorrowedFd<'_>, propagation: Propagation) -> io::Result<()> {
+    let attr =
+        libc::mount_attr { attr_set: 0, attr_clr: 0, propagation: u64::from(propagation.flags().bits()), userns_fd: 0 };
+    // SAFETY: `mount` is a valid open fd for the duration of the call, the path
+    // is a NUL-terminated empty string, and `attr` is a live, initialised
+    // `mount_attr` whose exact size is passed; the kernel only reads it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            mount.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const libc::mount_attr,
+            size_of::<libc::mount_attr>(),
+        )
+    };
+    if ret == -1 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// [`set_propagation_of`] with `MS_PRIVATE`: the mount leaves its peer group
+/// and its master, so unmounting or moving it afterwards propagates nowhere.
+pub fn make_private(mount: BorrowedFd<'_>) -> io::Result<()> {
+    set_propagation_of(mount, Propagation::Private)
+}
+
+/// `umount2("/proc/thread-self/fd/N", MNT_DETACH)`.
+///
+/// Beware: this acts on the **topmost** mount at the fd's location, not
+/// necessarily on the mount the fd was opened on. If another mount has been
+/// stacked there since the fd was taken, that one is detached. Only call it
+/// once the mount you mean is known to be on top.
+pub fn detach_top(at: BorrowedFd<'_>) -> io::Result<()> {
+    detach(Path::new(&format!("/proc/thread-self/fd/{}", at.as_raw_fd())))
+}
+
+/// `umount2(path, MNT_DETACH)`: lazily detach the topmost mount at `path`,
+/// with every mount below it in the tree.
+pub fn detach(path: &Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(path, UnmountFlags::DETACH)?)
+}
+
+/// `mount(source, target, NULL, MS_BIND)`: a non-recursive bind by path. For
+/// tests and the demo; the healer mounts by fd.
+pub fn bind(source: &Path, target: &Path) -> io::Result<()> {
+    Ok(rustix::mount::mount_bind(source, target)?)
+}
+
+/// `mount("tmpfs", target, "tmpfs", 0, NULL)`.
+pub fn mount_tmpfs(target: &Path) -> io::Result<()> {
+    const TMPFS: &CStr = c"tmpfs";
+    Ok(rustix::mount::mount(TMPFS, target, TMPFS, rustix::mount::MountFlags::empty(), None)?)
+}
+
+/// `fsopen("tmpfs")`, `fsconfig(CREATE)`, `fsmount()`: a new private tmpfs
+/// attached nowhere. It disappears when the fd is closed unless it was
+/// attached with [`move_mount`] first.
+pub fn detached_tmpfs() -> io::Result<OwnedFd> {
+    let context = rustix::mount::fsopen(c"tmpfs", FsOpenFlags::FSOPEN_CLOEXEC)?;
+    rustix::mount::fsconfig_create(&context)?;
+    Ok(rustix::mount::fsmount(&context, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::empty())?)
+}
+
+/// `mount(NULL, path, NULL, MS_SHARED|MS_SLAVE|MS_PRIVATE [|MS_REC])`: change
+/// the propagation of the topmost mount at `path` (and, with `recursive`, of
+/// every mount below it).
+pub fn set_propagation(path: &Path, propagation: Propagation, recursive: bool) -> io::Result<()> {
+    let mut flags = propagation.flags();
+    if recursive {
+        flags |= MountPropagationFlags::REC;
+    }
+    Ok(rustix::mount::mount_change(path, flags)?)
+}

@@ -1,1 +1,57 @@
-//! TODO
+//! Moving the calling thread between mount namespaces.
+//!
+//! Mount namespaces are per thread once `CLONE_FS` is unshared: only the
+//! calling thread moves, the rest of the process stays where it was. A
+//! thread that did this should be dedicated to mount work and never handed
+//! back to a pool.
+use std::io;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
+use rustix::thread::{LinkNameSpaceType, UnshareFlags};
+
+/// `unshare(CLONE_FS)` then `setns(open(ns_file), CLONE_NEWNS)`.
+///
+/// Only the calling thread joins the namespace at `ns_file` (e.g.
+/// `/proc/1/ns/mnt`, the host's with hostPID). `setns` into a mount namespace
+/// refuses a thread that shares its `fs_struct` (cwd, root) with others,
+/// hence the first unshare. The thread's root and cwd become the namespace's
+/// root.
+pub fn join_mount_namespace(ns_file: &Path) -> io::Result<()> {
+    let namespace = rustix::fs::open(ns_file, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    // SAFETY: the `unsafe` of `unshare` is about CLONE_FILES (other threads'
+    // fds vanishing from this thread's table); CLONE_FS only gives this thread
+    // its own cwd/root/umask, which no other thread relies on.
+    unsafe { rustix::thread::unshare_unsafe(UnshareFlags::FS)? };
+    rustix::thread::move_into_link_name_space(namespace.as_fd(), Some(LinkNameSpaceType::Mount))?;
+    Ok(())
+}
+
+/// `unshare(CLONE_FS|CLONE_NEWNS)` on the calling thread.
+///
+/// The new namespace is a copy of the old one **with propagation unchanged**:
+/// shared mounts stay in their peer groups, so mounting under one still
+/// reaches the original namespace. Make `/` recursively private or slave
+/// first thing if that is not wanted.
+pub fn unshare_mount_namespace() -> io::Result<()> {
+    // SAFETY: see `join_mount_namespace`: no CLONE_FILES, so no fd of any
+    // other thread is affected.
+    unsafe { rustix::thread::unshare_unsafe(UnshareFlags::FS | UnshareFlags::NEWNS)? };
+    Ok(())
+}
+
+/// `/proc/<pid>/task/<tid>/ns/mnt` of the calling thread: a path other threads
+/// and processes can open to join or inspect this thread's namespace while it
+/// lives.
+pub fn current_thread_mount_namespace() -> PathBuf {
+    thread_proc_dir().join("ns/mnt")
+}
+
+/// `/proc/<pid>/task/<tid>` of the calling thread, usable from other threads
+/// (unlike `/proc/thread-self`).
+pub fn thread_proc_dir() -> PathBuf {
+    let pid = rustix::process::getpid().as_raw_nonzero();
+    let tid = rustix::thread::gettid().as_raw_nonzero();
+    PathBuf::from(format!("/proc/{pid}/task/{tid}"))
+}

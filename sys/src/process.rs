@@ -1,1 +1,96 @@
-//! TODO
+//! Child processes that cannot outlive their creator, and signals.
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use rustix::process::Pid;
+
+/// Makes the child receive `SIGKILL` when the **thread** that spawns it exits
+/// (`prctl(PR_SET_PDEATHSIG, SIGKILL)` between fork and exec).
+///
+/// The kernel tracks the parent *thread*, not the process: spawn from a thread
+/// that lives as long as the child should (the test sandbox's own thread, the
+/// supervisor's mount thread), never from a short-lived worker. There is no
+/// race with the spawning thread's exit: `Command::spawn` blocks that thread
+/// until the child has exec'ed.
+pub fn kill_with_parent(command: &mut Command) -> &mut Command {
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // one async-signal-safe syscall (prctl); it allocates nothing and takes no
+    // lock.
+    unsafe {
+        command.pre_exec(|| {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(io::Error::from)
+        })
+    }
+}
+
+/// A signal [`signal`] can send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// `SIGKILL`
+    Kill,
+    /// `SIGSTOP`: freezes a FUSE daemon so requests hang instead of failing.
+    Stop,
+    /// `SIGCONT`
+    Cont,
+    /// `SIGTERM`
+    Term,
+    /// `SIGINT`
+    Int,
+}
+
+impl Signal {
+    fn to_rustix(self) -> rustix::process::Signal {
+        use rustix::process::Signal as S;
+        match self {
+            Signal::Kill => S::KILL,
+            Signal::Stop => S::STOP,
+            Signal::Cont => S::CONT,
+            Signal::Term => S::TERM,
+            Signal::Int => S::INT,
+        }
+    }
+}
+
+/// `kill(pid, signal)`.
+pub fn signal(pid: u32, signal: Signal) -> io::Result<()> {
+    let pid = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("invalid pid {pid}")))?;
+    Ok(rustix::process::kill_process(pid, signal.to_rustix())?)
+}
+
+/// The symbolic name of an errno value (`107` → `"ENOTCONN"`), for the errors
+/// a process reading a volume can meet; `None` for the rest.
+pub fn errno_name(errno: i32) -> Option<&'static str> {
+    Some(match errno {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::EAGAIN => "EAGAIN",
+        libc::EACCES => "EACCES",
+        libc::EBUSY => "EBUSY",
+        libc::ENODEV => "ENODEV",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EISDIR => "EISDIR",
+        libc::EINVAL => "EINVAL",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::ENOSYS => "ENOSYS",
+        libc::ELOOP => "ELOOP",
+        libc::ENOTEMPTY => "ENOTEMPTY",
+        libc::ENODATA => "ENODATA",
+        libc::ENOTSUP => "ENOTSUP",
+        libc::ECONNABORTED => "ECONNABORTED",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ESTALE => "ESTALE",
+        libc::EXDEV => "EXDEV",
+        _ => return None,
+    })
+}
