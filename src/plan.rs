@@ -153,3 +153,118 @@ pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &[Path
     }
     batches
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::Snapshot;
+
+    const KUBELET: &str = "/var/lib/kubelet";
+    const POD_A: &str = "/var/lib/kubelet/pods/aaaa/volumes/kubernetes.io~csi/data/mount";
+    const POD_B: &str = "/var/lib/kubelet/pods/bbbb/volumes/kubernetes.io~csi/data/mount";
+    const SUB: &str = "/var/lib/kubelet/pods/cccc/volume-subpaths/data/app/0";
+    const GLOBAL: &str = "/runtime-mnt/juicefs/default/data/juicefs-fuse";
+
+    fn fuse(id: u32, parent: u32, dev: u32, root: &str, point: &str, group: u32) -> String {
+        format!(
+            "{id} {parent} 0:{dev} {root} {point} rw,nosuid,nodev,relatime shared:{group} - fuse.juicefs JuiceFS:data rw,user_id=0,group_id=0,allow_other\n"
+        )
+    }
+
+    fn base() -> String {
+        "1 0 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n".to_owned()
+    }
+
+    fn classify(table: &str) -> Classified {
+        Classified::new(&Snapshot::parse(table.as_bytes()).unwrap(), &Layout::new(Path::new(KUBELET)))
+    }
+
+    fn healthy() -> String {
+        base()
+            + &fuse(10, 1, 50, "/", GLOBAL, 7)
+            + &fuse(11, 1, 50, "/", POD_A, 7)
+            + &fuse(12, 1, 50, "/", POD_B, 7)
+            + &fuse(13, 1, 50, "/sub", SUB, 7)
+    }
+
+    /// The daemon restarted: the old global is gone, a new one (device 51)
+    /// is in its place, the pod binds are still on device 50.
+    fn replaced() -> String {
+        base()
+            + &fuse(11, 1, 50, "/", POD_A, 7)
+            + &fuse(12, 1, 50, "/", POD_B, 7)
+            + &fuse(13, 1, 50, "/sub", SUB, 7)
+            + &fuse(20, 1, 51, "/", GLOBAL, 9)
+    }
+
+    fn learned() -> Journal {
+        let mut journal = Journal::in_memory();
+        assert!(learn(&classify(&healthy()), &Layout::new(Path::new(KUBELET)), &mut journal));
+        journal
+    }
+
+    #[test]
+    fn learns_each_target_from_its_peer_group() {
+        let journal = learned();
+        let sub = journal.get(Path::new(SUB)).unwrap();
+        assert_eq!(sub.source, Path::new(GLOBAL));
+        assert_eq!(sub.root_in_source, Path::new("sub"));
+        assert_eq!(sub.kind, TargetKind::Subpath);
+        assert_eq!(journal.get(Path::new(POD_A)).unwrap().root_in_source, Path::new(""));
+        assert!(plan(&classify(&healthy()), &journal, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_replaced_source_plans_whole_volumes_before_subpaths() {
+        let journal = learned();
+        let classified = classify(&replaced());
+        for target in classified.targets.values() {
+            let mapping = journal.get(&target.stack.path);
+            assert_eq!(assess(target, mapping, &classified), Assessment::Broken);
+        }
+        let batches = plan(&classified, &journal, &[]);
+        assert_eq!(batches.len(), 1);
+        assert_eq!(batches[0].source.top().mount_id, 20);
+        let order: Vec<&Path> = batches[0].targets.iter().map(|t| t.path.as_path()).collect();
+        assert_eq!(order, [Path::new(POD_A), Path::new(POD_B), Path::new(SUB)]);
+        assert_eq!(batches[0].targets[2].root_in_source, Path::new("sub"));
+    }
+
+    #[test]
+    fn nothing_is_planned_while_the_source_is_down() {
+        let journal = learned();
+        let down = base() + &fuse(11, 1, 50, "/", POD_A, 7);
+        let classified = classify(&down);
+        let target = &classified.targets[Path::new(POD_A)];
+        assert_eq!(assess(target, journal.get(Path::new(POD_A)), &classified), Assessment::SourceDown);
+        assert!(plan(&classified, &journal, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_mount_over_the_stale_source_is_healthy_with_stale_layers() {
+        let journal = learned();
+        // The new global (51) was mounted over the old one; the kernel
+        // stacked copies over the whole-volume targets, not the subPath.
+        let table = healthy()
+            + &fuse(20, 10, 51, "/", GLOBAL, 9)
+            + &fuse(21, 11, 51, "/", POD_A, 9)
+            + &fuse(22, 12, 51, "/", POD_B, 9);
+        let classified = classify(&table);
+        let assessment =
+            |path: &str| assess(&classified.targets[Path::new(path)], journal.get(Path::new(path)), &classified);
+        assert_eq!(assessment(POD_A), Assessment::StaleLayers);
+        assert_eq!(assessment(SUB), Assessment::Broken);
+        let batches = plan(&classified, &journal, &[]);
+        assert_eq!(batches[0].targets.len(), 1);
+        assert_eq!(batches[0].targets[0].path, Path::new(SUB));
+    }
+
+    #[test]
+    fn targets_never_seen_with_a_source_are_not_ours() {
+        let table = base() + &fuse(11, 1, 50, "/", POD_A, 7);
+        let classified = classify(&table);
+        let target = &classified.targets[Path::new(POD_A)];
+        assert_eq!(assess(target, None, &classified), Assessment::Unmanaged);
+        assert!(plan(&classified, &Journal::in_memory(), &[]).is_empty());
+    }
+}
