@@ -231,11 +231,10 @@ fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Resu
     })?;
     let layout = Layout::new(&node.kubelet_root);
     let classified = Classified::new(&snapshot, &layout);
-    // The state file tells where stale targets came from; offline, or
-    // without one, only peer groups can.
+    // The state file tells where stale targets came from (offline too, when
+    // the report came with one); without it only peer groups can.
     let mut journal = match Journal::load(&node.state_dir) {
-        Ok(journal) if mountinfo.is_none() => journal,
-        Ok(_) => Journal::in_memory(),
+        Ok(journal) => journal,
         Err(err) => {
             eprintln!("fuse-supervisor: {err:#}; going on without it");
             Journal::in_memory()

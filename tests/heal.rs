@@ -274,3 +274,51 @@ fn mount_over_stale_is_healed_by_propagation_and_subpaths_by_a_stack() {
     scenario::wait_for("one subPath layer", HEAL_TIMEOUT, || layers_at(&node.sandbox, &subpath) == 1).unwrap();
     assert_eq!(layers_at(&node.sandbox, &node.targets[0]), 2);
 }
+
+/// Runs `fuse-supervisor <args>` in the sandbox and returns its stdout.
+fn run_cli(node: &Node, args: &[&str]) -> (bool, String) {
+    let mut command = std::process::Command::new(binary());
+    command
+        .args(args)
+        .arg("--kubelet-root")
+        .arg(node.sandbox.kubelet_root())
+        .arg("--state-dir")
+        .arg(&node.state_dir)
+        .args(["--mount-namespace", "/proc/self/ns/mnt", "--staging-dir"])
+        .arg(node.sandbox.root().join("staging"))
+        .stdout(std::process::Stdio::piped());
+    let mut child = node.sandbox.spawn(command).unwrap();
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut child.take_stdout().unwrap(), &mut stdout).unwrap();
+    (child.wait().unwrap().success(), stdout)
+}
+
+#[test]
+fn heal_once_prints_the_plan_and_dry_run_changes_nothing() {
+    let (mut node, subpath) = node_with_subpath(Daemon::Bindfs);
+    let (ok, status) = run_cli(&node, &["status", "--json"]);
+    assert!(ok);
+    assert!(status.contains("\"healthy\""), "{status}");
+    // `heal --once` on the healthy node learns and records the mapping.
+    let (ok, plan) = run_cli(&node, &["heal", "--once"]);
+    assert!(ok && plan.starts_with("0 broken target(s)"), "{plan}");
+    let baseline = node.mounts();
+
+    node.source.crash().unwrap();
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+    let (ok, status) = run_cli(&node, &["status"]);
+    assert!(ok && status.matches("broken ").count() == 2, "{status}");
+
+    let (ok, plan) = run_cli(&node, &["heal", "--once", "--dry-run"]);
+    assert!(ok, "{plan}");
+    assert!(plan.starts_with("2 broken target(s) in 1 source(s)"), "{plan}");
+    assert!(plan.contains(&format!("{} (pod pod-sub)", subpath.display())), "{plan}");
+    assert!(node.readers[0].latest().is_some_and(|o| fails(&o)), "a dry run healed");
+
+    let (ok, report) = run_cli(&node, &["heal", "--once"]);
+    assert!(ok, "{report}");
+    assert_eq!(report.matches("healed ").count(), 2, "{report}");
+    node.all_read(&node.source.expected_content());
+    subpath_reads_only_its_directory(&node.readers[1]);
+    node.settles_to(baseline, &[&node.targets[0], &subpath]);
+}
