@@ -7,9 +7,9 @@
 
 pub mod fuse;
 pub mod mount;
+pub mod mountinfo_poll;
 pub mod ns;
 pub mod poll;
 pub mod probe;
 pub mod process;
 pub mod resolve;
-pub mod mountinfo_poll;

@@ -1,0 +1,594 @@
+//! Parser of `/proc/<pid>/mountinfo` (proc(5)), zero-copy over the read buffer.
+//!
+//! One line per mount:
+//!
+//! ```text
+//! 36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
+//! (1)(2) (3)  (4)   (5)      (6)      (7)   (8) (9)    (10)        (11)
+//! ```
+//!
+//! mount ID, parent ID, `major:minor`, root, mount point, mount options, zero
+//! or more optional fields, `-`, fs type, source, super options. Fields are
+//! separated by exactly one space; the kernel escapes space, tab, newline and
+//! backslash in the root, mount point, fs type and source as `\ooo`. The
+//! source can be empty (`mount -t tmpfs "" /x` prints `tmpfs  rw`).
+//!
+//! Deleted roots: the kernel prints the root with `dentry_path`, which appends
+//! `//deleted` when the dentry was unlinked (a bind of a since-removed
+//! directory or file). A real path never contains `//`, so the suffix is
+//! unambiguous; it is stripped and reported as [`MountInfo::root_deleted`].
+//! The mount point has no such marker: it is printed with `__d_path`, which
+//! adds none, and since Linux 3.18 unlinking a mount point (from a namespace
+//! where it is not one) detaches every mount on it, so a deleted mount point
+//! never appears in the table (verified on 6.18).
+
+mod escaped;
+mod reader;
+mod scan;
+mod synthetic;
+
+use std::fmt;
+
+pub use escaped::Escaped;
+pub use reader::MountInfoReader;
+#[doc(hidden)]
+pub use synthetic::synthetic_table;
+
+/// One line of a mountinfo table, borrowed from the buffer it was parsed from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MountInfo<'a> {
+    pub mount_id: u32,
+    pub parent_id: u32,
+    pub major: u32,
+    pub minor: u32,
+    /// Path of the mount's root inside its filesystem, without `//deleted`.
+    pub root: Escaped<'a>,
+    /// The root's dentry was unlinked (the kernel printed `…//deleted`).
+    pub root_deleted: bool,
+    pub mount_point: Escaped<'a>,
+    /// Per-mount options (`rw,nosuid,relatime`).
+    pub mount_options: &'a str,
+    pub propagation: Propagation,
+    /// `fuse`, `fuse.<subtype>`, `fuseblk`, `ext4`, …
+    pub fs_type: &'a str,
+    pub source: Escaped<'a>,
+    /// Per-superblock options, as printed (a filesystem may escape in them).
+    pub super_options: &'a str,
+}
+
+impl MountInfo<'_> {
+    /// A FUSE mount: `fuse`, `fuse.<subtype>` or `fuseblk`.
+    pub fn is_fuse(&self) -> bool {
+        is_fuse_type(self.fs_type)
+    }
+
+    /// `(major, minor)` of the mount's superblock.
+    pub fn dev(&self) -> (u32, u32) {
+        (self.major, self.minor)
+    }
+}
+
+fn is_fuse_type(fs_type: &str) -> bool {
+    match fs_type.strip_prefix("fuse") {
+        Some(rest) => rest.is_empty() || rest == "blk" || rest.starts_with('.'),
+        None => false,
+    }
+}
+
+/// The optional fields: propagation state of the mount.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Propagation {
+    /// `shared:N`: peer group N.
+    pub shared: Option<u32>,
+    /// `master:N`: slave of peer group N.
+    pub master: Option<u32>,
+    /// `propagate_from:N`: receives from peer group N (the closest dominant
+    /// group visible from the reader's root, when the master is not).
+    pub propagate_from: Option<u32>,
+    /// `unbindable`.
+    pub unbindable: bool,
+}
+
+/// A field of a mountinfo line, named in parse errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Field {
+    MountId,
+    ParentId,
+    Device,
+    Root,
+    MountPoint,
+    MountOptions,
+    OptionalFields,
+    Separator,
+    FsType,
+    Source,
+    SuperOptions,
+}
+
+impl fmt::Display for Field {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Field::MountId => "mount ID",
+            Field::ParentId => "parent ID",
+            Field::Device => "major:minor",
+            Field::Root => "root",
+            Field::MountPoint => "mount point",
+            Field::MountOptions => "mount options",
+            // The only optional fields that can be wrong are the peer-group
+            // numbers; unknown tags are ignored.
+            Field::OptionalFields => "peer group",
+            Field::Separator => "separator",
+            Field::FsType => "fs type",
+            Field::Source => "source",
+            Field::SuperOptions => "super options",
+        })
+    }
+}
+
+/// A malformed mountinfo line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("mountinfo line {line}: field `{field}`: {kind}")]
+pub struct ParseError {
+    /// 1-based line number.
+    pub line: usize,
+    pub field: Field,
+    pub kind: ParseErrorKind,
+}
+
+/// What was wrong with a field. The texts quote the field as printed, cut to
+/// [`QUOTE_LIMIT`] bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ParseErrorKind {
+    /// The line ends before this field (a truncated line, or an empty one).
+    Missing,
+    InvalidNumber(String),
+    InvalidDevice(String),
+    /// A backslash not followed by three octal digits (`\000`–`\377`).
+    InvalidEscape(String),
+    NotUtf8(String),
+    /// `parse_line` was given more than one line.
+    EmbeddedNewline,
+}
+
+/// How much of a bad field an error quotes.
+pub const QUOTE_LIMIT: usize = 80;
+
+impl fmt::Display for ParseErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParseErrorKind::Missing => f.write_str("missing, the line ends before it"),
+            ParseErrorKind::InvalidNumber(text) => write!(f, "invalid number in `{text}`"),
+            ParseErrorKind::InvalidDevice(text) => {
+                write!(f, "invalid device `{text}`, expected major:minor")
+            }
+            ParseErrorKind::InvalidEscape(text) => {
+                write!(f, "invalid escape in `{text}`, expected a backslash and three octal digits")
+            }
+            ParseErrorKind::NotUtf8(text) => write!(f, "not UTF-8: `{text}`"),
+            ParseErrorKind::EmbeddedNewline => f.write_str("newline inside the line"),
+        }
+    }
+}
+
+fn quote(text: &[u8]) -> String {
+    String::from_utf8_lossy(&text[..text.len().min(QUOTE_LIMIT)]).into_owned()
+}
+
+/// Parses a whole table. Duplicate mount IDs (a non-atomic read) keep the last
+/// line, at that line's place. An empty text is an empty table (a process
+/// whose root is not a mount point sees no line for mounts outside it).
+pub fn parse_table(text: &[u8]) -> Result<Vec<MountInfo<'_>>, ParseError> {
+    // A guess from typical line lengths; counting the lines first costs more
+    // than the vector's few regrowths.
+    let mut mounts = Vec::with_capacity(text.len() / 256 + 1);
+    for mount in parse_lines(text) {
+        mounts.push(mount?);
+    }
+    dedup_keep_last(&mut mounts);
+    Ok(mounts)
+}
+
+/// Line by line, without collecting (for callers that filter, e.g. FUSE mounts
+/// only). Does not deduplicate. A final line without a newline is parsed; an
+/// empty line in the middle is an error.
+pub fn parse_lines(text: &[u8]) -> impl Iterator<Item = Result<MountInfo<'_>, ParseError>> {
+    Lines { text, text_utf8: Utf8::check(text), start: 0, line_number: 0 }
+}
+
+struct Lines<'a> {
+    text: &'a [u8],
+    text_utf8: Utf8<'a>,
+    start: usize,
+    line_number: usize,
+}
+
+impl<'a> Iterator for Lines<'a> {
+    type Item = Result<MountInfo<'a>, ParseError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.start >= self.text.len() {
+            return None;
+        }
+        self.line_number += 1;
+        let (mount, next_start) = parse_at(self.text, self.text_utf8, self.start, self.line_number);
+        self.start = next_start;
+        Some(mount)
+    }
+}
+
+/// Parses one line (`line_number` is 1-based, for errors). A trailing newline
+/// is allowed; a newline inside is an error.
+pub fn parse_line(line: &[u8], line_number: usize) -> Result<MountInfo<'_>, ParseError> {
+    let (mount, next_start) = parse_at(line, Utf8::check(line), 0, line_number);
+    let mount = mount?;
+    if next_start < line.len() {
+        return Err(ParseError {
+            line: line_number,
+            field: Field::SuperOptions,
+            kind: ParseErrorKind::EmbeddedNewline,
+        });
+    }
+    Ok(mount)
+}
+
+/// Parses the line of `text` that starts at `start`, in one pass (no search
+/// for the line's end first); returns the start of the next line too, also
+/// after an error.
+#[inline(always)]
+fn parse_at<'a>(
+    text: &'a [u8],
+    text_utf8: Utf8<'a>,
+    start: usize,
+    line_number: usize,
+) -> (Result<MountInfo<'a>, ParseError>, usize) {
+    let mut fields = Fields { text, text_utf8, pos: start, ended: false, line_number };
+    let mount = fields.mount_info().map_err(|failure| *failure);
+    (mount, fields.next_line_start())
+}
+
+/// A parse error inside the parser: boxed, so that every field's `Result`
+/// stays small on the success path.
+type Failure = Box<ParseError>;
+
+/// A cursor over the space-separated fields of one line of a table. Every
+/// search stops at a newline, so a short line never runs into the next.
+struct Fields<'a> {
+    text: &'a [u8],
+    text_utf8: Utf8<'a>,
+    /// Start of the next field; once `ended`, the line's newline (or the end
+    /// of the text).
+    pos: usize,
+    ended: bool,
+    line_number: usize,
+}
+
+impl<'a> Fields<'a> {
+    #[inline(always)]
+    fn mount_info(&mut self) -> Result<MountInfo<'a>, Failure> {
+        let mount_id = self.number(Field::MountId)?;
+        let parent_id = self.number(Field::ParentId)?;
+        let (major, minor) = self.device()?;
+        let root = self.escaped(Field::Root)?;
+        let (root, root_deleted) = match root.raw().strip_suffix(b"//deleted") {
+            Some(stripped) => (Escaped::new(stripped), true),
+            None => (root, false),
+        };
+        let mount_point = self.escaped(Field::MountPoint)?;
+        let mount_options = self.text(Field::MountOptions)?;
+        let propagation = self.optional_fields()?;
+        let fs_type = self.text(Field::FsType)?;
+        let source = self.escaped(Field::Source)?;
+        let super_options = self.rest(Field::SuperOptions)?;
+        Ok(MountInfo {
+            mount_id,
+            parent_id,
+            major,
+            minor,
+            root,
+            root_deleted,
+            mount_point,
+            mount_options,
+            propagation,
+            fs_type,
+            source,
+            super_options,
+        })
+    }
+
+    fn next_line_start(&self) -> usize {
+        if self.ended { self.pos + 1 } else { scan::find_byte(self.text, self.pos, b'\n') + 1 }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn error(&self, field: Field, kind: ParseErrorKind) -> Failure {
+        Box::new(ParseError { line: self.line_number, field, kind })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn missing(&self, field: Field) -> Failure {
+        self.error(field, ParseErrorKind::Missing)
+    }
+
+    /// Moves past the field that ends at `end` (a space, a newline or the
+    /// end of the text).
+    #[inline]
+    fn finish_field(&mut self, end: usize) {
+        if self.text.get(end) == Some(&b' ') {
+            self.pos = end + 1;
+        } else {
+            self.pos = end;
+            self.ended = true;
+        }
+    }
+
+    /// The next field, up to the next space or the end of the line.
+    #[inline]
+    fn plain(&mut self, field: Field) -> Result<&'a [u8], Failure> {
+        if self.ended {
+            return Err(self.missing(field));
+        }
+        let start = self.pos;
+        let mut at = start;
+        loop {
+            at = scan::find_separator(self.text, at, false);
+            match self.text.get(at) {
+                Some(b' ' | b'\n') | None => break,
+                // The kernel leaves control bytes other than tab and newline
+                // unescaped: part of the field.
+                Some(_) => at += 1,
+            }
+        }
+        self.finish_field(at);
+        Ok(&self.text[start..at])
+    }
+
+    #[inline]
+    fn number(&mut self, field: Field) -> Result<u32, Failure> {
+        let text = self.plain(field)?;
+        if text.is_empty() {
+            return Err(self.missing(field));
+        }
+        parse_u32(text).ok_or_else(|| self.error(field, ParseErrorKind::InvalidNumber(quote(text))))
+    }
+
+    fn device(&mut self) -> Result<(u32, u32), Failure> {
+        let text = self.plain(Field::Device)?;
+        if text.is_empty() {
+            return Err(self.missing(Field::Device));
+        }
+        text.iter()
+            .position(|&byte| byte == b':')
+            .and_then(|colon| Some((parse_u32(&text[..colon])?, parse_u32(&text[colon + 1..])?)))
+            .ok_or_else(|| self.error(Field::Device, ParseErrorKind::InvalidDevice(quote(text))))
+    }
+
+    /// A field the kernel escapes; each escape is checked here so that
+    /// `Escaped::unescaped` cannot meet a bad one. Only the source may be
+    /// empty.
+    #[inline]
+    fn escaped(&mut self, field: Field) -> Result<Escaped<'a>, Failure> {
+        if self.ended {
+            return Err(self.missing(field));
+        }
+        let start = self.pos;
+        let mut at = start;
+        loop {
+            at = scan::find_separator(self.text, at, true);
+            match self.text.get(at) {
+                Some(b' ' | b'\n') | None => break,
+                Some(b'\\') => {
+                    if escaped::decode_escape(&self.text[at + 1..]).is_none() {
+                        let mut end = at;
+                        while !matches!(self.text.get(end), Some(b' ' | b'\n') | None) {
+                            end += 1;
+                        }
+                        let bad = &self.text[start..end];
+                        return Err(self.error(field, ParseErrorKind::InvalidEscape(quote(bad))));
+                    }
+                    at += 4;
+                }
+                Some(_) => at += 1,
+            }
+        }
+        self.finish_field(at);
+        let raw = &self.text[start..at];
+        if raw.is_empty() && field != Field::Source {
+            return Err(self.missing(field));
+        }
+        Ok(Escaped::new(raw))
+    }
+
+    /// A non-empty field that must be UTF-8 (options, fs type).
+    #[inline]
+    fn text(&mut self, field: Field) -> Result<&'a str, Failure> {
+        let start = self.pos;
+        let text = self.plain(field)?;
+        self.utf8(field, start, text)
+    }
+
+    /// Everything left on the line: the super options. Taken whole, so that a
+    /// filesystem that prints a space unescaped in its options does not break
+    /// the line.
+    fn rest(&mut self, field: Field) -> Result<&'a str, Failure> {
+        if self.ended {
+            return Err(self.missing(field));
+        }
+        let start = self.pos;
+        let end = scan::find_byte(self.text, start, b'\n');
+        let text = &self.text[start..end];
+        self.pos = end;
+        self.ended = true;
+        self.utf8(field, start, text)
+    }
+
+    /// `text`, which starts at `start` in the whole text, as a `str`.
+    #[inline]
+    fn utf8(&self, field: Field, start: usize, text: &'a [u8]) -> Result<&'a str, Failure> {
+        if text.is_empty() {
+            return Err(self.missing(field));
+        }
+        if let Utf8::Valid(whole) = self.text_utf8 {
+            // Fields start and end at ASCII bytes, so this is a char boundary;
+            // `get` checks it anyway, and falls through if it were not.
+            if let Some(text) = whole.get(start..start + text.len()) {
+                return Ok(text);
+            }
+        }
+        std::str::from_utf8(text).map_err(|_| self.error(field, ParseErrorKind::NotUtf8(quote(text))))
+    }
+
+    /// The optional fields up to and including the `-` separator.
+    fn optional_fields(&mut self) -> Result<Propagation, Failure> {
+        let mut propagation = Propagation::default();
+        loop {
+            let tag = self.plain(Field::Separator)?;
+            let slot = match tag {
+                b"-" => return Ok(propagation),
+                b"unbindable" => {
+                    propagation.unbindable = true;
+                    continue;
+                }
+                _ if tag.starts_with(b"shared:") => &mut propagation.shared,
+                _ if tag.starts_with(b"master:") => &mut propagation.master,
+                _ if tag.starts_with(b"propagate_from:") => &mut propagation.propagate_from,
+                // proc(5): readers must ignore tags they do not know.
+                _ => continue,
+            };
+            let colon = tag.iter().position(|&byte| byte == b':').unwrap_or(0);
+            *slot = Some(
+                parse_u32(&tag[colon + 1..])
+                    .ok_or_else(|| self.error(Field::OptionalFields, ParseErrorKind::InvalidNumber(quote(tag))))?,
+            );
+        }
+    }
+}
+
+/// The whole text as a `str`, if it is valid UTF-8 (nearly always): checking
+/// it at once is several times faster than checking every option field.
+#[derive(Clone, Copy)]
+enum Utf8<'a> {
+    Valid(&'a str),
+    Invalid,
+}
+
+impl<'a> Utf8<'a> {
+    fn check(text: &'a [u8]) -> Self {
+        std::str::from_utf8(text).map_or(Utf8::Invalid, Utf8::Valid)
+    }
+}
+
+/// A decimal `u32`: digits only, at least one, no overflow.
+#[inline]
+fn parse_u32(text: &[u8]) -> Option<u32> {
+    if text.is_empty() || text.len() > 10 {
+        return None;
+    }
+    let mut value: u64 = 0;
+    for &byte in text {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            return None;
+        }
+        value = value * 10 + u64::from(digit);
+    }
+    u32::try_from(value).ok()
+}
+
+/// Keeps the last line of each mount ID, in place. The IDs are small (the
+/// kernel allocates the lowest free one), so a bitmap finds duplicates in one
+/// pass; a table without any (the usual case) is left untouched.
+fn dedup_keep_last(mounts: &mut Vec<MountInfo<'_>>) {
+    // A bitmap for IDs up to this bound costs at most 2 MiB; beyond it, sort.
+    const BITMAP_ID_LIMIT: u32 = 1 << 24;
+    let Some(max_id) = mounts.iter().map(|mount| mount.mount_id).max() else {
+        return;
+    };
+    let mut keep = vec![true; mounts.len()];
+    let mut any_duplicate = false;
+    if max_id < BITMAP_ID_LIMIT {
+        let mut seen = vec![0u64; max_id as usize / 64 + 1];
+        // From the end, so the first sighting is the line to keep.
+        for (index, mount) in mounts.iter().enumerate().rev() {
+            let (word, bit) = (mount.mount_id as usize / 64, 1u64 << (mount.mount_id % 64));
+            if seen[word] & bit != 0 {
+                keep[index] = false;
+                any_duplicate = true;
+            }
+            seen[word] |= bit;
+        }
+    } else {
+        let mut order: Vec<(u32, usize)> =
+            mounts.iter().enumerate().map(|(index, mount)| (mount.mount_id, index)).collect();
+        order.sort_unstable();
+        for pair in order.windows(2) {
+            if pair[0].0 == pair[1].0 {
+                keep[pair[0].1] = false;
+                any_duplicate = true;
+            }
+        }
+    }
+    if any_duplicate {
+        let mut verdicts = keep.into_iter();
+        mounts.retain(|_| verdicts.next().unwrap_or(true));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_proc5_example() {
+        let line = b"36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue";
+        let mount = parse_line(line, 1).unwrap();
+        assert_eq!((mount.mount_id, mount.parent_id), (36, 35));
+        assert_eq!(mount.dev(), (98, 0));
+        assert_eq!(mount.root.raw(), b"/mnt1");
+        assert_eq!(mount.mount_point.raw(), b"/mnt2");
+        assert_eq!(mount.mount_options, "rw,noatime");
+        assert_eq!(mount.propagation, Propagation { master: Some(1), ..Propagation::default() });
+        assert_eq!(mount.fs_type, "ext3");
+        assert_eq!(mount.source.raw(), b"/dev/root");
+        assert_eq!(mount.super_options, "rw,errors=continue");
+        assert!(!mount.is_fuse() && !mount.root_deleted);
+    }
+
+    #[test]
+    fn recognises_fuse_types() {
+        for fs_type in ["fuse", "fuse.juicefs", "fuse.jindofs-fuse", "fuseblk"] {
+            assert!(is_fuse_type(fs_type), "{fs_type}");
+        }
+        for fs_type in ["fusectl", "fuseblk2", "ext4", "", "fus"] {
+            assert!(!is_fuse_type(fs_type), "{fs_type}");
+        }
+    }
+
+    #[test]
+    fn parses_u32_strictly() {
+        assert_eq!(parse_u32(b"0"), Some(0));
+        assert_eq!(parse_u32(b"4294967295"), Some(u32::MAX));
+        assert_eq!(parse_u32(b"4294967296"), None);
+        assert_eq!(parse_u32(b"99999999999"), None);
+        for bad in [&b""[..], b"-1", b"+1", b"1a", b" 1"] {
+            assert_eq!(parse_u32(bad), None);
+        }
+    }
+
+    #[test]
+    fn dedup_keeps_the_last_line_in_its_place() {
+        let text = b"1 0 0:1 / / rw - a x rw\n2 1 0:2 / /a rw - a x rw\n1 0 0:3 / / rw - a x rw\n";
+        let mounts = parse_table(text).unwrap();
+        let ids: Vec<_> = mounts.iter().map(|m| (m.mount_id, m.minor)).collect();
+        assert_eq!(ids, [(2, 2), (1, 3)]);
+    }
+
+    #[test]
+    fn dedup_with_huge_ids_sorts() {
+        let text = b"4000000000 0 0:1 / / rw - a x rw\n2 1 0:2 / /a rw - a x rw\n4000000000 0 0:3 / / rw - a x rw\n";
+        let ids: Vec<_> = parse_table(text).unwrap().iter().map(|m| (m.mount_id, m.minor)).collect();
+        assert_eq!(ids, [(2, 2), (4_000_000_000, 3)]);
+    }
+}

@@ -1,0 +1,77 @@
+//! Consistent reads of a mountinfo file.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+
+use fuse_supervisor_sys::mountinfo_poll::priority_pending;
+
+/// How many times `read` reads again when the table changed during a read.
+/// Each reread of a 10,000-mount table costs the kernel ~30 ms; a namespace
+/// that changes faster than that forever would otherwise hold the reader.
+const MAX_REREADS: usize = 3;
+
+/// Reads a mountinfo file consistently into a buffer it reuses across reads.
+///
+/// The open file is also the change notifier: register it for `EPOLLPRI`
+/// (through [`AsFd`]). `read` consumes its pending notification.
+#[derive(Debug)]
+pub struct MountInfoReader {
+    file: File,
+    buffer: Vec<u8>,
+    last_read_count: usize,
+}
+
+impl MountInfoReader {
+    pub fn open(path: &Path) -> io::Result<Self> {
+        File::open(path).map(Self::from_file)
+    }
+
+    pub fn from_file(file: File) -> Self {
+        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0 }
+    }
+
+    /// Reads from offset 0 to EOF; then, if the file reports POLLPRI again
+    /// (the table changed during the read), reads again, at most
+    /// [`MAX_REREADS`] times, then returns the last read. The kernel's reads
+    /// of a large table are not atomic, so even a consistent-looking read may
+    /// list a mount twice: `parse_table` keeps the last line.
+    pub fn read(&mut self) -> io::Result<&[u8]> {
+        // A change before this read is in the text this read gets; drop its
+        // notification so that it does not cause a needless reread.
+        priority_pending(self.file.as_fd())?;
+        self.last_read_count = 0;
+        loop {
+            self.read_once()?;
+            self.last_read_count += 1;
+            if self.last_read_count > MAX_REREADS || !priority_pending(self.file.as_fd())? {
+                return Ok(&self.buffer);
+            }
+        }
+    }
+
+    /// What the last `read` returned.
+    pub fn buffer(&self) -> &[u8] {
+        &self.buffer
+    }
+
+    /// How many passes the last `read` made (1 when nothing changed during it).
+    pub fn last_read_count(&self) -> usize {
+        self.last_read_count
+    }
+
+    fn read_once(&mut self) -> io::Result<()> {
+        self.buffer.clear();
+        let mut file = &self.file;
+        file.seek(SeekFrom::Start(0))?;
+        file.read_to_end(&mut self.buffer)?;
+        Ok(())
+    }
+}
+
+impl AsFd for MountInfoReader {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
