@@ -3,13 +3,13 @@
 #![forbid(unsafe_code)]
 
 pub mod demofs;
-pub mod mountinfo;
-pub mod testbed;
 pub mod heal;
+pub mod mountinfo;
 pub mod plan;
 pub mod probe;
 pub mod state;
 pub mod status;
 pub mod supervisor;
 pub mod table;
+pub mod testbed;
 pub mod watch;
