@@ -59,6 +59,10 @@ pub struct TargetOutcome {
 /// Carries out heal batches. The real one mounts; tests record.
 pub trait Executor {
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome>;
+
+    /// Resolves a target as the executor would for a heal, returning an
+    /// O_PATH handle on it and the ID of the mount on top.
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError>;
 }
 
 /// Where a new top is parked while the layer under it is removed: a
@@ -109,7 +113,7 @@ impl MountExecutor {
 
     /// Resolves a target beneath the kubelet root (no symlinks, no magic
     /// links, no escaping) and returns it with the ID of its top mount.
-    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+    fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
         let relative = path
             .strip_prefix(&self.kubelet_root)
             .map_err(|_| HealError::OutsideRoot { path: path.to_path_buf(), root: self.kubelet_root.clone() })?;
@@ -120,7 +124,7 @@ impl MountExecutor {
     }
 
     fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<Healed, HealError> {
-        let (fd, top) = self.open_target(&target.path)?;
+        let (fd, top) = self.resolve_target(&target.path)?;
         if top != target.top_mount_id {
             // An earlier stack of this batch propagated onto it.
             return Ok(Healed::Propagated);
@@ -141,7 +145,7 @@ impl MountExecutor {
     fn flatten(&self, target: &TargetHeal, stale: BorrowedFd<'_>) -> Result<usize, HealError> {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         mount::make_private(stale).map_err(step("make stale layer private"))?;
-        let (top_fd, top) = self.open_target(&target.path)?;
+        let (top_fd, top) = self.resolve_target(&target.path)?;
         if target.layer_ids.contains(&top) {
             return Ok(0); // Nothing new on top: nothing to flatten under.
         }
@@ -149,7 +153,7 @@ impl MountExecutor {
         mount::move_mount(new_top.as_fd(), self.staging.dir.as_fd()).map_err(step("park new top"))?;
         let mut removed = 0;
         let result = loop {
-            let (fd, id) = match self.open_target(&target.path) {
+            let (fd, id) = match self.resolve_target(&target.path) {
                 Ok(opened) => opened,
                 Err(err) => break Err(err),
             };
@@ -166,7 +170,7 @@ impl MountExecutor {
         let restore_onto = match result {
             Ok(fd) => fd,
             Err(err) => {
-                let (fd, _) = self.open_target(&target.path)?;
+                let (fd, _) = self.resolve_target(&target.path)?;
                 mount::move_mount(new_top.as_fd(), fd.as_fd()).map_err(step("restore new top"))?;
                 return Err(err);
             }
@@ -177,13 +181,17 @@ impl MountExecutor {
 }
 
 impl Executor for MountExecutor {
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        self.resolve_target(path)
+    }
+
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {
         // Handles on every stale top, taken before the first stack covers them.
         let opened: Vec<Result<OwnedFd, HealError>> = batch
             .targets
             .iter()
             .map(|target| {
-                let (fd, id) = self.open_target(&target.path)?;
+                let (fd, id) = self.resolve_target(&target.path)?;
                 if id != target.top_mount_id {
                     return Err(HealError::Changed {
                         path: target.path.clone(),

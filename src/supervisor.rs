@@ -171,6 +171,10 @@ struct Supervisor<E: Executor> {
     woke_at: Instant,
     /// Sources whose probe overran, already reported.
     reported_overdue: BTreeSet<PathBuf>,
+    /// Targets on an unrecorded connection whose probe is running.
+    probing_targets: BTreeSet<PathBuf>,
+    /// Targets on an unrecorded connection that a probe found dead.
+    dead_targets: BTreeSet<PathBuf>,
 }
 
 impl Supervisor<MountExecutor> {
@@ -194,6 +198,8 @@ impl Supervisor<MountExecutor> {
             events,
             woke_at: Instant::now(),
             reported_overdue: BTreeSet::new(),
+            probing_targets: BTreeSet::new(),
+            dead_targets: BTreeSet::new(),
         })
     }
 }
@@ -273,7 +279,8 @@ impl<E: Executor> Supervisor<E> {
         if changed && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
         }
-        let batches = plan::plan(&classified, &self.journal, &[]);
+        self.probe_unknown_targets(&classified);
+        let batches = plan::plan(&classified, &self.journal, &self.dead_targets());
         debug!(
             mounts = classified.total_mounts,
             targets = classified.targets.len(),
@@ -398,7 +405,58 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
+    fn dead_targets(&self) -> Vec<PathBuf> {
+        self.dead_targets.iter().cloned().collect()
+    }
+
+    /// A target on neither its source's connection nor the recorded one
+    /// (an old state file, a bind made while the supervisor was away) is
+    /// broken only if it is unreachable: probe it off-thread.
+    fn probe_unknown_targets(&mut self, classified: &Classified) {
+        self.dead_targets.retain(|path| classified.targets.contains_key(path));
+        for (path, target) in &classified.targets {
+            let assessment = plan::assess(target, self.journal.get(path), classified);
+            if assessment != Assessment::Unknown {
+                self.dead_targets.remove(path);
+                continue;
+            }
+            if self.dead_targets.contains(path) || self.prober.in_flight(path) {
+                continue;
+            }
+            let top = target.stack.top().mount_id;
+            match self.executor.open_target(path) {
+                Ok((fd, id)) if id == top => {
+                    self.probing_targets.insert(path.clone());
+                    if let Err(err) = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::Probed) {
+                        self.probing_targets.remove(path);
+                        error!(target = %path.display(), ?err, "cannot start probe");
+                    }
+                }
+                Ok(_) => {} // Changed since the table was read; the next scan sees it.
+                Err(err) => warn!(target = %path.display(), %err, "cannot open target to probe it"),
+            }
+        }
+    }
+
     fn on_probe(&mut self, report: ProbeReport) {
+        if self.probing_targets.remove(&report.source) {
+            self.prober.finished(&report.source);
+            match report.outcome {
+                // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
+                ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
+                    info!(target = %report.source.display(), "target on an unrecorded connection is dead");
+                    self.dead_targets.insert(report.source);
+                    self.rescan();
+                }
+                ProbeOutcome::Failed(err) => {
+                    warn!(target = %report.source.display(), %err, "target on an unrecorded connection fails; leaving it")
+                }
+                ProbeOutcome::Live(_) => {
+                    warn!(target = %report.source.display(), "target is on a live connection of its own; leaving it")
+                }
+            }
+            return;
+        }
         debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
         self.prober.finished(&report.source);
         self.reported_overdue.remove(&report.source);
@@ -411,7 +469,7 @@ impl<E: Executor> Supervisor<E> {
         };
         // The table may have moved on while the probe ran: plan afresh.
         let Some(classified) = self.read_table() else { return };
-        let Some(mut batch) = plan::plan(&classified, &self.journal, &[])
+        let Some(mut batch) = plan::plan(&classified, &self.journal, &self.dead_targets())
             .into_iter()
             .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
         else {
@@ -454,6 +512,7 @@ impl<E: Executor> Supervisor<E> {
                     record.state = TargetState::Healed { outage: None };
                     record.attempts = 0;
                     healed_any = true;
+                    self.dead_targets.remove(&outcome.path);
                     // The target is now on the source's current mount: record
                     // it at once, since the daemon may die again before the
                     // next scan could learn it from the peer groups.

@@ -322,3 +322,24 @@ fn heal_once_prints_the_plan_and_dry_run_changes_nothing() {
     subpath_reads_only_its_directory(&node.readers[1]);
     node.settles_to(baseline, &[&node.targets[0], &subpath]);
 }
+
+#[test]
+fn a_dead_target_on_a_connection_the_state_file_does_not_know_is_healed() {
+    let mut node = Node::new(Daemon::Bindfs, 1);
+    node.start_supervisor();
+    node.supervisor.take().unwrap().stop().unwrap();
+    // An old state file: it names a connection the target is not on.
+    let state = node.sandbox.outside_path(&node.state_dir.join("state.json"));
+    let text = std::fs::read_to_string(&state).unwrap();
+    let mut value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for mapping in value["targets"].as_object_mut().unwrap().values_mut() {
+        mapping["dev"] = serde_json::json!({ "major": 0, "minor": 99999 });
+    }
+    std::fs::write(&state, serde_json::to_vec(&value).unwrap()).unwrap();
+
+    node.source.crash().unwrap();
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+    node.start_supervisor();
+    node.all_read(&node.source.expected_content());
+    node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("unrecorded connection is dead")).unwrap();
+}
