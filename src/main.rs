@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
 use fuse_supervisor::supervisor::{self, Config, Shutdown};
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
+use fuse_supervisor::testbed::scenario::Daemon;
 
 /// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
 /// them restarts, reaching containers that are still running.
@@ -55,9 +57,29 @@ enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
+    /// A self-contained demo in a private mount namespace: a FUSE daemon
+    /// crashes and restarts while the supervisor heals three pods (needs
+    /// root and /dev/fuse; never touches the machine's own mounts).
+    Demo {
+        /// Kill/restart cycles of the FUSE daemon.
+        #[arg(long, default_value_t = 4)]
+        cycles: usize,
+        /// The FUSE daemon: the built-in demofs, or bindfs if installed.
+        #[arg(long, value_enum, default_value = "demofs")]
+        daemon: DemoDaemon,
+        /// Restart only by unmount-then-mount (no final mount-over-stale).
+        #[arg(long)]
+        no_mount_over_stale: bool,
+    },
     /// Building blocks of the demo and the tests; not for users.
     #[command(hide = true, subcommand)]
     Internal(Internal),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DemoDaemon {
+    Demofs,
+    Bindfs,
 }
 
 #[derive(Debug, Args)]
@@ -169,6 +191,7 @@ fn main() -> ExitCode {
             log.init();
             heal_once(&node.config(), dry_run)
         }
+        Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
         Command::Internal(Internal::Demofs { backing, mountpoint, name }) => {
             demofs::serve(&DemoFsOptions { backing, mountpoint, name }).map_err(Into::into)
         }
@@ -190,6 +213,17 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Result<()> {
+    let binary = std::env::current_exe().context("cannot find the fuse-supervisor binary")?;
+    let daemon = match daemon {
+        DemoDaemon::Demofs => Daemon::DemoFs,
+        DemoDaemon::Bindfs => Daemon::Bindfs,
+    };
+    let options = DemoOptions { cycles, daemon, mount_over_stale, ..DemoOptions::new(binary) };
+    fuse_supervisor::demo::run(&options, &mut std::io::stdout().lock())?;
+    Ok(())
 }
 
 fn run(config: &Config) -> anyhow::Result<()> {
