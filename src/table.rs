@@ -186,12 +186,16 @@ impl Classified {
         // Kubelet never mounts inside a volume, and a global mount is never
         // a subdirectory bind inside another: such mounts are copies that a
         // subPath heal's propagation left under covered stale layers.
-        let nested_targets: Vec<PathBuf> = classified
-            .targets
-            .keys()
-            .filter(|path| path.ancestors().skip(1).any(|above| classified.targets.contains_key(above)))
-            .cloned()
-            .collect();
+        // Paths sort component by component, so a mount's descendants
+        // follow it directly: one pass finds them.
+        let mut nested_targets = Vec::new();
+        let mut outermost: Option<&Path> = None;
+        for path in classified.targets.keys() {
+            match outermost {
+                Some(above) if path.starts_with(above) => nested_targets.push(path.clone()),
+                _ => outermost = Some(path),
+            }
+        }
         for path in nested_targets {
             classified.targets.remove(&path);
         }
