@@ -1,0 +1,667 @@
+//! Heal latency, end to end: N pod targets bound to one global FUSE mount,
+//! `fuse-supervisor run` watching, and the daemon crashing and coming back
+//! (unmount, then mount) K times. Each cycle is timed from the moment the new
+//! global mount appears in the sandbox's mount table:
+//!
+//! - (a1) until every target has been seen with the new mount on top,
+//! - (a2) until every target is on the new mount with exactly one layer (healed),
+//! - (b)  until every container reader reads the new content again,
+//!
+//! and the supervisor's own `latency_us` (its loop's wake-up to the heal) is
+//! collected from its log. A benchmark, not a test: it prints numbers.
+//!
+//! ```text
+//! cargo bench --bench heal_latency [-- --sizes 1,100,1000 --cycles 20 --large-cycles 8
+//!     --daemons demofs,bindfs --sampled-readers 20 --reader-interval-ms 2]
+//! ```
+//!
+//! Every flag is also an environment variable (`HEAL_BENCH_SIZES`, ...).
+//! Needs root and /dev/fuse (and bindfs for the bindfs rows). Everything
+//! runs in a private mount namespace that dies with the run.
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fuse_supervisor::mountinfo::MountInfoReader;
+use fuse_supervisor::table::{Dev, FuseMount, Snapshot};
+use fuse_supervisor::testbed::container::ContainerOptions;
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
+use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_sys::poll::{Poller, Waker};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const HEAL_TIMEOUT: Duration = Duration::from_secs(60);
+#[derive(Clone)]
+struct Options {
+    sizes: Vec<usize>,
+    cycles: usize,
+    large_cycles: usize,
+    daemons: Vec<Daemon>,
+    /// Up to this many targets, one reader per target; above, readers are
+    /// sampled: a reader per target would swamp the machine and measure the
+    /// scheduler instead of the heal.
+    all_readers_up_to: usize,
+    sampled_readers: usize,
+    reader_interval: Duration,
+    /// Off: no table watcher (so no (a) and (b)), to see what it costs the
+    /// supervisor (its reads of the table contend for the namespace lock).
+    table_watch: bool,
+    /// Once the new mount has appeared, the watcher spends at most this
+    /// share of its time reading the table (it pauses after each read for
+    /// the read's cost times (100 - duty) / duty, at most 2 ms): each read holds the
+    /// namespace lock the heal's mount calls need, so reading after every
+    /// single change would slow the heal it measures. The pauses bound how
+    /// late (a) can be; the longest is reported.
+    watch_duty_percent: u32,
+    /// Also run each size without readers and without the table watcher, for
+    /// the supervisor's own latency undisturbed by the measuring.
+    clean_pass: bool,
+}
+
+impl Options {
+    /// `--flag value` from the command line, else `HEAL_BENCH_FLAG`, else
+    /// the default. Unknown arguments (cargo passes `--bench`) are ignored.
+    fn parse() -> Options {
+        let args: Vec<String> = std::env::args().collect();
+        let get = |flag: &str, default: &str| -> String {
+            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
+            let env = || std::env::var(format!("HEAL_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
+            cli.or_else(env).unwrap_or_else(|| default.to_owned())
+        };
+        let number = |flag: &str, default: &str| -> usize {
+            get(flag, default).parse().unwrap_or_else(|_| panic!("--{flag} takes a number"))
+        };
+        let daemons = get("daemons", "demofs,bindfs")
+            .split(',')
+            .map(|name| match name {
+                "demofs" => Daemon::DemoFs,
+                "bindfs" => Daemon::Bindfs,
+                other => panic!("--daemons: unknown daemon {other} (demofs, bindfs)"),
+            })
+            .collect();
+        Options {
+            sizes: get("sizes", "1,100,1000")
+                .split(',')
+                .map(|n| n.parse().expect("--sizes takes comma-separated numbers"))
+                .collect(),
+            cycles: number("cycles", "20"),
+            large_cycles: number("large-cycles", "8"),
+            daemons,
+            all_readers_up_to: number("all-readers-up-to", "100"),
+            sampled_readers: number("sampled-readers", "20"),
+            watch_duty_percent: number("watch-duty-percent", "10").clamp(1, 100) as u32,
+            table_watch: on_off(&get("table-watch", "on"), "table-watch"),
+            clean_pass: on_off(&get("clean-pass", "on"), "clean-pass"),
+            reader_interval: Duration::from_millis(number("reader-interval-ms", "2") as u64),
+        }
+    }
+
+    /// The same run without readers and without the table watcher.
+    fn undisturbed(&self) -> Options {
+        Options { table_watch: false, all_readers_up_to: 0, sampled_readers: 0, ..self.clone() }
+    }
+
+    fn cycles_for(&self, targets: usize) -> usize {
+        if targets > 100 { self.large_cycles } else { self.cycles }
+    }
+
+    fn reader_indices(&self, targets: usize) -> Vec<usize> {
+        if targets <= self.all_readers_up_to {
+            return (0..targets).collect();
+        }
+        // Evenly spread, first and last included.
+        match self.sampled_readers.min(targets) {
+            0 => Vec::new(),
+            1 => vec![0],
+            sampled => (0..sampled).map(|i| i * (targets - 1) / (sampled - 1)).collect(),
+        }
+    }
+}
+
+fn on_off(value: &str, flag: &str) -> bool {
+    match value {
+        "on" => true,
+        "off" => false,
+        other => panic!("--{flag}: on or off, not {other}"),
+    }
+}
+
+/// What the table watcher saw of one restart, stamped at the wake-up whose
+/// read first showed it.
+#[derive(Debug, Clone, Default)]
+struct Milestones {
+    /// The new global mount: wake time (monotonic and wall clock) and device.
+    appeared: Option<(Instant, SystemTime, Dev)>,
+    /// Every target has been seen with the new mount on top (not
+    /// necessarily in one read: flattening parks each target's new top for
+    /// a moment, so at scale no single read shows them all on top).
+    reachable: Option<Instant>,
+    /// Every target is on the new mount with one layer.
+    flat: Option<Instant>,
+    /// The longest pause the watcher took between reads after the
+    /// appearance: how late (a) can be at most.
+    longest_pause: Duration,
+}
+
+struct Armed {
+    source: PathBuf,
+    old_dev: Dev,
+    targets: Arc<Vec<PathBuf>>,
+    /// Per target: seen with the new mount on top yet.
+    reached: Vec<bool>,
+    seen: Milestones,
+}
+
+impl Armed {
+    fn observe(&mut self, snapshot: &Snapshot, woke: (Instant, SystemTime)) {
+        if self.seen.appeared.is_none() {
+            let new_mount = snapshot
+                .fuse_mounts
+                .iter()
+                .find(|m| m.mount_point == self.source && m.dev != self.old_dev && m.root == Path::new("/"));
+            if let Some(mount) = new_mount {
+                self.seen.appeared = Some((woke.0, woke.1, mount.dev));
+            }
+        }
+        let Some((_, _, dev)) = self.seen.appeared else { return };
+        if self.seen.flat.is_some() {
+            return;
+        }
+        let mut stacks: HashMap<&Path, Vec<&FuseMount>> = HashMap::new();
+        for mount in &snapshot.fuse_mounts {
+            stacks.entry(mount.mount_point.as_path()).or_default().push(mount);
+        }
+        let mut all_flat = true;
+        for (target, reached) in self.targets.iter().zip(self.reached.iter_mut()) {
+            let layers = stacks.get(target.as_path()).map(Vec::as_slice).unwrap_or_default();
+            *reached |= top(layers).is_some_and(|m| m.dev == dev);
+            all_flat &= layers.len() == 1 && layers[0].dev == dev;
+        }
+        if self.reached.iter().all(|reached| *reached) && self.seen.reachable.is_none() {
+            self.seen.reachable = Some(woke.0);
+        }
+        if all_flat {
+            self.seen.flat = Some(woke.0);
+        }
+    }
+}
+
+/// The topmost of the mounts stacked on one mount point: the one no other
+/// layer there is mounted on.
+fn top<'a>(layers: &[&'a FuseMount]) -> Option<&'a FuseMount> {
+    layers.iter().copied().find(|m| !layers.iter().any(|other| other.parent_id == m.mount_id))
+}
+
+#[derive(Default)]
+struct WatchState {
+    armed: Option<Armed>,
+    wakes: u64,
+    failure: Option<String>,
+}
+
+/// Watches the sandbox's mount table with `EPOLLPRI` on its mountinfo and
+/// rereads and parses it after every wake-up.
+struct TableWatch {
+    state: Arc<(Mutex<WatchState>, Condvar)>,
+    stop: Arc<Waker>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Caps the watcher's pause: a read slowed by a busy CPU would otherwise
+/// make the next pause, and the error of (a), as long.
+const LONGEST_PAUSE: Duration = Duration::from_millis(2);
+
+const TABLE: u64 = 1;
+const STOP: u64 = 2;
+
+impl TableWatch {
+    fn start(sandbox: &Sandbox, duty_percent: u32) -> TableWatch {
+        // Opened on the sandbox thread: the file shows that thread's namespace
+        // for as long as it is open, whoever reads it.
+        let file = sandbox.run(|| std::fs::File::open("/proc/thread-self/mountinfo")).expect("open sandbox mountinfo");
+        let mut reader = MountInfoReader::from_file(file);
+        let stop = Arc::new(Waker::new().expect("eventfd"));
+        let poller = Poller::new().expect("epoll");
+        poller.add_priority(reader.as_fd(), TABLE).expect("watch mountinfo");
+        poller.add_readable(stop.as_fd(), STOP).expect("watch eventfd");
+        let state: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
+        let shared = Arc::clone(&state);
+        let thread = std::thread::Builder::new()
+            .name("table-watch".into())
+            .spawn(move || {
+                let mut events = Vec::new();
+                let (lock, changed) = &*shared;
+                let mut pause = None;
+                loop {
+                    if let Some(pause) = pause.take() {
+                        std::thread::sleep(pause);
+                    }
+                    if let Err(err) = poller.wait(&mut events, None) {
+                        lock.lock().unwrap_or_else(PoisonError::into_inner).failure = Some(format!("epoll: {err}"));
+                        changed.notify_all();
+                        return;
+                    }
+                    let woke = (Instant::now(), SystemTime::now());
+                    if events.contains(&STOP) {
+                        return;
+                    }
+                    let snapshot = reader
+                        .read()
+                        .map_err(|err| err.to_string())
+                        .and_then(|table| Snapshot::parse(table).map_err(|err| err.to_string()));
+                    let mut state = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                    state.wakes += 1;
+                    match snapshot {
+                        Ok(snapshot) => {
+                            if let Some(armed) = state.armed.as_mut() {
+                                armed.observe(&snapshot, woke);
+                                // Until the new mount appears, every wake is
+                                // read at once: that instant anchors every
+                                // measure. After it, reads are spaced out.
+                                if armed.seen.appeared.is_some() {
+                                    let cost = woke.0.elapsed();
+                                    let gap = (cost * (100 - duty_percent) / duty_percent).min(LONGEST_PAUSE);
+                                    armed.seen.longest_pause = armed.seen.longest_pause.max(gap);
+                                    pause = Some(gap);
+                                }
+                            }
+                        }
+                        Err(err) => state.failure = Some(format!("mountinfo: {err}")),
+                    }
+                    changed.notify_all();
+                }
+            })
+            .expect("start the table watcher");
+        TableWatch { state, stop, thread: Some(thread) }
+    }
+
+    fn arm(&self, source: &Path, old_dev: Dev, targets: Arc<Vec<PathBuf>>) {
+        let reached = vec![false; targets.len()];
+        let armed = Armed { source: source.to_path_buf(), old_dev, targets, reached, seen: Milestones::default() };
+        self.state.0.lock().unwrap_or_else(PoisonError::into_inner).armed = Some(armed);
+    }
+
+    /// Waits until the armed restart is fully healed; returns what was seen
+    /// (incomplete on timeout) and disarms.
+    fn wait_healed(&self, timeout: Duration) -> Milestones {
+        let (lock, changed) = &*self.state;
+        let deadline = Instant::now() + timeout;
+        let mut state = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(failure) = &state.failure {
+                panic!("table watcher failed: {failure}");
+            }
+            let done = state.armed.as_ref().is_some_and(|armed| armed.seen.flat.is_some());
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done || left.is_zero() {
+                return state.armed.take().map(|armed| armed.seen).unwrap_or_default();
+            }
+            state = changed.wait_timeout(state, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    fn wakes(&self) -> u64 {
+        self.state.0.lock().unwrap_or_else(PoisonError::into_inner).wakes
+    }
+}
+
+impl Drop for TableWatch {
+    fn drop(&mut self) {
+        // The watcher holds the sandbox's mountinfo open, which keeps the
+        // namespace (and its mounts) alive: it must end before the sandbox.
+        let _ = self.stop.wake();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One restart's numbers, in microseconds.
+#[derive(Debug, Default)]
+struct Cycle {
+    reachable_us: Option<u64>,
+    healed_us: Option<u64>,
+    /// Every reader reads the new content.
+    all_read_us: Option<u64>,
+    /// Each reader's own time to read the new content.
+    per_reader_us: Vec<u64>,
+    /// The largest `latency_us` the supervisor logged for this restart.
+    supervisor_us: Option<u64>,
+    healed_lines: usize,
+    table_wakes: u64,
+    /// The watcher's longest pause between reads during the heal.
+    watch_pause_us: u64,
+}
+
+struct SizeResult {
+    undisturbed: bool,
+    daemon: Daemon,
+    targets: usize,
+    readers: usize,
+    cycles: Vec<Cycle>,
+    timeline: Vec<String>,
+}
+
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn global_dev(sandbox: &Sandbox, source: &Path) -> Dev {
+    let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).expect("sandbox table parses");
+    let layers: Vec<&FuseMount> = snapshot.fuse_mounts.iter().filter(|m| m.mount_point == source).collect();
+    top(&layers).map(|m| m.dev).expect("the global mount is in the table")
+}
+
+/// `message` and the numeric `latency_us` of a JSON log line, if it has them.
+fn log_fields(line: &str) -> Option<(String, Option<u64>, Option<SystemTime>)> {
+    let value: serde_json::Value = serde_json::from_str(line).ok()?;
+    let fields = value.get("fields")?;
+    let message = fields.get("message")?.as_str()?.to_owned();
+    let latency = fields.get("latency_us").and_then(serde_json::Value::as_u64);
+    let at = value.get("timestamp").and_then(serde_json::Value::as_str).and_then(parse_rfc3339);
+    Some((message, latency, at))
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.fraction]Z` (what tracing-subscriber writes) as a
+/// wall-clock time.
+fn parse_rfc3339(text: &str) -> Option<SystemTime> {
+    let text = text.strip_suffix('Z')?;
+    let (date, time) = text.split_once('T')?;
+    let mut date_parts = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (date_parts.next()??, date_parts.next()??, date_parts.next()??);
+    let (clock, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    let mut clock_parts = clock.split(':').map(|p| p.parse::<u64>().ok());
+    let (hour, minute, second) = (clock_parts.next()??, clock_parts.next()??, clock_parts.next()??);
+    let nanos: u32 = format!("{fraction:0<9}").get(..9)?.parse().ok()?;
+    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's
+    // days_from_civil).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (month + if month > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = u64::try_from(era * 146_097 + doe - 719_468).ok()?;
+    let seconds = days * 86_400 + hour * 3_600 + minute * 60 + second;
+    Some(UNIX_EPOCH + Duration::new(seconds, nanos))
+}
+
+fn reads_new(expected: &str) -> impl Fn(&fuse_supervisor::testbed::Observation) -> bool + '_ {
+    move |observation| observation.content() == Some(expected)
+}
+
+fn run_size(options: &Options, daemon: Daemon, targets: usize) -> SizeResult {
+    let binary = Path::new(BINARY);
+    let cycles = options.cycles_for(targets);
+    eprintln!("# {} with {targets} target(s): setting up", daemon.name());
+    // Dropped in reverse order: watcher, readers, supervisor, source, sandbox.
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mut source = FuseSource::start(&sandbox, binary, daemon, "shared-data").expect("start the FUSE daemon");
+    let target_paths: Vec<PathBuf> = (0..targets)
+        .map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod:05}"), "data").expect("bind a pod volume"))
+        .collect();
+    let target_paths = Arc::new(target_paths);
+    let readers_started = options.reader_indices(targets).len();
+    let readers: Vec<ContainerReader> = options
+        .reader_indices(targets)
+        .into_iter()
+        .map(|index| {
+            let name = format!("reader-{index:05}");
+            let container = ContainerOptions {
+                volume: target_paths[index].clone(),
+                rootfs: sandbox.container_rootfs(&name).expect("container rootfs"),
+                hide: vec![sandbox.kubelet_root(), sandbox.runtime_root()],
+                read: PathBuf::from(DATA_FILE),
+                interval: options.reader_interval,
+            };
+            ContainerReader::spawn_with(&sandbox, binary, &name, &container).expect("start a container reader")
+        })
+        .collect();
+    for reader in &readers {
+        reader.wait_until(HEAL_TIMEOUT, reads_new(&source.expected_content())).expect("reader reads the source");
+    }
+    let supervisor =
+        SupervisorProcess::start(&sandbox, binary, &sandbox.root().join("state")).expect("start the supervisor");
+    let watch = options.table_watch.then(|| TableWatch::start(&sandbox, options.watch_duty_percent));
+    let baseline = sandbox.count_mounts_under(sandbox.root());
+
+    let mut results = Vec::with_capacity(cycles);
+    let mut timeline = Vec::new();
+    for cycle in 0..cycles {
+        let old_dev = global_dev(&sandbox, &source.path);
+        source.crash().expect("crash the daemon");
+        for reader in &readers {
+            reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
+        }
+        let log_start = supervisor.log().len();
+        let wakes_before = watch.as_ref().map_or(0, TableWatch::wakes);
+        if let Some(watch) = &watch {
+            watch.arm(&source.path, old_dev, Arc::clone(&target_paths));
+        }
+        let restarted_wall = SystemTime::now();
+        source.restart(&sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+        let expected = source.expected_content();
+        let mut result = Cycle::default();
+        // Without the watcher, the supervisor's timeline is anchored at the
+        // restart call instead, and (a) and (b) are not measured.
+        let mut anchor = restarted_wall;
+        if let Some(watch) = &watch {
+            let seen = watch.wait_healed(HEAL_TIMEOUT);
+            let Some((appeared, appeared_wall, _)) = seen.appeared else {
+                panic!("cycle {cycle}: the new global mount never appeared in the table");
+            };
+            anchor = appeared_wall;
+            result.reachable_us = seen.reachable.map(|at| micros(at - appeared));
+            result.healed_us = seen.flat.map(|at| micros(at - appeared));
+            result.watch_pause_us = micros(seen.longest_pause);
+            if seen.flat.is_none() {
+                eprintln!("cycle {cycle}: not healed within {HEAL_TIMEOUT:?}; table:\n{}", sandbox.mountinfo());
+            }
+        }
+        for reader in readers.iter().filter(|_| watch.is_some()) {
+            if reader.wait_until(HEAL_TIMEOUT, reads_new(&expected)).is_err() {
+                eprintln!("cycle {cycle}: {} never read {expected:?}", reader.name());
+                continue;
+            }
+            let first = reader.history().into_iter().find(|o| reads_new(&expected)(o)).map(|o| o.at);
+            if let Some(at) = first {
+                result.per_reader_us.push(micros(at.duration_since(anchor).unwrap_or_default()));
+            }
+        }
+        if watch.is_some() && result.per_reader_us.len() == readers.len() {
+            result.all_read_us = result.per_reader_us.iter().copied().max();
+        }
+        // The heal is done; let the supervisor finish its log and its
+        // follow-up scans before the next crash.
+        let _ = wait_for("supervisor logs every heal", Duration::from_secs(10), || {
+            supervisor.log()[log_start..].iter().filter(|l| l.contains("\"healed\"")).count() >= targets
+        });
+        let _ = wait_for("baseline mount count", Duration::from_secs(10), || {
+            sandbox.count_mounts_under(sandbox.root()) == baseline
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let log = supervisor.log();
+        let mut heal_latencies = Vec::new();
+        let mut events: BTreeMap<String, (i64, usize)> = BTreeMap::new();
+        for (message, latency, at) in log[log_start..].iter().filter_map(|line| log_fields(line)) {
+            if message == "healed"
+                && let Some(latency) = latency
+            {
+                heal_latencies.push(latency);
+            }
+            if let Some(at) = at {
+                let offset = match at.duration_since(anchor) {
+                    Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
+                    Err(before) => -i64::try_from(before.duration().as_micros()).unwrap_or(i64::MAX),
+                };
+                let entry = events.entry(message).or_insert((offset, 0));
+                entry.1 += 1;
+            }
+        }
+        result.healed_lines = heal_latencies.len();
+        result.supervisor_us = heal_latencies.iter().copied().max();
+        result.table_wakes = watch.as_ref().map_or(0, TableWatch::wakes) - wakes_before;
+        if cycle + 1 == cycles {
+            let mut ordered: Vec<_> = events.into_iter().collect();
+            ordered.sort_by_key(|(_, (offset, _))| *offset);
+            timeline = ordered
+                .into_iter()
+                .map(|(message, (offset, count))| format!("{:>+10.3} ms  {message} (x{count})", offset as f64 / 1000.0))
+                .collect();
+        }
+        eprintln!(
+            "  cycle {cycle:>2}: reachable {:?} µs, healed {:?} µs, all read {:?} µs, supervisor {:?} µs, {} heal lines, {} table wakes",
+            result.reachable_us,
+            result.healed_us,
+            result.all_read_us,
+            result.supervisor_us,
+            result.healed_lines,
+            result.table_wakes
+        );
+        results.push(result);
+    }
+    drop(watch);
+    drop(readers);
+    if let Err(err) = supervisor.stop() {
+        eprintln!("supervisor did not stop cleanly: {err}");
+    }
+    SizeResult {
+        undisturbed: !options.table_watch && readers_started == 0,
+        daemon,
+        targets,
+        readers: readers_started,
+        cycles: results,
+        timeline,
+    }
+}
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn ms(us: u64) -> String {
+    format!("{:.3}", us as f64 / 1000.0)
+}
+
+fn row(measure: &str, result: &SizeResult, mut values: Vec<u64>, missing: usize, target: &str) {
+    values.sort_unstable();
+    let (p50, p99, max) = if values.is_empty() {
+        ("-".to_owned(), "-".to_owned(), "-".to_owned())
+    } else {
+        (ms(percentile(&values, 50.0)), ms(percentile(&values, 99.0)), ms(*values.last().unwrap_or(&0)))
+    };
+    let missing = if missing > 0 { format!(" ({missing} missing)") } else { String::new() };
+    println!(
+        "{:<7} {:>5}  {:<38} {:>6}{missing}  {:>9}  {:>9}  {:>9}  {target}",
+        result.daemon.name(),
+        result.targets,
+        measure,
+        values.len(),
+        p50,
+        p99,
+        max
+    );
+}
+
+fn report(results: &[SizeResult], options: &Options) {
+    println!();
+    println!("heal latency, crash -> restart (unmount, then mount), ms");
+    println!("(a), (b): from the new global mount appearing in the sandbox's mount table (EPOLLPRI wake-up of a");
+    println!(
+        "  watcher on its mountinfo, read at once); after that the watcher spends at most {}% of its time",
+        options.watch_duty_percent
+    );
+    println!("  reading (each read holds the namespace lock the heal needs), so (a) can be late by its longest");
+    println!("  pause (listed below per N).");
+    println!("(b): container readers poll every {:?}; their own timestamps.", options.reader_interval);
+    println!("supervisor: its logged latency_us (loop wake-up for the table change -> heal done), max per cycle;");
+    println!("  \"undisturbed\" rows are a second run without readers and without the watcher.");
+    println!("percentiles are nearest-rank over the n samples (p99 of 20 samples is the max).");
+    println!();
+    println!(
+        "{:<7} {:>5}  {:<38} {:>6}  {:>9}  {:>9}  {:>9}  target",
+        "daemon", "N", "measure", "n", "p50", "p99", "max"
+    );
+    for result in results {
+        let cycles = &result.cycles;
+        let collect = |f: fn(&Cycle) -> Option<u64>| -> (Vec<u64>, usize) {
+            let values: Vec<u64> = cycles.iter().filter_map(f).collect();
+            let missing = cycles.len() - values.len();
+            (values, missing)
+        };
+        let heal_target = if result.targets == 100 { "100 targets healed: p99 < 10 ms" } else { "" };
+        if result.undisturbed {
+            let (values, missing) = collect(|c| c.supervisor_us);
+            row("supervisor latency_us, undisturbed", result, values, missing, heal_target);
+            continue;
+        }
+        if cycles.iter().any(|c| c.healed_us.is_some()) {
+            let (values, missing) = collect(|c| c.reachable_us);
+            row("(a1) all targets seen on the new mount", result, values, missing, "");
+            let (values, missing) = collect(|c| c.healed_us);
+            row("(a2) all targets healed, 1 layer", result, values, missing, heal_target);
+        }
+        if result.readers > 0 && cycles.iter().any(|c| c.all_read_us.is_some()) {
+            let (values, missing) = collect(|c| c.all_read_us);
+            let sampled = if result.readers < result.targets { " sampled" } else { "" };
+            row(&format!("(b)  all {}{sampled} readers read", result.readers), result, values, missing, "");
+            let per_reader: Vec<u64> = cycles.iter().flat_map(|c| c.per_reader_us.iter().copied()).collect();
+            row("(b') each reader reads (pooled)", result, per_reader, 0, "");
+        }
+        let (values, missing) = collect(|c| c.supervisor_us);
+        row("supervisor latency_us", result, values, missing, "");
+    }
+    println!();
+    for result in results {
+        let lines: Vec<usize> = result.cycles.iter().map(|c| c.healed_lines).collect();
+        let run = if result.undisturbed { "undisturbed" } else { "measured" };
+        println!("{} N={} ({run}): \"healed\" log lines per cycle {:?}", result.daemon.name(), result.targets, lines);
+        if !result.undisturbed {
+            let wakes: Vec<u64> = result.cycles.iter().map(|c| c.table_wakes).collect();
+            let pause = result.cycles.iter().map(|c| c.watch_pause_us).max().unwrap_or(0);
+            println!("  table watcher wake-ups per cycle {wakes:?}; longest pause between reads {} ms", ms(pause));
+        }
+        if result.readers < result.targets && result.readers > 0 {
+            println!("  readers sampled: {} of {} targets (evenly spread)", result.readers, result.targets);
+        }
+        let anchor = if result.undisturbed { "the restart call" } else { "the new mount appeared" };
+        println!("  supervisor log of the last cycle (first line of each message, ms after {anchor}):");
+        for line in &result.timeline {
+            println!("    {line}");
+        }
+    }
+}
+
+fn main() {
+    let options = Options::parse();
+    if !is_root() {
+        eprintln!("heal_latency needs root (mount namespaces, /dev/fuse): skipped");
+        return;
+    }
+    let mut results = Vec::new();
+    for &daemon in &options.daemons {
+        for &targets in &options.sizes {
+            results.push(run_size(&options, daemon, targets));
+            if options.clean_pass && (options.table_watch || !options.reader_indices(targets).is_empty()) {
+                results.push(run_size(&options.undisturbed(), daemon, targets));
+            }
+        }
+    }
+    report(&results, &options);
+}
+
+fn is_root() -> bool {
+    // /proc/self/status is always there on Linux; unreadable means "no".
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Uid:").map(|ids| ids.split_whitespace().nth(1) == Some("0")))
+        })
+        .unwrap_or(false)
+}
