@@ -1,4 +1,5 @@
 //! Heal planning: a pure function of a classified table and the journal.
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::state::{Journal, Mapping};
@@ -120,7 +121,7 @@ pub struct HealBatch {
 
 /// Heal batches for every source with broken or stale-layered targets.
 /// `confirmed_broken` are targets judged `Unknown` that a probe found dead.
-pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &[PathBuf]) -> Vec<HealBatch> {
+pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &BTreeSet<PathBuf>) -> Vec<HealBatch> {
     let mut batches: Vec<HealBatch> = Vec::new();
     for (path, target) in &classified.targets {
         let mapping = journal.get(path);
@@ -211,7 +212,7 @@ mod tests {
         assert_eq!(sub.root_in_source, Path::new("sub"));
         assert_eq!(sub.kind, TargetKind::Subpath);
         assert_eq!(journal.get(Path::new(POD_A)).unwrap().root_in_source, Path::new(""));
-        assert!(plan(&classify(&healthy()), &journal, &[]).is_empty());
+        assert!(plan(&classify(&healthy()), &journal, &BTreeSet::new()).is_empty());
     }
 
     #[test]
@@ -222,7 +223,7 @@ mod tests {
             let mapping = journal.get(&target.stack.path);
             assert_eq!(assess(target, mapping, &classified), Assessment::Broken);
         }
-        let batches = plan(&classified, &journal, &[]);
+        let batches = plan(&classified, &journal, &BTreeSet::new());
         assert_eq!(batches.len(), 1);
         assert_eq!(batches[0].source.top().mount_id, 20);
         let order: Vec<&Path> = batches[0].targets.iter().map(|t| t.path.as_path()).collect();
@@ -237,7 +238,7 @@ mod tests {
         let classified = classify(&down);
         let target = &classified.targets[Path::new(POD_A)];
         assert_eq!(assess(target, journal.get(Path::new(POD_A)), &classified), Assessment::SourceDown);
-        assert!(plan(&classified, &journal, &[]).is_empty());
+        assert!(plan(&classified, &journal, &BTreeSet::new()).is_empty());
     }
 
     #[test]
@@ -254,7 +255,7 @@ mod tests {
             |path: &str| assess(&classified.targets[Path::new(path)], journal.get(Path::new(path)), &classified);
         assert_eq!(assessment(POD_A), Assessment::StaleLayers);
         assert_eq!(assessment(SUB), Assessment::Broken);
-        let batches = plan(&classified, &journal, &[]);
+        let batches = plan(&classified, &journal, &BTreeSet::new());
         assert_eq!(batches[0].targets.len(), 1);
         assert_eq!(batches[0].targets[0].path, Path::new(SUB));
     }
@@ -265,6 +266,6 @@ mod tests {
         let classified = classify(&table);
         let target = &classified.targets[Path::new(POD_A)];
         assert_eq!(assess(target, None, &classified), Assessment::Unmanaged);
-        assert!(plan(&classified, &Journal::in_memory(), &[]).is_empty());
+        assert!(plan(&classified, &Journal::in_memory(), &BTreeSet::new()).is_empty());
     }
 }

@@ -280,7 +280,7 @@ impl<E: Executor> Supervisor<E> {
             error!(%err, "cannot save state");
         }
         self.probe_unknown_targets(&classified);
-        let batches = plan::plan(&classified, &self.journal, &self.dead_targets());
+        let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
         debug!(
             mounts = classified.total_mounts,
             targets = classified.targets.len(),
@@ -338,12 +338,9 @@ impl<E: Executor> Supervisor<E> {
                 self.records.entry(path.clone()).or_insert(TargetRecord { state: TargetState::Healthy, attempts: 0 });
             let next = match (&record.state, &assessment) {
                 (_, Assessment::Unmanaged) => continue,
-                (TargetState::Healthy | TargetState::Healed { .. }, Assessment::Healthy | Assessment::StaleLayers) => {
-                    TargetState::Healthy
-                }
+                // Healthy again without a heal of ours (propagation is
+                // reported by report_propagated_heals).
                 (TargetState::Broken { since }, Assessment::Healthy | Assessment::StaleLayers) => {
-                    // Healed without us: a daemon that mounted over its stale mount.
-                    info!(target = %path.display(), source = ?mapping.map(|m| &m.source), "healed by propagation");
                     TargetState::Healed { outage: since.elapsed().ok() }
                 }
                 (_, Assessment::Healthy | Assessment::StaleLayers) => TargetState::Healthy,
@@ -403,10 +400,6 @@ impl<E: Executor> Supervisor<E> {
         {
             error!(source = %source.display(), ?err, "cannot start probe");
         }
-    }
-
-    fn dead_targets(&self) -> Vec<PathBuf> {
-        self.dead_targets.iter().cloned().collect()
     }
 
     /// A target on neither its source's connection nor the recorded one
@@ -469,7 +462,7 @@ impl<E: Executor> Supervisor<E> {
         };
         // The table may have moved on while the probe ran: plan afresh.
         let Some(classified) = self.read_table() else { return };
-        let Some(mut batch) = plan::plan(&classified, &self.journal, &self.dead_targets())
+        let Some(mut batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
             .into_iter()
             .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
         else {
@@ -567,7 +560,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) {
         supervisor.journal.save()?;
     }
-    let batches = plan::plan(&classified, &supervisor.journal, &[]);
+    let batches = plan::plan(&classified, &supervisor.journal, &BTreeSet::new());
     let _ = writeln!(
         out,
         "{} broken target(s) in {} source(s)",

@@ -102,12 +102,13 @@ pub enum Role {
 /// The kubelet tree's shape.
 #[derive(Clone, Debug)]
 pub struct Layout {
+    kubelet_root: PathBuf,
     pods_dir: PathBuf,
 }
 
 impl Layout {
     pub fn new(kubelet_root: &Path) -> Self {
-        Layout { pods_dir: kubelet_root.join("pods") }
+        Layout { kubelet_root: kubelet_root.to_path_buf(), pods_dir: kubelet_root.join("pods") }
     }
 
     pub fn pods_dir(&self) -> &Path {
@@ -219,9 +220,10 @@ impl Classified {
     /// the one outside the kubelet tree is the real global mount.
     pub fn source_of_peer(&self, target: &Target, layout: &Layout) -> Option<&Stack> {
         let group = target.stack.top().peer_group?;
-        self.sources.values().filter(|source| source.top().peer_group == Some(group)).min_by_key(|source| {
-            (source.path.starts_with(layout.pods_dir.parent().unwrap_or(Path::new("/"))), source.top().mount_id)
-        })
+        self.sources
+            .values()
+            .filter(|source| source.top().peer_group == Some(group))
+            .min_by_key(|source| (source.path.starts_with(&layout.kubelet_root), source.top().mount_id))
     }
 }
 
