@@ -1,0 +1,568 @@
+//! The part of a v1 `PodList` (what the kubelet's `GET /pods` returns) that
+//! restart confirmation needs.
+//!
+//! Unknown fields are ignored and everything the API may omit or write as
+//! `null` (Go encodes a nil slice or map as `null`) falls back to its default,
+//! so a newer kubelet with more fields parses the same.
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::SystemTime;
+
+use serde::{Deserialize, Deserializer};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+/// A JSON body that is not a `PodList` we can read.
+#[derive(Debug, thiserror::Error)]
+#[error("pod list is not valid at {path}")]
+pub struct ParseError {
+    /// Where in the document it went wrong, e.g. `items[3].status.containerStatuses[0].state.running.startedAt`.
+    pub path: String,
+    pub line: usize,
+    pub column: usize,
+    #[source]
+    pub source: serde_json::Error,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodList {
+    #[serde(default, deserialize_with = "nullable")]
+    pub items: Vec<Pod>,
+}
+
+impl PodList {
+    /// Parses a `/pods` response body.
+    pub fn from_slice(body: &[u8]) -> Result<Self, ParseError> {
+        // The plain parse is the fast path; only a failure pays for a second
+        // pass that tracks where in the document the error is.
+        serde_json::from_slice(body).map_err(|plain| {
+            let mut de = serde_json::Deserializer::from_slice(body);
+            match serde_path_to_error::deserialize::<_, PodList>(&mut de) {
+                Err(located) => {
+                    let path = located.path().to_string();
+                    let source = located.into_inner();
+                    ParseError { path, line: source.line(), column: source.column(), source }
+                }
+                // Cannot happen (same input, same types); keep the plain error.
+                Ok(_) => ParseError { path: ".".into(), line: plain.line(), column: plain.column(), source: plain },
+            }
+        })
+    }
+
+    /// The pod with this UID.
+    pub fn pod(&self, uid: &str) -> Option<&Pod> {
+        self.items.iter().find(|pod| pod.metadata.uid == uid)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pod {
+    #[serde(default)]
+    pub metadata: PodMeta,
+    #[serde(default)]
+    pub spec: PodSpec,
+    #[serde(default)]
+    pub status: PodStatus,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodMeta {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: String,
+    #[serde(default)]
+    pub uid: String,
+    #[serde(default, deserialize_with = "nullable")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodSpec {
+    #[serde(default)]
+    pub node_name: String,
+    /// `Always`, `OnFailure` or `Never`; the API server defaults it to `Always`.
+    #[serde(default)]
+    pub restart_policy: Option<String>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub volumes: Vec<Volume>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub containers: Vec<Container>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub init_containers: Vec<Container>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub host_path: Option<HostPathSource>,
+    #[serde(default)]
+    pub csi: Option<CsiSource>,
+    #[serde(default)]
+    pub persistent_volume_claim: Option<PvcSource>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HostPathSource {
+    #[serde(default)]
+    pub path: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CsiSource {
+    #[serde(default)]
+    pub driver: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PvcSource {
+    #[serde(default)]
+    pub claim_name: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Container {
+    #[serde(default)]
+    pub name: String,
+    /// Only on init containers: `Always` makes it a native sidecar, which
+    /// keeps running (and restarting) beside the app containers.
+    #[serde(default)]
+    pub restart_policy: Option<String>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+impl Container {
+    /// Whether this (init) container is a native sidecar.
+    pub fn is_native_sidecar(&self) -> bool {
+        self.restart_policy.as_deref() == Some("Always")
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub mount_path: String,
+    /// `None`, `HostToContainer` or `Bidirectional`; absent means `None`.
+    #[serde(default)]
+    pub mount_propagation: Option<String>,
+    #[serde(default)]
+    pub sub_path: Option<String>,
+}
+
+impl VolumeMount {
+    pub fn is_bidirectional(&self) -> bool {
+        self.mount_propagation.as_deref() == Some("Bidirectional")
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodStatus {
+    /// `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
+    #[serde(default)]
+    pub phase: Option<String>,
+    #[serde(default, deserialize_with = "nullable")]
+    pub container_statuses: Vec<ContainerStatus>,
+    /// Includes native sidecars, which run for the pod's whole life.
+    #[serde(default, deserialize_with = "nullable")]
+    pub init_container_statuses: Vec<ContainerStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerStatus {
+    #[serde(default)]
+    pub name: String,
+    /// `<runtime>://<id>`, e.g. `containerd://<64 hex>`; absent until the
+    /// container was created once. Changes on every restart.
+    #[serde(default, rename = "containerID")]
+    pub container_id: Option<String>,
+    #[serde(default)]
+    pub restart_count: u32,
+    #[serde(default)]
+    pub state: ContainerState,
+    /// The previous instance, after a restart (its `terminated` says why).
+    #[serde(default)]
+    pub last_state: ContainerState,
+}
+
+impl ContainerStatus {
+    /// When the current instance started: `state.running.startedAt`, or
+    /// `state.terminated.startedAt` if it has already exited; `None` while
+    /// it waits to (re)start.
+    pub fn started_at(&self) -> Option<SystemTime> {
+        let running = self.state.running.as_ref().and_then(|running| running.started_at);
+        let terminated = self.state.terminated.as_ref().and_then(|terminated| terminated.started_at);
+        running.or(terminated).map(SystemTime::from)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.state.running.is_some()
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerState {
+    #[serde(default)]
+    pub running: Option<Running>,
+    #[serde(default)]
+    pub terminated: Option<Terminated>,
+    #[serde(default)]
+    pub waiting: Option<Waiting>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Running {
+    #[serde(default)]
+    pub started_at: Option<Timestamp>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Terminated {
+    #[serde(default)]
+    pub exit_code: i32,
+    /// E.g. `Completed`, `Error`, `OOMKilled`.
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub started_at: Option<Timestamp>,
+    #[serde(default)]
+    pub finished_at: Option<Timestamp>,
+    #[serde(default, rename = "containerID")]
+    pub container_id: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Waiting {
+    /// E.g. `ContainerCreating`, `CrashLoopBackOff`.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// A `hostPath` volume that a container mounts with Bidirectional
+/// propagation: how a FUSE daemon in a pod publishes its mount to the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BidirectionalHostPath<'a> {
+    pub container: &'a str,
+    /// The directory on the node.
+    pub host_path: &'a str,
+    /// Where the container sees it.
+    pub mount_path: &'a str,
+}
+
+impl Pod {
+    /// The status of the container with this name, app or init (native
+    /// sidecars report in `initContainerStatuses`).
+    pub fn container_status(&self, name: &str) -> Option<&ContainerStatus> {
+        self.status.container_statuses.iter().chain(&self.status.init_container_statuses).find(|s| s.name == name)
+    }
+
+    /// The spec of the container with this name, app or init.
+    pub fn container(&self, name: &str) -> Option<&Container> {
+        self.spec.containers.iter().chain(&self.spec.init_containers).find(|c| c.name == name)
+    }
+
+    pub fn volume(&self, name: &str) -> Option<&Volume> {
+        self.spec.volumes.iter().find(|volume| volume.name == name)
+    }
+
+    /// Every hostPath volume mounted with Bidirectional propagation, per
+    /// container (init containers included).
+    pub fn bidirectional_host_paths(&self) -> impl Iterator<Item = BidirectionalHostPath<'_>> {
+        self.spec.containers.iter().chain(&self.spec.init_containers).flat_map(move |container| {
+            container.volume_mounts.iter().filter(|mount| mount.is_bidirectional()).filter_map(move |mount| {
+                let host = self.volume(&mount.name)?.host_path.as_ref()?;
+                Some(BidirectionalHostPath {
+                    container: &container.name,
+                    host_path: &host.path,
+                    mount_path: &mount.mount_path,
+                })
+            })
+        })
+    }
+}
+
+/// An RFC 3339 time as the API writes it (`2025-03-04T05:06:07Z`, second
+/// precision); fractional seconds and offsets are accepted too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Timestamp(pub SystemTime);
+
+impl Timestamp {
+    pub fn parse(text: &str) -> Result<Self, time::error::Parse> {
+        OffsetDateTime::parse(text, &Rfc3339).map(|at| Self(at.into()))
+    }
+}
+
+impl From<Timestamp> for SystemTime {
+    fn from(at: Timestamp) -> Self {
+        at.0
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Formatting a UTC time as RFC 3339 fails only for years past 9999,
+        // which no SystemTime we parsed can hold.
+        match OffsetDateTime::from(self.0).format(&Rfc3339) {
+            Ok(text) => f.write_str(&text),
+            Err(_) => write!(f, "{:?}", self.0),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Timestamp {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = std::borrow::Cow::<str>::deserialize(deserializer)?;
+        Self::parse(&text)
+            .map_err(|err| serde::de::Error::custom(format!("invalid RFC 3339 timestamp {text:?}: {err}")))
+    }
+}
+
+/// `null` → the default, for the lists and maps Go writes as `null` when nil.
+fn nullable<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::*;
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    fn fixture(name: &str) -> PodList {
+        let path = format!("{}/fixtures/kubelet/{name}", env!("CARGO_MANIFEST_DIR"));
+        let body = std::fs::read(&path).unwrap_or_else(|err| panic!("{path}: {err}"));
+        PodList::from_slice(&body).unwrap_or_else(|err| panic!("{path}: {err}: {}", err.source))
+    }
+
+    fn by_name<'a>(list: &'a PodList, prefix: &str) -> &'a Pod {
+        list.items.iter().find(|pod| pod.metadata.name.starts_with(prefix)).unwrap()
+    }
+
+    fn id(status: &ContainerStatus) -> &str {
+        status.container_id.as_deref().unwrap()
+    }
+
+    #[test]
+    fn every_fixture_parses() {
+        let dir = format!("{}/fixtures/kubelet", env!("CARGO_MANIFEST_DIR"));
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .filter(|name| name.ends_with(".json"))
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 4, "{names:?}");
+        for name in names {
+            let list = fixture(&name);
+            assert!(!list.items.is_empty(), "{name}");
+            for pod in &list.items {
+                assert!(!pod.metadata.uid.is_empty() && !pod.spec.node_name.is_empty(), "{name}");
+                for status in pod.status.container_statuses.iter().chain(&pod.status.init_container_statuses) {
+                    assert!(id(status).starts_with("containerd://") && id(status).len() == 13 + 64, "{name}");
+                    assert!(pod.container(&status.name).is_some(), "{name}: {} has no spec", status.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn juicefs_mount_pod_and_its_restart() {
+        let before = fixture("juicefs-mount-pod.json");
+        let after = fixture("juicefs-mount-pod-restarted.json");
+        let mount_pod = by_name(&before, "juicefs-node-a-pvc-");
+        assert_eq!(mount_pod.metadata.labels["app.kubernetes.io/name"], "juicefs-mount");
+        assert_eq!(mount_pod.spec.restart_policy.as_deref(), Some("Always"));
+        let owned: Vec<_> = mount_pod.bidirectional_host_paths().collect();
+        assert_eq!(
+            owned,
+            [BidirectionalHostPath {
+                container: "jfs-mount",
+                host_path: "/var/lib/juicefs/volume",
+                mount_path: "/jfs"
+            }]
+        );
+        // The CSI node pod holds the same directory Bidirectional too.
+        let csi_node = by_name(&before, "juicefs-csi-node-");
+        assert!(csi_node.bidirectional_host_paths().any(|b| b.host_path == "/var/lib/juicefs/volume"));
+        assert!(csi_node.bidirectional_host_paths().any(|b| b.host_path == "/var/lib/kubelet"));
+
+        let app = by_name(&before, "web-");
+        assert_eq!(app.volume("data").unwrap().persistent_volume_claim.as_ref().unwrap().claim_name, "juicefs-pvc");
+        assert_eq!(
+            by_name(&before, "inline-reader").volume("scratch").unwrap().csi.as_ref().unwrap().driver,
+            "csi.juicefs.com"
+        );
+
+        let old = before.pod(&mount_pod.metadata.uid).unwrap().container_status("jfs-mount").unwrap();
+        let new = after.pod(&mount_pod.metadata.uid).unwrap().container_status("jfs-mount").unwrap();
+        assert_ne!(id(old), id(new));
+        assert_eq!((old.restart_count, new.restart_count), (0, 1));
+        assert!(new.started_at().unwrap() > old.started_at().unwrap());
+        let last = new.last_state.terminated.as_ref().unwrap();
+        assert_eq!((last.exit_code, last.reason.as_deref()), (137, Some("OOMKilled")));
+        assert_eq!(last.container_id.as_deref(), Some(id(old)));
+        // Nothing else on the node changed.
+        for pod in before.items.iter().filter(|pod| pod.metadata.uid != mount_pod.metadata.uid) {
+            assert_eq!(Some(pod), after.pod(&pod.metadata.uid));
+        }
+    }
+
+    #[test]
+    fn fluid_fuse_daemonset() {
+        let list = fixture("fluid-fuse-daemonset.json");
+        let fuse = by_name(&list, "shared-data-fuse-");
+        let owned: Vec<_> = fuse.bidirectional_host_paths().collect();
+        assert_eq!(owned.len(), 1);
+        assert_eq!(
+            (owned[0].container, owned[0].host_path),
+            ("juicefs-fuse", "/runtime-mnt/juicefs/default/shared-data")
+        );
+        let csi = by_name(&list, "csi-nodeplugin-fluid-");
+        assert!(csi.bidirectional_host_paths().any(|b| b.host_path == "/runtime-mnt"));
+        let app = by_name(&list, "trainer-0");
+        assert_eq!(app.volume("dataset").unwrap().persistent_volume_claim.as_ref().unwrap().claim_name, "shared-data");
+        assert!(app.container_status("trainer").unwrap().is_running());
+    }
+
+    #[test]
+    fn native_sidecar_and_job() {
+        let list = fixture("native-sidecar-and-job.json");
+        let pod = by_name(&list, "inference-");
+        let sidecar = pod.container("fuse-sidecar").unwrap();
+        assert!(sidecar.is_native_sidecar() && !pod.container("init-config").unwrap().is_native_sidecar());
+        let mount = &sidecar.volume_mounts[0];
+        assert!(mount.is_bidirectional() && pod.volume(&mount.name).unwrap().host_path.is_none());
+        // Native sidecars report in initContainerStatuses.
+        let status = pod.container_status("fuse-sidecar").unwrap();
+        assert!(pod.status.container_statuses.iter().all(|s| s.name != "fuse-sidecar"));
+        assert!(status.is_running() && status.restart_count == 1);
+        assert_eq!(status.last_state.terminated.as_ref().unwrap().reason.as_deref(), Some("Error"));
+        assert_eq!(
+            pod.container("app").unwrap().volume_mounts[0].mount_propagation.as_deref(),
+            Some("HostToContainer")
+        );
+        let init = pod.container_status("init-config").unwrap();
+        assert_eq!(init.state.terminated.as_ref().unwrap().reason.as_deref(), Some("Completed"));
+
+        let job = by_name(&list, "etl-");
+        assert_eq!(job.spec.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(job.status.phase.as_deref(), Some("Succeeded"));
+        for status in &job.status.container_statuses {
+            let done = status.state.terminated.as_ref().unwrap();
+            assert_eq!(done.exit_code, 0);
+            assert!(!status.is_running() && status.started_at().is_some());
+            assert!(done.finished_at.unwrap() > done.started_at.unwrap());
+        }
+    }
+
+    #[test]
+    fn timestamps_in_every_rfc3339_shape() {
+        // 2025-03-04T05:06:07Z
+        let base = at(1_741_064_767);
+        assert_eq!(Timestamp::parse("2025-03-04T05:06:07Z").unwrap().0, base);
+        assert_eq!(Timestamp::parse("2025-03-04T05:06:07.250Z").unwrap().0, base + Duration::from_millis(250));
+        assert_eq!(
+            Timestamp::parse("2025-03-04T05:06:07.123456789Z").unwrap().0,
+            base + Duration::from_nanos(123_456_789)
+        );
+        assert_eq!(Timestamp::parse("2025-03-04T07:06:07+02:00").unwrap().0, base);
+        assert_eq!(Timestamp::parse("2025-03-03T23:36:07-05:30").unwrap().0, base);
+        assert_eq!(Timestamp::parse("1970-01-01T00:00:00Z").unwrap().0, UNIX_EPOCH);
+        assert_eq!(Timestamp::parse("1969-12-31T23:59:59Z").unwrap().0, UNIX_EPOCH - Duration::from_secs(1));
+        assert_eq!(Timestamp(base).to_string(), "2025-03-04T05:06:07Z");
+        for bad in ["", "2025-03-04", "2025-03-04T05:06:07", "2025-13-04T05:06:07Z", "yesterday"] {
+            assert!(Timestamp::parse(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn a_bad_timestamp_names_its_field_path() {
+        let body = br#"{"kind":"PodList","items":[{"metadata":{"name":"a"}},{"status":{"containerStatuses":[
+            {"name":"c","state":{"running":{"startedAt":"2025-03-04T05:06:07"}}}]}}]}"#;
+        let err = PodList::from_slice(body).unwrap_err();
+        assert_eq!(err.path, "items[1].status.containerStatuses[0].state.running.startedAt");
+        assert_eq!(err.line, 2);
+        let message = format!("{err}: {}", err.source);
+        assert!(message.contains("invalid RFC 3339 timestamp \"2025-03-04T05:06:07\""), "{message}");
+    }
+
+    #[test]
+    fn syntax_errors_have_a_path_and_position() {
+        let err = PodList::from_slice(br#"{"items":[{"spec":{"containers":[}]}"#).unwrap_err();
+        assert_eq!(err.path, "items[0].spec.containers[0]");
+        assert_eq!((err.line, err.column), (1, 34));
+        assert!(PodList::from_slice(b"").is_err());
+        assert!(
+            PodList::from_slice(br#"{"items":[{"metadata":{"uid":42}}]}"#).unwrap_err().path == "items[0].metadata.uid"
+        );
+    }
+
+    #[test]
+    fn nulls_and_absent_fields_default() {
+        let list = PodList::from_slice(
+            br#"{"kind":"PodList","apiVersion":"v1","metadata":{},"items":[{"metadata":{"name":"p","labels":null},
+            "spec":{"volumes":null,"containers":[{"name":"c","volumeMounts":null}]},
+            "status":{"containerStatuses":[{"name":"c","state":{"running":{"startedAt":null}},"lastState":{}}]}}]}"#,
+        )
+        .unwrap();
+        let pod = &list.items[0];
+        assert!(pod.metadata.labels.is_empty() && pod.spec.volumes.is_empty());
+        let status = pod.container_status("c").unwrap();
+        assert!(status.is_running() && status.started_at().is_none() && status.container_id.is_none());
+        assert_eq!(PodList::from_slice(br#"{"items":null}"#).unwrap(), PodList::default());
+        assert_eq!(PodList::from_slice(b"{}").unwrap(), PodList::default());
+    }
+
+    #[test]
+    fn started_at_prefers_the_running_instance() {
+        let status: ContainerStatus = serde_json::from_str(
+            r#"{"name":"c","restartCount":1,"state":{"running":{"startedAt":"2025-03-04T05:06:08Z"}},
+            "lastState":{"terminated":{"exitCode":137,"reason":"OOMKilled","startedAt":"2025-03-04T05:00:00Z",
+            "finishedAt":"2025-03-04T05:06:07Z","containerID":"containerd://aa"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(status.started_at(), Some(at(1_741_064_768)));
+        let old = status.last_state.terminated.as_ref().unwrap();
+        assert_eq!((old.exit_code, old.reason.as_deref()), (137, Some("OOMKilled")));
+        assert_eq!(old.finished_at.unwrap().0, at(1_741_064_767));
+
+        let exited: ContainerStatus = serde_json::from_str(
+            r#"{"name":"c","state":{"terminated":{"exitCode":0,"startedAt":"2025-03-04T05:06:07Z"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(exited.started_at(), Some(at(1_741_064_767)));
+        let waiting: ContainerStatus =
+            serde_json::from_str(r#"{"name":"c","state":{"waiting":{"reason":"CrashLoopBackOff"}}}"#).unwrap();
+        assert_eq!(waiting.started_at(), None);
+    }
+}
