@@ -4,8 +4,10 @@
 //! A [`Sandbox`] is a mount namespace of its own with a node-like layout
 //! (shared tmpfs, `kubelet/pods`, `runtime`); a [`ContainerReader`] is a
 //! process made like a runc container (see [`container`]) that reads one
-//! volume in a loop and reports what it sees.
+//! volume in a loop and reports what it sees. A [`kubelet::KubeletStandIn`]
+//! answers `/pods` over HTTPS like a node's kubelet.
 pub mod container;
+pub mod kubelet;
 mod reader;
 mod sandbox;
 pub mod scenario;

@@ -1,0 +1,635 @@
+//! A blocking client for the one kubelet call fuse-supervisor makes:
+//! `GET https://<node>:10250/pods`.
+//!
+//! Why rustls over a `TcpStream` and a small HTTP/1.1 exchange, not ureq:
+//! pinning needs a verifier that accepts exactly one serving certificate
+//! (kubelets with self-signed certificates are common), and ureq 3's TLS
+//! settings take root certificates or no verification, not a custom rustls
+//! verifier, short of writing our own connector on its unversioned transport
+//! API. What is left to write is small: one request with `Connection: close`,
+//! a response framed by `Content-Length` or chunks (what Go's net/http sends;
+//! see `http.rs`), and one deadline over every socket operation so that the
+//! read timeout bounds the whole response, not each read. rustls runs on the
+//! ring provider, which builds without cmake.
+use std::fmt;
+use std::fs;
+use std::io::{self, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::WebPkiSupportedAlgorithms;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tracing::warn;
+
+use super::http::{self, HttpError};
+use super::pods::{ParseError, PodList};
+
+/// Where a pod's service-account token is mounted.
+pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+/// The kubelet's authenticated HTTPS port.
+pub const DEFAULT_PORT: u16 = 10250;
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest `/pods` body accepted: a full node (110 pods) is about 1 MiB.
+pub const MAX_BODY: usize = 64 * 1024 * 1024;
+/// How much of an error response's body goes into the error message.
+const SNIPPET: usize = 200;
+
+#[derive(Clone, Debug)]
+pub struct KubeletConfig {
+    /// The node's IP or name; the TLS certificate must name it (unless pinned).
+    pub host: String,
+    pub port: u16,
+    /// Bearer token file, re-read on every call; `None` sends no token.
+    pub token_file: Option<PathBuf>,
+    pub tls: KubeletTls,
+    /// Bounds the TCP connect and, again, the TLS handshake.
+    pub connect_timeout: Duration,
+    /// Bounds the whole exchange after the handshake: request, headers and
+    /// the complete body.
+    pub read_timeout: Duration,
+    pub authz: KubeletAuthz,
+}
+
+impl KubeletConfig {
+    /// The defaults: port 10250, the pod's service-account token, 2 s to
+    /// connect, 5 s for the response, `nodes/pods` authorization.
+    pub fn new(host: impl Into<String>, tls: KubeletTls) -> Self {
+        Self {
+            host: host.into(),
+            port: DEFAULT_PORT,
+            token_file: Some(PathBuf::from(DEFAULT_TOKEN_FILE)),
+            tls,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            authz: KubeletAuthz::NodesPods,
+        }
+    }
+}
+
+/// How the kubelet's serving certificate is checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KubeletTls {
+    /// PEM file of the CA(s) that sign kubelet serving certificates
+    /// (`--kubelet-ca-file`); the certificate must also name the host.
+    CaFile(PathBuf),
+    /// PEM file whose first certificate is the kubelet's serving certificate:
+    /// exactly that certificate is accepted, whatever its names, issuer or
+    /// dates (the pin is the trust decision), and the handshake must still
+    /// be signed by its key.
+    PinnedCertFile(PathBuf),
+    /// No verification at all; warns on every client start.
+    InsecureSkipVerify,
+}
+
+/// Which RBAC rule the service account relies on. The request is the same;
+/// this decides what a 403 asks the operator to grant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KubeletAuthz {
+    /// `get` on `nodes/pods` (fine-grained kubelet authorization, 1.33+).
+    #[default]
+    NodesPods,
+    /// `get` on `nodes/proxy`: works on older clusters, but also allows exec
+    /// into any pod on the node; an explicit opt-in.
+    NodesProxy,
+}
+
+impl KubeletAuthz {
+    fn rule(self) -> &'static str {
+        match self {
+            Self::NodesPods => {
+                "grant `get` on `nodes/pods` to this service account \
+                 (needs fine-grained kubelet authorization, Kubernetes 1.33+)"
+            }
+            Self::NodesProxy => "grant `get` on `nodes/proxy` to this service account",
+        }
+    }
+}
+
+/// The step of a call that ran out of time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimeoutPhase {
+    Connect,
+    Tls,
+    Response,
+}
+
+impl fmt::Display for TimeoutPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Connect => "accept the connection",
+            Self::Tls => "finish the TLS handshake",
+            Self::Response => "send the whole /pods response",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("cannot read the kubelet {what} {path}")]
+    ReadTrust {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("the kubelet CA file {path} has no usable CA certificate")]
+    NoCa { path: PathBuf },
+    #[error("kubelet TLS setup failed")]
+    TlsSetup(#[source] Box<rustls::Error>),
+    #[error("{host:?} is not a valid kubelet host name or IP")]
+    BadHost { host: String },
+    #[error("cannot resolve the kubelet host {host}: check the node name or pass the node IP")]
+    Resolve {
+        host: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "cannot connect to the kubelet at {addr}: check the node IP and port, that the kubelet listens there \
+         and that no network policy blocks this pod"
+    )]
+    Connect {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the kubelet at {addr} did not {phase} within {limit:?}")]
+    Timeout { addr: String, phase: TimeoutPhase, limit: Duration },
+    #[error("TLS with the kubelet at {addr} failed, verifying against {trust}: {hint}")]
+    Tls {
+        addr: String,
+        trust: String,
+        hint: &'static str,
+        #[source]
+        source: Box<rustls::Error>,
+    },
+    #[error(
+        "the kubelet at {addr} rejected the bearer token{} (401): the token is invalid or expired, \
+         or the kubelet does not authenticate service-account tokens (--authentication-token-webhook)",
+        token_file.as_ref().map(|file| format!(" from {}", file.display())).unwrap_or_else(|| " (none was sent)".into())
+    )]
+    Unauthorized { addr: String, token_file: Option<PathBuf> },
+    #[error("the kubelet at {addr} forbids reading /pods (403): {} (kubelet said: {body})", authz.rule())]
+    Forbidden { addr: String, authz: KubeletAuthz, body: String },
+    #[error("the kubelet at {addr} answered /pods with HTTP {code}: {body}")]
+    Status { addr: String, code: u16, body: String },
+    #[error("the kubelet at {addr} sent a broken HTTP response")]
+    Protocol {
+        addr: String,
+        #[source]
+        source: HttpProblem,
+    },
+    #[error("reading the /pods response from the kubelet at {addr} failed")]
+    Read {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the kubelet at {addr} sent a /pods body that is not a valid PodList")]
+    Body {
+        addr: String,
+        #[source]
+        source: ParseError,
+    },
+    #[error("cannot use the kubelet bearer token file {file}")]
+    Token {
+        file: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// What was wrong with an HTTP response (opaque; see its message).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct HttpProblem(HttpError);
+
+impl KubeletError {
+    /// Whether calling again later may succeed without anyone changing the
+    /// configuration: network trouble, timeouts, a kubelet restarting
+    /// (5xx, 429, a broken response). TLS, 401, 403, a body we cannot read
+    /// and token or certificate files are not: they repeat until fixed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Resolve { .. }
+            | Self::Connect { .. }
+            | Self::Timeout { .. }
+            | Self::Protocol { .. }
+            | Self::Read { .. } => true,
+            Self::Status { code, .. } => *code >= 500 || *code == 429 || *code == 408,
+            Self::ReadTrust { .. }
+            | Self::NoCa { .. }
+            | Self::TlsSetup(_)
+            | Self::BadHost { .. }
+            | Self::Tls { .. }
+            | Self::Unauthorized { .. }
+            | Self::Forbidden { .. }
+            | Self::Body { .. }
+            | Self::Token { .. } => false,
+        }
+    }
+}
+
+/// A client for one kubelet; cheap to call repeatedly, one connection per call.
+#[derive(Debug)]
+pub struct KubeletClient {
+    config: KubeletConfig,
+    tls: Arc<ClientConfig>,
+    server_name: ServerName<'static>,
+    /// `host:port` as written in messages and the `Host` header.
+    addr: String,
+    /// What the certificate is checked against, for messages.
+    trust: String,
+}
+
+impl KubeletClient {
+    /// Loads the CA or pinned certificate; the token is read per call.
+    pub fn new(config: KubeletConfig) -> Result<Self, KubeletError> {
+        let addr = match config.host.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => format!("[{}]:{}", config.host, config.port),
+            Err(_) => format!("{}:{}", config.host, config.port),
+        };
+        let server_name = ServerName::try_from(config.host.clone())
+            .map_err(|_| KubeletError::BadHost { host: config.host.clone() })?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|err| KubeletError::TlsSetup(Box::new(err)))?;
+        let (tls, trust) = match &config.tls {
+            KubeletTls::CaFile(path) => {
+                let mut roots = RootCertStore::empty();
+                for cert in read_certs(path, "CA file")? {
+                    // Certificates that are not usable trust anchors are
+                    // skipped; none at all is an error below.
+                    let _ = roots.add(cert);
+                }
+                if roots.is_empty() {
+                    return Err(KubeletError::NoCa { path: path.clone() });
+                }
+                (builder.with_root_certificates(roots).with_no_client_auth(), format!("the CA in {}", path.display()))
+            }
+            KubeletTls::PinnedCertFile(path) => {
+                let pinned = read_certs(path, "pinned certificate file")?.into_iter().next();
+                let verifier = ExactCert { pinned, algorithms: provider.signature_verification_algorithms };
+                let trust = format!("the pinned certificate {}", path.display());
+                (builder.dangerous().with_custom_certificate_verifier(Arc::new(verifier)).with_no_client_auth(), trust)
+            }
+            KubeletTls::InsecureSkipVerify => {
+                warn!(
+                    kubelet = %addr,
+                    "kubelet TLS verification is off (insecure skip verify): anyone on the network path \
+                     can impersonate the kubelet and decide which heals happen"
+                );
+                let verifier = ExactCert { pinned: None, algorithms: provider.signature_verification_algorithms };
+                let trust = "nothing (verification is off)".to_string();
+                (builder.dangerous().with_custom_certificate_verifier(Arc::new(verifier)).with_no_client_auth(), trust)
+            }
+        };
+        Ok(Self { config, tls: Arc::new(tls), server_name, addr, trust })
+    }
+
+    /// `host:port` of the kubelet.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn config(&self) -> &KubeletConfig {
+        &self.config
+    }
+
+    /// `GET /pods`: every pod bound to this node, as the kubelet knows it.
+    pub fn pods(&self) -> Result<PodList, KubeletError> {
+        let token = self.config.token_file.as_deref().map(read_token).transpose()?;
+        let mut stream = self.connect()?;
+        let mut request = format!(
+            "GET /pods HTTP/1.1\r\nHost: {}\r\nUser-Agent: fuse-supervisor/{}\r\nAccept: application/json\r\n\
+             Connection: close\r\n",
+            self.addr,
+            env!("CARGO_PKG_VERSION")
+        );
+        if let Some(token) = &token {
+            request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        }
+        request.push_str("\r\n");
+
+        stream.deadline = Instant::now() + self.config.read_timeout;
+        stream.send(request.as_bytes()).map_err(|err| self.io_error(err, TimeoutPhase::Response))?;
+        let mut reader = BufReader::with_capacity(64 * 1024, stream);
+        let head = http::read_head(&mut reader).map_err(|err| self.http_error(err))?;
+        if head.status != 200 {
+            // The body only explains the status; a broken one does not matter.
+            let body = http::read_body(&mut reader, head.framing, 64 * 1024).unwrap_or_default();
+            return Err(self.status_error(head.status, &body));
+        }
+        let body = http::read_body(&mut reader, head.framing, MAX_BODY).map_err(|err| self.http_error(err))?;
+        PodList::from_slice(&body).map_err(|source| KubeletError::Body { addr: self.addr.clone(), source })
+    }
+
+    /// TCP connect and TLS handshake, each within the connect timeout.
+    fn connect(&self) -> Result<TlsStream, KubeletError> {
+        let addrs: Vec<SocketAddr> = (self.config.host.as_str(), self.config.port)
+            .to_socket_addrs()
+            .map_err(|source| KubeletError::Resolve { host: self.config.host.clone(), source })?
+            .collect();
+        let deadline = Instant::now() + self.config.connect_timeout;
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "the host resolved to no address");
+        let mut sock = None;
+        for addr in addrs {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                last = io::ErrorKind::TimedOut.into();
+                break;
+            }
+            match TcpStream::connect_timeout(&addr, left) {
+                Ok(connected) => {
+                    sock = Some(connected);
+                    break;
+                }
+                Err(err) => last = err,
+            }
+        }
+        let sock = sock.ok_or_else(|| self.io_error(last, TimeoutPhase::Connect))?;
+        // One small request; do not wait to coalesce it.
+        let _ = sock.set_nodelay(true);
+        let conn = ClientConnection::new(self.tls.clone(), self.server_name.clone())
+            .map_err(|err| KubeletError::TlsSetup(Box::new(err)))?;
+        let mut stream = TlsStream { conn, sock, deadline: Instant::now() + self.config.connect_timeout };
+        stream.handshake().map_err(|err| self.io_error(err, TimeoutPhase::Tls))?;
+        Ok(stream)
+    }
+
+    fn io_error(&self, err: io::Error, phase: TimeoutPhase) -> KubeletError {
+        let addr = self.addr.clone();
+        if err.kind() == io::ErrorKind::TimedOut {
+            let limit =
+                if phase == TimeoutPhase::Response { self.config.read_timeout } else { self.config.connect_timeout };
+            return KubeletError::Timeout { addr, phase, limit };
+        }
+        let err = match err.downcast::<rustls::Error>() {
+            Ok(source) => {
+                let hint = self.tls_hint(&source);
+                return KubeletError::Tls { addr, trust: self.trust.clone(), hint, source: Box::new(source) };
+            }
+            Err(err) => err,
+        };
+        match phase {
+            TimeoutPhase::Connect => KubeletError::Connect { addr, source: err },
+            TimeoutPhase::Tls | TimeoutPhase::Response => KubeletError::Read { addr, source: err },
+        }
+    }
+
+    fn http_error(&self, err: HttpError) -> KubeletError {
+        match err {
+            HttpError::Io(err) => self.io_error(err, TimeoutPhase::Response),
+            other => KubeletError::Protocol { addr: self.addr.clone(), source: HttpProblem(other) },
+        }
+    }
+
+    fn status_error(&self, code: u16, body: &[u8]) -> KubeletError {
+        let addr = self.addr.clone();
+        let body = snippet(body);
+        match code {
+            401 => KubeletError::Unauthorized { addr, token_file: self.config.token_file.clone() },
+            403 => KubeletError::Forbidden { addr, authz: self.config.authz, body },
+            _ => KubeletError::Status { addr, code, body },
+        }
+    }
+
+    fn tls_hint(&self, err: &rustls::Error) -> &'static str {
+        let rustls::Error::InvalidCertificate(cert) = err else {
+            return "the handshake failed; is this the kubelet's HTTPS port?";
+        };
+        match (cert, &self.config.tls) {
+            (CertificateError::ApplicationVerificationFailure, KubeletTls::PinnedCertFile(_)) => {
+                "the kubelet presented a different certificate; pin its current serving certificate \
+                 (it changes when the kubelet rotates it)"
+            }
+            (CertificateError::BadSignature, KubeletTls::CaFile(_)) => {
+                "the serving certificate is not signed by that CA (a CA of the same name but another key); \
+                 give the CA that signs kubelet serving certificates, or pin the serving certificate"
+            }
+            (CertificateError::UnknownIssuer, _) => {
+                "the serving certificate is not signed by that CA; give the CA that signs kubelet serving \
+                 certificates, or pin the serving certificate"
+            }
+            (CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. }, _) => {
+                "the serving certificate does not name this host; use the node IP or name it was issued for"
+            }
+            (CertificateError::Expired | CertificateError::ExpiredContext { .. }, _) => {
+                "the serving certificate has expired"
+            }
+            _ => "the serving certificate was rejected",
+        }
+    }
+}
+
+/// Reads every certificate of a PEM file.
+fn read_certs(path: &Path, what: &'static str) -> Result<Vec<CertificateDer<'static>>, KubeletError> {
+    let fail = |source| KubeletError::ReadTrust { what, path: path.to_path_buf(), source };
+    let certs = CertificateDer::pem_file_iter(path).map_err(fail)?.collect::<Result<Vec<_>, _>>().map_err(fail)?;
+    if certs.is_empty() {
+        return Err(fail(rustls::pki_types::pem::Error::NoItemsFound));
+    }
+    Ok(certs)
+}
+
+/// The token, trimmed; it must be non-empty and fit in a header.
+fn read_token(file: &Path) -> Result<String, KubeletError> {
+    let fail = |source| KubeletError::Token { file: file.to_path_buf(), source };
+    let token = fs::read_to_string(file).map_err(fail)?;
+    let token = token.trim();
+    if token.is_empty() {
+        return Err(fail(io::Error::new(io::ErrorKind::InvalidData, "the file is empty")));
+    }
+    if !token.bytes().all(|byte| byte.is_ascii_graphic()) {
+        return Err(fail(io::Error::new(io::ErrorKind::InvalidData, "the token has spaces or control characters")));
+    }
+    Ok(token.to_string())
+}
+
+/// The start of an error body, on one line.
+fn snippet(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match text.char_indices().nth(SNIPPET) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+/// Accepts exactly one certificate (or, with none pinned, any) and checks
+/// that the handshake is signed by the presented certificate's key.
+#[derive(Debug)]
+struct ExactCert {
+    pinned: Option<CertificateDer<'static>>,
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for ExactCert {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match &self.pinned {
+            Some(pinned) if pinned.as_ref() != end_entity.as_ref() => {
+                Err(rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure))
+            }
+            _ => Ok(ServerCertVerified::assertion()),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+/// A TLS connection whose every socket operation is bounded by one deadline.
+struct TlsStream {
+    conn: ClientConnection,
+    sock: TcpStream,
+    deadline: Instant,
+}
+
+impl TlsStream {
+    /// Gives the next socket operation what is left until the deadline.
+    fn arm(&self) -> io::Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.sock.set_read_timeout(Some(left))?;
+        self.sock.set_write_timeout(Some(left))
+    }
+
+    fn handshake(&mut self) -> io::Result<()> {
+        while self.conn.is_handshaking() {
+            if self.conn.wants_write() {
+                self.write_tls()?;
+            } else {
+                self.read_tls()?;
+            }
+        }
+        self.flush()
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.conn.writer().write_all(bytes)?;
+        self.flush()
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        while self.conn.wants_write() {
+            self.write_tls()?;
+        }
+        Ok(())
+    }
+
+    fn write_tls(&mut self) -> io::Result<()> {
+        self.arm()?;
+        self.conn.write_tls(&mut self.sock).map_err(timed_out)?;
+        Ok(())
+    }
+
+    /// Reads and processes TLS records; `Ok(false)` at the end of the stream.
+    fn read_tls(&mut self) -> io::Result<bool> {
+        self.arm()?;
+        let n = self.conn.read_tls(&mut self.sock).map_err(timed_out)?;
+        if let Err(err) = self.conn.process_new_packets() {
+            // Tell the kubelet why (an alert), then report the cause.
+            let _ = self.flush();
+            return Err(io::Error::new(io::ErrorKind::InvalidData, err));
+        }
+        if n == 0 && self.conn.is_handshaking() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the kubelet closed the connection in the handshake",
+            ));
+        }
+        Ok(n > 0)
+    }
+}
+
+impl Read for TlsStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.conn.reader().read(buf) {
+                Ok(n) => return Ok(n),
+                // No plaintext yet: read more records.
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                // The peer closed without close_notify: an end of stream
+                // like any other; the HTTP framing tells if it was early.
+                Err(err) if err.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+                Err(err) => return Err(err),
+            }
+            self.flush()?;
+            self.read_tls()?;
+        }
+    }
+}
+
+/// A socket timeout shows as `WouldBlock` on Linux; call it what it is.
+fn timed_out(err: io::Error) -> io::Error {
+    if err.kind() == io::ErrorKind::WouldBlock { io::ErrorKind::TimedOut.into() } else { err }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snippets_are_short_and_on_one_line() {
+        assert_eq!(snippet(b"Internal\n  Server Error\n"), "Internal Server Error");
+        let long = "x".repeat(500);
+        assert_eq!(snippet(long.as_bytes()).chars().count(), SNIPPET + 1);
+    }
+
+    #[test]
+    fn tokens_are_trimmed_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        fs::write(&file, "abc.def\n").unwrap();
+        assert_eq!(read_token(&file).unwrap(), "abc.def");
+        fs::write(&file, " \n").unwrap();
+        let err = read_token(&file).unwrap_err();
+        assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+        assert!(format!("{:?}", err).contains("empty"));
+        fs::write(&file, "abc\r\nX-Evil: 1").unwrap();
+        assert!(read_token(&file).is_err());
+        assert!(matches!(read_token(&dir.path().join("missing")), Err(KubeletError::Token { .. })));
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed() {
+        let client = KubeletClient::new(KubeletConfig::new("fd00::17", KubeletTls::InsecureSkipVerify)).unwrap();
+        assert_eq!(client.addr(), "[fd00::17]:10250");
+        assert!(KubeletClient::new(KubeletConfig::new("bad host", KubeletTls::InsecureSkipVerify)).is_err());
+    }
+}
