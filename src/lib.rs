@@ -2,6 +2,7 @@
 //! FUSE daemon behind them restarts.
 #![forbid(unsafe_code)]
 
+pub mod confirm;
 pub mod demo;
 pub mod demofs;
 pub mod heal;

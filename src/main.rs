@@ -8,9 +8,10 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
+use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
-use fuse_supervisor::supervisor::{self, Config, Shutdown};
+use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
@@ -30,6 +31,8 @@ enum Command {
     Run {
         #[command(flatten)]
         node: NodeArgs,
+        #[command(flatten)]
+        kubelet: KubeletArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -111,8 +114,117 @@ impl NodeArgs {
             mount_namespace: self.mount_namespace.clone(),
             staging_dir: self.staging_dir.clone(),
             probe_timeout: self.probe_timeout,
+            kubelet: None,
         }
     }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Kubelet (restart confirmation)")]
+struct KubeletArgs {
+    /// The kubelet to confirm restarts with: `https://HOST[:PORT]`, or
+    /// `none` to heal on mount evidence alone. Default: the node IP, port 10250.
+    #[arg(long, value_name = "URL|none", env = "FUSE_SUPERVISOR_KUBELET")]
+    kubelet: Option<String>,
+    /// This node's IP (downward API `status.hostIP`).
+    #[arg(long, env = "FUSE_SUPERVISOR_NODE_IP")]
+    node_ip: Option<String>,
+    /// This node's name (downward API `spec.nodeName`); used when no IP is given.
+    #[arg(long, env = "FUSE_SUPERVISOR_NODE_NAME")]
+    node_name: Option<String>,
+    /// The bearer token, re-read before every call (it rotates).
+    #[arg(long, default_value = SERVICE_ACCOUNT_TOKEN, env = "FUSE_SUPERVISOR_KUBELET_TOKEN_FILE")]
+    kubelet_token_file: PathBuf,
+    /// The CA that signed the kubelet's serving certificate.
+    #[arg(long, default_value = SERVICE_ACCOUNT_CA, env = "FUSE_SUPERVISOR_KUBELET_CA_FILE")]
+    kubelet_ca_file: PathBuf,
+    /// Trust exactly this serving certificate (PEM) instead of a CA: for
+    /// kubelets with self-signed certificates.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FUSE_SUPERVISOR_KUBELET_PINNED_CERT",
+        conflicts_with = "kubelet_insecure_skip_tls_verify"
+    )]
+    kubelet_pinned_cert: Option<PathBuf>,
+    /// Do not verify the kubelet's certificate (warned about at every start).
+    #[arg(long, env = "FUSE_SUPERVISOR_KUBELET_INSECURE_SKIP_TLS_VERIFY")]
+    kubelet_insecure_skip_tls_verify: bool,
+    /// Which RBAC rule the service account has: `nodes-pods` (get
+    /// nodes/pods), or `nodes-proxy` (an explicit opt-in: it also allows exec).
+    #[arg(long, value_enum, default_value = "nodes-pods", env = "FUSE_SUPERVISOR_KUBELET_AUTHZ")]
+    kubelet_authz: Authz,
+    /// Connect and response deadlines of one kubelet call.
+    #[arg(long, default_value = "3s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_KUBELET_TIMEOUT")]
+    kubelet_timeout: Duration,
+    /// How long a failing kubelet may hold up a heal before it goes ahead
+    /// on mount evidence alone.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_KUBELET_GRACE")]
+    kubelet_grace: Duration,
+}
+
+const SERVICE_ACCOUNT_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+const SERVICE_ACCOUNT_CA: &str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt";
+const KUBELET_PORT: u16 = 10250;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Authz {
+    NodesPods,
+    NodesProxy,
+}
+
+impl KubeletArgs {
+    /// None for `--kubelet none`.
+    fn confirmation(&self) -> anyhow::Result<Option<KubeletConfirmation>> {
+        let (host, port) = match self.kubelet.as_deref() {
+            Some("none") => return Ok(None),
+            Some(url) => parse_kubelet_url(url)?,
+            None => {
+                let host = self.node_ip.as_ref().or(self.node_name.as_ref()).context(
+                    "restart confirmation needs the kubelet's address: set --node-ip (downward API status.hostIP) \
+                     or --kubelet https://HOST:PORT, or turn it off with --kubelet none",
+                )?;
+                (host.clone(), KUBELET_PORT)
+            }
+        };
+        let tls = if self.kubelet_insecure_skip_tls_verify {
+            KubeletTls::InsecureSkipVerify
+        } else if let Some(pinned) = &self.kubelet_pinned_cert {
+            KubeletTls::PinnedCertFile(pinned.clone())
+        } else {
+            KubeletTls::CaFile(self.kubelet_ca_file.clone())
+        };
+        let client = KubeletConfig {
+            host,
+            port,
+            token_file: Some(self.kubelet_token_file.clone()),
+            tls,
+            connect_timeout: self.kubelet_timeout,
+            read_timeout: self.kubelet_timeout,
+            authz: match self.kubelet_authz {
+                Authz::NodesPods => KubeletAuthz::NodesPods,
+                Authz::NodesProxy => KubeletAuthz::NodesProxy,
+            },
+        };
+        Ok(Some(KubeletConfirmation { client, grace: self.kubelet_grace }))
+    }
+}
+
+/// `https://HOST[:PORT]` → (host, port); IPv6 hosts in brackets.
+fn parse_kubelet_url(url: &str) -> anyhow::Result<(String, u16)> {
+    let rest = url
+        .strip_prefix("https://")
+        .with_context(|| format!("--kubelet {url:?}: expected https://HOST[:PORT] or none"))?
+        .trim_end_matches('/');
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => {
+            (host, port.parse().with_context(|| format!("--kubelet {url:?}: port {port:?} is not a number"))?)
+        }
+        _ => (rest, KUBELET_PORT),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    anyhow::ensure!(!host.is_empty(), "--kubelet {url:?}: no host");
+    Ok((host.to_owned(), port))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -182,9 +294,9 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, log } => {
+        Command::Run { node, kubelet, log } => {
             log.init();
-            run(&node.config())
+            kubelet.confirmation().and_then(|kubelet| run(&Config { kubelet, ..node.config() }))
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {

@@ -29,10 +29,47 @@ pub struct Mapping {
     pub kind: TargetKind,
 }
 
+/// What is known of one source (global) mount path.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceRecord {
+    /// The mount now at the path, and when it was first seen: a restart of
+    /// its owner must be later than that.
+    pub mount_id: u32,
+    /// None when it was already there as the supervisor started.
+    pub first_seen: Option<SystemTime>,
+    /// The mount it replaced, kept until the replacement is confirmed.
+    #[serde(default)]
+    pub replaced: Option<Sighting>,
+    /// The pod and container serving it, as last confirmed by the kubelet.
+    #[serde(default)]
+    pub owner: Option<Owner>,
+}
+
+/// A mount seen at a source path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sighting {
+    pub mount_id: u32,
+    pub first_seen: Option<SystemTime>,
+}
+
+/// The container that serves a source, confirmed through the kubelet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub namespace: String,
+    pub pod: String,
+    pub pod_uid: String,
+    pub container: String,
+    pub container_id: Option<String>,
+    /// When the container last started: the restart that was confirmed.
+    pub started_at: Option<SystemTime>,
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct StateFile {
     version: u32,
     targets: BTreeMap<PathBuf, Mapping>,
+    #[serde(default)]
+    sources: BTreeMap<PathBuf, SourceRecord>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,30 +101,31 @@ pub enum StateError {
 pub struct Journal {
     path: PathBuf,
     mappings: BTreeMap<PathBuf, Mapping>,
+    sources: BTreeMap<PathBuf, SourceRecord>,
 }
 
 impl Journal {
     /// Loads the state file, or starts empty when there is none yet.
     pub fn load(state_dir: &Path) -> Result<Self, StateError> {
         let path = state_dir.join(STATE_FILE);
-        let mappings = match fs::read(&path) {
+        let file = match fs::read(&path) {
             Ok(bytes) => {
                 let file: StateFile = serde_json::from_slice(&bytes)
                     .map_err(|source| StateError::Invalid { path: path.clone(), source })?;
                 if file.version != STATE_VERSION {
                     return Err(StateError::Version { path, found: file.version });
                 }
-                file.targets
+                file
             }
-            Err(err) if err.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => StateFile::default(),
             Err(source) => return Err(StateError::Read { path, source }),
         };
-        Ok(Journal { path, mappings })
+        Ok(Journal { path, mappings: file.targets, sources: file.sources })
     }
 
     /// A journal that never touches disk (offline `status`).
     pub fn in_memory() -> Self {
-        Journal { path: PathBuf::new(), mappings: BTreeMap::new() }
+        Journal { path: PathBuf::new(), mappings: BTreeMap::new(), sources: BTreeMap::new() }
     }
 
     pub fn get(&self, target: &Path) -> Option<&Mapping> {
@@ -107,6 +145,59 @@ impl Journal {
         true
     }
 
+    pub fn source(&self, path: &Path) -> Option<&SourceRecord> {
+        self.sources.get(path)
+    }
+
+    /// Notes the mount now at a source path; a new mount keeps the one it
+    /// replaced (unless that was already replaced unconfirmed) and the
+    /// owner. Returns whether anything changed.
+    pub fn sight_source(&mut self, path: &Path, mount_id: u32, now: Option<SystemTime>) -> bool {
+        match self.sources.get_mut(path) {
+            Some(record) if record.mount_id == mount_id => false,
+            Some(record) => {
+                let previous = Sighting { mount_id: record.mount_id, first_seen: record.first_seen };
+                record.replaced = Some(record.replaced.unwrap_or(previous));
+                record.mount_id = mount_id;
+                record.first_seen = now;
+                true
+            }
+            None => {
+                let record = SourceRecord { mount_id, first_seen: now, replaced: None, owner: None };
+                self.sources.insert(path.to_path_buf(), record);
+                true
+            }
+        }
+    }
+
+    /// When the given mount was first seen at a source path, if known.
+    pub fn first_seen(&self, path: &Path, mount_id: u32) -> Option<SystemTime> {
+        let record = self.sources.get(path)?;
+        if record.mount_id == mount_id {
+            return record.first_seen;
+        }
+        record.replaced.filter(|seen| seen.mount_id == mount_id).and_then(|seen| seen.first_seen)
+    }
+
+    /// Records the confirmed owner of a source; the replaced mount is
+    /// settled. Returns whether anything changed.
+    pub fn confirm_owner(&mut self, path: &Path, owner: Option<Owner>) -> bool {
+        let Some(record) = self.sources.get_mut(path) else { return false };
+        let changed = record.replaced.is_some() || (owner.is_some() && record.owner != owner);
+        record.replaced = None;
+        if owner.is_some() {
+            record.owner = owner;
+        }
+        changed
+    }
+
+    /// Forgets source paths for which `keep` says no.
+    pub fn retain_sources(&mut self, mut keep: impl FnMut(&Path) -> bool) -> bool {
+        let before = self.sources.len();
+        self.sources.retain(|path, _| keep(path));
+        before != self.sources.len()
+    }
+
     /// Forgets targets for which `keep` says no; returns whether any went.
     pub fn retain(&mut self, mut keep: impl FnMut(&Path, &Mapping) -> bool) -> bool {
         let before = self.mappings.len();
@@ -123,7 +214,8 @@ impl Journal {
             let dir = self.path.parent().unwrap_or(Path::new("."));
             fs::create_dir_all(dir)?;
             let temporary = self.path.with_extension("json.tmp");
-            let file = StateFile { version: STATE_VERSION, targets: self.mappings.clone() };
+            let file =
+                StateFile { version: STATE_VERSION, targets: self.mappings.clone(), sources: self.sources.clone() };
             let bytes = serde_json::to_vec_pretty(&file).map_err(io::Error::other)?;
             let mut out = fs::File::create(&temporary)?;
             out.write_all(&bytes)?;

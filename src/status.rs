@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use crate::plan::{self, Assessment};
-use crate::state::Journal;
+use crate::state::{Journal, Owner};
 use crate::table::{Classified, Dev, Layout, TargetKind};
 
 #[derive(Debug, Serialize)]
@@ -16,6 +16,8 @@ pub struct SourceRow {
     pub dev: Dev,
     pub peer_group: Option<u32>,
     pub layers: usize,
+    /// The pod and container serving it, as last confirmed by the kubelet.
+    pub owner: Option<Owner>,
 }
 
 #[derive(Debug, Serialize)]
@@ -51,6 +53,7 @@ impl Status {
                 dev: stack.top().dev,
                 peer_group: stack.top().peer_group,
                 layers: stack.layers.len(),
+                owner: journal.source(&stack.path).and_then(|record| record.owner.clone()),
             })
             .collect();
         let targets = classified
@@ -88,11 +91,14 @@ impl Status {
             self.sources.len(),
             self.targets.len()
         );
-        let _ = writeln!(out, "\nSOURCES\n{:<8} {:<6} {:<6} {:<20} PATH", "DEV", "GROUP", "LAYERS", "TYPE");
+        let _ = writeln!(out, "\nSOURCES\n{:<8} {:<6} {:<6} {:<20} PATH  (OWNER)", "DEV", "GROUP", "LAYERS", "TYPE");
         for s in &self.sources {
+            let owner = s.owner.as_ref().map_or(String::new(), |owner| {
+                format!("  ({}/{} container {})", owner.namespace, owner.pod, owner.container)
+            });
             let _ = writeln!(
                 out,
-                "{:<8} {:<6} {:<6} {:<20} {}",
+                "{:<8} {:<6} {:<6} {:<20} {}{owner}",
                 s.dev,
                 group(s.peer_group),
                 s.layers,

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant, SystemTime};
 use fuse_supervisor_sys::{ns, poll::Waker, resolve};
 use tracing::{debug, error, info, info_span, warn};
 
+use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::heal::{Executor, Healed, MountExecutor};
+use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::mountinfo::MountInfoReader;
 use crate::plan::{self, Assessment, HealBatch};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
@@ -39,6 +41,18 @@ pub struct Config {
     /// How long a source may take to answer a probe before it is reported
     /// as not answering (the probe goes on waiting in the background).
     pub probe_timeout: Duration,
+    /// Confirm restarts with the local kubelet before rebinding; None
+    /// heals on mount evidence alone (`--kubelet none`).
+    pub kubelet: Option<KubeletConfirmation>,
+}
+
+/// How restarts are confirmed with the kubelet.
+#[derive(Debug, Clone)]
+pub struct KubeletConfirmation {
+    pub client: KubeletConfig,
+    /// How long an unreachable or failing kubelet may delay a heal before
+    /// it goes ahead on mount evidence alone.
+    pub grace: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +73,8 @@ pub enum SupervisorError {
     State(#[from] StateError),
     #[error(transparent)]
     Watch(#[from] crate::watch::WatchError),
+    #[error(transparent)]
+    Kubelet(#[from] crate::kubelet::KubeletError),
     #[error("cannot start thread {name}")]
     Thread {
         name: &'static str,
@@ -94,8 +110,54 @@ impl Shutdown {
 enum Event {
     TableChanged,
     Probed(ProbeReport),
+    Kubelet(Answer),
     WatchFailed(crate::watch::WatchError),
     Shutdown,
+}
+
+/// A replaced source waiting for the kubelet to confirm its owner's restart.
+#[derive(Debug)]
+struct Confirmation {
+    /// The new source mount, and the one its targets are still on.
+    mount_id: u32,
+    stuck_on: u32,
+    /// UIDs of the broken targets' pods: where a FUSE sidecar would be.
+    target_pods: Vec<String>,
+    waiting: Waiting,
+    /// Answers so far: they space out the re-checks.
+    attempts: u32,
+    /// When the kubelet began to fail for this source: the grace runs from here.
+    failing_since: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// A call is on its way.
+    Asking,
+    /// The owner shows no restart yet: ask again at the given time.
+    NotYet { recheck_at: Instant },
+    /// The kubelet fails: ask again at the given time, until the grace is over.
+    Failing { retry_at: Instant },
+    /// Confirmed, or decided without the kubelet: heal.
+    Go,
+}
+
+impl Waiting {
+    fn due_at(&self) -> Option<Instant> {
+        match *self {
+            Waiting::NotYet { recheck_at } => Some(recheck_at),
+            Waiting::Failing { retry_at } => Some(retry_at),
+            Waiting::Asking | Waiting::Go => None,
+        }
+    }
+}
+
+/// Re-checks of a source whose owner shows no restart, and retries of a
+/// failing kubelet: short at first, then capped.
+fn recheck_delay(attempts: u32) -> Duration {
+    const FIRST: Duration = Duration::from_millis(100);
+    const CAP: Duration = Duration::from_secs(2);
+    FIRST.saturating_mul(1 << attempts.min(8)).min(CAP)
 }
 
 /// Per-target bookkeeping beside the journal's mapping.
@@ -108,9 +170,25 @@ struct TargetRecord {
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
 /// moves that thread into the watched namespace.
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> {
+    let (events, inbox) = mpsc::channel();
+    // The kubelet thread starts before this one leaves for the watched
+    // namespace, so it keeps ours: the token and CA files are this
+    // container's, not the host's.
+    let asker = match &config.kubelet {
+        Some(kubelet) => {
+            let client = KubeletClient::new(kubelet.client.clone())?;
+            let events = events.clone();
+            let asker = Asker::spawn(client, move |answer| events.send(Event::Kubelet(answer)).is_ok())
+                .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
+            Some((asker, kubelet.grace))
+        }
+        None => {
+            info!("kubelet confirmation is off: healing on mount evidence alone");
+            None
+        }
+    };
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
-    let (events, inbox) = mpsc::channel();
     let open_mountinfo = || {
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
@@ -119,6 +197,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let pending = Arc::new(AtomicBool::new(false));
     let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events)?;
+    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.rescan();
     info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
     supervisor.serve(&inbox, &pending, shutdown);
@@ -175,6 +254,18 @@ struct Supervisor<E: Executor> {
     probing_targets: BTreeSet<PathBuf>,
     /// Targets on an unrecorded connection that a probe found dead.
     dead_targets: BTreeSet<PathBuf>,
+    /// None when restarts are not confirmed with the kubelet.
+    confirmer: Option<Confirmer>,
+    /// Whether the first scan is done: mounts seen in it were there before
+    /// the supervisor, so when they appeared is unknown.
+    scanned_once: bool,
+}
+
+struct Confirmer {
+    asker: Asker,
+    grace: Duration,
+    /// Replaced sources by path.
+    waiting: BTreeMap<PathBuf, Confirmation>,
 }
 
 impl Supervisor<MountExecutor> {
@@ -200,6 +291,8 @@ impl Supervisor<MountExecutor> {
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
             dead_targets: BTreeSet::new(),
+            confirmer: None,
+            scanned_once: false,
         })
     }
 }
@@ -220,6 +313,7 @@ impl<E: Executor> Supervisor<E> {
                     self.rescan();
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
+                Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;
@@ -239,7 +333,9 @@ impl<E: Executor> Supervisor<E> {
         });
         let probes =
             self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
-        retries.chain(probes).filter(|at| *at > now).min()
+        let confirmations =
+            self.confirmer.iter().flat_map(|confirmer| confirmer.waiting.values().filter_map(|c| c.waiting.due_at()));
+        retries.chain(probes).chain(confirmations).filter(|at| *at > now).min()
     }
 
     fn on_deadline(&mut self) {
@@ -274,6 +370,7 @@ impl<E: Executor> Supervisor<E> {
         let Some(classified) = self.read_table() else { return };
         self.report_propagated_heals(&classified);
         let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
+        changed |= self.sight_sources(&classified);
         changed |= self.forget_deleted_pods();
         self.update_states(&classified);
         if changed && let Err(err) = self.journal.save() {
@@ -287,9 +384,143 @@ impl<E: Executor> Supervisor<E> {
             batches = batches.len(),
             "scanned"
         );
-        for batch in batches {
-            self.start_probe(&batch);
+        if let Some(confirmer) = &mut self.confirmer {
+            confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
         }
+        for batch in batches {
+            if self.confirmed(&batch) {
+                self.start_probe(&batch);
+            }
+        }
+    }
+
+    /// Notes the mount at every source path, and when a new one appeared.
+    fn sight_sources(&mut self, classified: &Classified) -> bool {
+        let now = self.scanned_once.then(SystemTime::now);
+        self.scanned_once = true;
+        let mut changed = false;
+        for (path, source) in &classified.sources {
+            changed |= self.journal.sight_source(path, source.top().mount_id, now);
+        }
+        let mappings = self.journal.mappings();
+        let referenced: BTreeSet<PathBuf> = mappings.values().map(|mapping| mapping.source.clone()).collect();
+        changed | self.journal.retain_sources(|path| classified.sources.contains_key(path) || referenced.contains(path))
+    }
+
+    /// Whether a batch may be healed now. A source replaced under its
+    /// targets needs the kubelet to confirm that its owner restarted; a
+    /// dead target on a healthy source needs no confirmation.
+    fn confirmed(&mut self, batch: &HealBatch) -> bool {
+        let Some(confirmer) = &mut self.confirmer else { return true };
+        if batch.targets.iter().all(|target| self.dead_targets.contains(&target.path)) {
+            return true;
+        }
+        let mount_id = batch.source.top().mount_id;
+        let stuck_on = batch
+            .targets
+            .iter()
+            .find_map(|target| self.journal.get(&target.path))
+            .map_or(0, |mapping| mapping.source_mount_id);
+        let source = &batch.source.path;
+        let fresh = || Confirmation {
+            mount_id,
+            stuck_on,
+            target_pods: batch.targets.iter().map(|target| target.pod_uid.clone()).collect(),
+            waiting: Waiting::Asking,
+            attempts: 0,
+            failing_since: None,
+        };
+        let confirmation = confirmer.waiting.entry(source.clone()).or_insert_with(fresh);
+        if confirmation.mount_id != mount_id {
+            *confirmation = fresh();
+        }
+        match confirmation.waiting {
+            Waiting::Go => return true,
+            Waiting::Asking if !confirmer.asker.in_flight() => {
+                info!(source = %source.display(), "source replaced; asking the kubelet whether its owner restarted");
+                confirmer.asker.ask();
+            }
+            waiting if waiting.due_at().is_some_and(|at| at <= Instant::now()) => {
+                confirmation.waiting = Waiting::Asking;
+                confirmer.asker.ask();
+            }
+            _ => {}
+        }
+        false
+    }
+
+    fn on_kubelet(&mut self, answer: Answer) {
+        let Some(confirmer) = &mut self.confirmer else { return };
+        confirmer.asker.answered();
+        let now = Instant::now();
+        let mut confirmed = false;
+        for (source, confirmation) in &mut confirmer.waiting {
+            if confirmation.waiting != Waiting::Asking {
+                continue;
+            }
+            confirmation.attempts += 1;
+            let delay = recheck_delay(confirmation.attempts);
+            let pods = match &answer.pods {
+                Ok(pods) => pods,
+                Err(err) if !err.is_retryable() => {
+                    // A refusal or a TLS mismatch repeats until someone
+                    // changes the configuration: waiting helps nobody.
+                    warn!(source = %source.display(), %err, "kubelet cannot confirm; healing on mount evidence alone");
+                    confirmation.waiting = Waiting::Go;
+                    confirmed |= self.journal.confirm_owner(source, None);
+                    continue;
+                }
+                Err(err) => {
+                    let since = *confirmation.failing_since.get_or_insert(now);
+                    if since.elapsed() >= confirmer.grace {
+                        warn!(source = %source.display(), %err, grace_ms = confirmer.grace.as_millis() as u64, "kubelet failed for the whole grace; healing on mount evidence alone");
+                        confirmation.waiting = Waiting::Go;
+                        confirmed |= self.journal.confirm_owner(source, None);
+                    } else {
+                        warn!(source = %source.display(), %err, retry_in_ms = delay.as_millis() as u64, "kubelet cannot confirm the restart");
+                        confirmation.waiting =
+                            Waiting::Failing { retry_at: (now + delay).min(since + confirmer.grace) };
+                    }
+                    continue;
+                }
+            };
+            confirmation.failing_since = None;
+            let target_pods: Vec<&str> = confirmation.target_pods.iter().map(String::as_str).collect();
+            let replaced_seen = self.journal.first_seen(source, confirmation.stuck_on);
+            let known = self.journal.source(source).and_then(|record| record.owner.as_ref());
+            match confirm::judge(pods, source, &target_pods, replaced_seen, known) {
+                Verdict::Restarted(owner) => {
+                    info!(
+                        source = %source.display(),
+                        pod = %format_args!("{}/{}", owner.namespace, owner.pod),
+                        container = %owner.container,
+                        container_id = owner.container_id.as_deref().unwrap_or(""),
+                        kubelet_ms = answer.took.as_millis() as u64,
+                        "kubelet confirms the owner restarted"
+                    );
+                    confirmation.waiting = Waiting::Go;
+                    confirmed |= self.journal.confirm_owner(source, Some(owner));
+                }
+                Verdict::NoOwner => {
+                    info!(source = %source.display(), "no pod on this node owns the source; healing on mount evidence");
+                    confirmation.waiting = Waiting::Go;
+                    confirmed |= self.journal.confirm_owner(source, None);
+                }
+                Verdict::NotYet(owner) => {
+                    let first = confirmation.attempts == 1;
+                    if first {
+                        info!(source = %source.display(), pod = %format_args!("{}/{}", owner.namespace, owner.pod), container = %owner.container, recheck_in_ms = delay.as_millis() as u64, "kubelet shows no restart of the owner yet; waiting");
+                    } else {
+                        debug!(source = %source.display(), recheck_in_ms = delay.as_millis() as u64, "owner not restarted yet");
+                    }
+                    confirmation.waiting = Waiting::NotYet { recheck_at: now + delay };
+                }
+            }
+        }
+        if confirmed && let Err(err) = self.journal.save() {
+            error!(%err, "cannot save state");
+        }
+        self.rescan();
     }
 
     /// A daemon that mounts over its stale mount heals root-level targets

@@ -247,7 +247,17 @@ pub struct SupervisorProcess {
 }
 
 impl SupervisorProcess {
+    /// Starts it without kubelet confirmation (`--kubelet none`).
     pub fn start(sandbox: &Sandbox, binary: &Path, state_dir: &Path) -> Result<Self, ScenarioError> {
+        Self::start_with(sandbox, binary, state_dir, ["--kubelet", "none"])
+    }
+
+    /// Starts it with extra `run` arguments.
+    pub fn start_with<I, S>(sandbox: &Sandbox, binary: &Path, state_dir: &Path, args: I) -> Result<Self, ScenarioError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
         let mut command = Command::new(binary);
         command
             .arg("run")
@@ -259,6 +269,7 @@ impl SupervisorProcess {
             .arg(sandbox.root().join("staging"))
             // The sandbox thread's namespace is the child's own.
             .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json", "--log", "debug"])
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
