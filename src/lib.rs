@@ -7,6 +7,7 @@ pub mod demofs;
 pub mod heal;
 pub mod mountinfo;
 pub mod plan;
+pub mod pods;
 pub mod probe;
 pub mod state;
 pub mod status;

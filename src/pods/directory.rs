@@ -1,0 +1,157 @@
+//! The in-memory model of `<kubelet-root>/pods`: which pods exist, their
+//! volumes (with `vol_data.json` for CSI ones) and their subPath entries.
+use std::collections::BTreeMap;
+use std::io;
+use std::path::Path;
+
+use super::vol_data::VolData;
+use super::walk::{self, Dir, Visit};
+use super::{PodChange, PodWatchError};
+
+/// Every pod directory and what the model tracks in it. Kept small: a node
+/// agent holds thousands of these (see `benches/pods.rs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodDirectory {
+    pods: BTreeMap<Box<str>, Pod>,
+}
+
+/// One pod's volumes and subPath entries, in the order first seen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pod {
+    pub volumes: Vec<Volume>,
+    pub subpaths: Vec<SubPath>,
+}
+
+/// `volumes/<plugin>/<name>`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Volume {
+    /// The plugin directory, e.g. `kubernetes.io~csi`.
+    pub plugin: Box<str>,
+    /// For a CSI PV the PV name; otherwise the pod's volume name.
+    pub name: Box<str>,
+    /// Parsed `vol_data.json` of a CSI volume, once written and valid.
+    pub vol_data: Option<VolData>,
+}
+
+/// `volume-subpaths/<volume>/<container>/<index>`. `volume` is the pod
+/// spec's volume name, which for a PVC differs from the PV-named directory
+/// under `volumes/`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubPath {
+    pub volume: Box<str>,
+    pub container: Box<str>,
+    /// The volumeMount's index in the container spec.
+    pub index: Box<str>,
+}
+
+impl PodDirectory {
+    /// Reads the tree below `pods_dir` once, without watching it. Volumes
+    /// whose `vol_data.json` is malformed are kept, without data.
+    pub fn scan(pods_dir: &Path) -> Result<Self, PodWatchError> {
+        struct Scan(PodDirectory);
+        impl Visit for Scan {
+            fn enter(&mut self, path: &Path, _: &Dir) -> io::Result<bool> {
+                // Only model directories get here, never a mount point.
+                if std::fs::symlink_metadata(path)?.is_dir() {
+                    Ok(true)
+                } else {
+                    Err(io::ErrorKind::NotADirectory.into())
+                }
+            }
+            fn change(&mut self, change: PodChange) {
+                self.0.apply(change);
+            }
+        }
+        let mut scan = Scan(PodDirectory::default());
+        walk::walk_all(pods_dir, &mut scan)?;
+        Ok(scan.0)
+    }
+
+    /// Applies one change; returns whether the model changed. Changes are
+    /// facts read from disk, so applying one twice changes nothing.
+    pub fn apply(&mut self, change: PodChange) -> bool {
+        match change {
+            PodChange::PodAdded { uid } => {
+                if self.pods.contains_key(uid.as_str()) {
+                    return false;
+                }
+                self.pods.insert(uid.into(), Pod::default());
+                true
+            }
+            PodChange::PodRemoved { uid } => self.pods.remove(uid.as_str()).is_some(),
+            PodChange::VolumeSeen { uid, plugin, name, vol_data } => {
+                let pod = self.pods.entry(uid.into()).or_default();
+                match pod.volumes.iter_mut().find(|v| *v.plugin == *plugin && *v.name == *name) {
+                    Some(volume) if volume.vol_data == vol_data => false,
+                    Some(volume) => {
+                        volume.vol_data = vol_data;
+                        true
+                    }
+                    None => {
+                        pod.volumes.push(Volume { plugin: plugin.into(), name: name.into(), vol_data });
+                        true
+                    }
+                }
+            }
+            PodChange::VolumeRemoved { uid, plugin, name } => {
+                let Some(pod) = self.pods.get_mut(uid.as_str()) else { return false };
+                let before = pod.volumes.len();
+                pod.volumes.retain(|v| *v.plugin != *plugin || *v.name != *name);
+                pod.volumes.len() != before
+            }
+            PodChange::SubPathSeen { uid, volume, container, index } => {
+                let pod = self.pods.entry(uid.into()).or_default();
+                if pod.subpaths.iter().any(|s| s.matches(&volume, &container, &index)) {
+                    return false;
+                }
+                pod.subpaths.push(SubPath { volume: volume.into(), container: container.into(), index: index.into() });
+                true
+            }
+            PodChange::SubPathRemoved { uid, volume, container, index } => {
+                let Some(pod) = self.pods.get_mut(uid.as_str()) else { return false };
+                let before = pod.subpaths.len();
+                pod.subpaths.retain(|s| !s.matches(&volume, &container, &index));
+                pod.subpaths.len() != before
+            }
+            PodChange::Resync(directory) => {
+                let changed = *self != directory;
+                *self = directory;
+                changed
+            }
+            PodChange::VolDataInvalid { .. } | PodChange::Failed(_) => false,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+
+    pub fn pod(&self, uid: &str) -> Option<&Pod> {
+        self.pods.get(uid)
+    }
+
+    /// Pods by UID, in UID order.
+    pub fn pods(&self) -> impl Iterator<Item = (&str, &Pod)> {
+        self.pods.iter().map(|(uid, pod)| (&**uid, pod))
+    }
+
+    /// `volumes/<plugin>/<name>` of pod `uid`.
+    pub fn volume(&self, uid: &str, plugin: &str, name: &str) -> Option<&Volume> {
+        self.pod(uid)?.volumes.iter().find(|v| *v.plugin == *plugin && *v.name == *name)
+    }
+
+    /// The parsed `vol_data.json` of CSI volume `name` of pod `uid`.
+    pub fn vol_data(&self, uid: &str, name: &str) -> Option<&VolData> {
+        self.volume(uid, walk::CSI_PLUGIN_DIR, name)?.vol_data.as_ref()
+    }
+}
+
+impl SubPath {
+    fn matches(&self, volume: &str, container: &str, index: &str) -> bool {
+        *self.volume == *volume && *self.container == *container && *self.index == *index
+    }
+}
