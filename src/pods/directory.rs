@@ -15,7 +15,8 @@ pub struct PodDirectory {
     pods: BTreeMap<Box<str>, Pod>,
 }
 
-/// One pod's volumes and subPath entries, in the order first seen.
+/// One pod's volumes and subPath entries, each sorted (so two models of the
+/// same tree are equal whatever order they learned it in).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Pod {
     pub volumes: Vec<Volume>,
@@ -81,37 +82,36 @@ impl PodDirectory {
             PodChange::PodRemoved { uid } => self.pods.remove(uid.as_str()).is_some(),
             PodChange::VolumeSeen { uid, plugin, name, vol_data } => {
                 let pod = self.pods.entry(uid.into()).or_default();
-                match pod.volumes.iter_mut().find(|v| *v.plugin == *plugin && *v.name == *name) {
-                    Some(volume) if volume.vol_data == vol_data => false,
-                    Some(volume) => {
-                        volume.vol_data = vol_data;
+                match pod.find_volume(&plugin, &name) {
+                    Ok(at) if pod.volumes[at].vol_data == vol_data => false,
+                    Ok(at) => {
+                        pod.volumes[at].vol_data = vol_data;
                         true
                     }
-                    None => {
-                        pod.volumes.push(Volume { plugin: plugin.into(), name: name.into(), vol_data });
+                    Err(at) => {
+                        pod.volumes.insert(at, Volume { plugin: plugin.into(), name: name.into(), vol_data });
                         true
                     }
                 }
             }
             PodChange::VolumeRemoved { uid, plugin, name } => {
                 let Some(pod) = self.pods.get_mut(uid.as_str()) else { return false };
-                let before = pod.volumes.len();
-                pod.volumes.retain(|v| *v.plugin != *plugin || *v.name != *name);
-                pod.volumes.len() != before
+                let Ok(at) = pod.find_volume(&plugin, &name) else { return false };
+                pod.volumes.remove(at);
+                true
             }
             PodChange::SubPathSeen { uid, volume, container, index } => {
                 let pod = self.pods.entry(uid.into()).or_default();
-                if pod.subpaths.iter().any(|s| s.matches(&volume, &container, &index)) {
-                    return false;
-                }
-                pod.subpaths.push(SubPath { volume: volume.into(), container: container.into(), index: index.into() });
+                let Err(at) = pod.find_subpath(&volume, &container, &index) else { return false };
+                pod.subpaths
+                    .insert(at, SubPath { volume: volume.into(), container: container.into(), index: index.into() });
                 true
             }
             PodChange::SubPathRemoved { uid, volume, container, index } => {
                 let Some(pod) = self.pods.get_mut(uid.as_str()) else { return false };
-                let before = pod.subpaths.len();
-                pod.subpaths.retain(|s| !s.matches(&volume, &container, &index));
-                pod.subpaths.len() != before
+                let Ok(at) = pod.find_subpath(&volume, &container, &index) else { return false };
+                pod.subpaths.remove(at);
+                true
             }
             PodChange::Resync(directory) => {
                 let changed = *self != directory;
@@ -141,7 +141,8 @@ impl PodDirectory {
 
     /// `volumes/<plugin>/<name>` of pod `uid`.
     pub fn volume(&self, uid: &str, plugin: &str, name: &str) -> Option<&Volume> {
-        self.pod(uid)?.volumes.iter().find(|v| *v.plugin == *plugin && *v.name == *name)
+        let pod = self.pod(uid)?;
+        pod.find_volume(plugin, name).ok().map(|at| &pod.volumes[at])
     }
 
     /// The parsed `vol_data.json` of CSI volume `name` of pod `uid`.
@@ -150,8 +151,12 @@ impl PodDirectory {
     }
 }
 
-impl SubPath {
-    fn matches(&self, volume: &str, container: &str, index: &str) -> bool {
-        *self.volume == *volume && *self.container == *container && *self.index == *index
+impl Pod {
+    fn find_volume(&self, plugin: &str, name: &str) -> Result<usize, usize> {
+        self.volumes.binary_search_by(|v| (&*v.plugin, &*v.name).cmp(&(plugin, name)))
+    }
+
+    fn find_subpath(&self, volume: &str, container: &str, index: &str) -> Result<usize, usize> {
+        self.subpaths.binary_search_by(|s| (&*s.volume, &*s.container, &*s.index).cmp(&(volume, container, index)))
     }
 }

@@ -64,9 +64,7 @@ pub enum FieldProblem {
 impl VolData {
     /// Reads and parses `path`. Refuses symlinks and non-regular files.
     pub fn read(path: &Path) -> Result<Self, VolDataError> {
-        let bytes = fuse_supervisor_sys::resolve::read_small_file(path, MAX_VOL_DATA_BYTES)
-            .map_err(|source| VolDataError::Read { path: path.to_path_buf(), source })?;
-        Self::parse(&bytes, path)
+        Self::parse(&read_bytes(path)?, path)
     }
 
     /// Parses the file's bytes; `path` only names the file in errors.
@@ -106,6 +104,12 @@ impl VolData {
             selinux_mount_context: optional("seLinuxMountContext")?,
         })
     }
+}
+
+/// The file's bytes, read as [`VolData::read`] does.
+pub(crate) fn read_bytes(path: &Path) -> Result<Vec<u8>, VolDataError> {
+    fuse_supervisor_sys::resolve::read_small_file(path, MAX_VOL_DATA_BYTES)
+        .map_err(|source| VolDataError::Read { path: path.to_path_buf(), source })
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::vol_data::{VOL_DATA_FILE, VolData, VolDataError};
+use super::vol_data::{self, VOL_DATA_FILE, VolData, VolDataError};
 use super::{PodChange, PodWatchError};
 
 /// The kubelet's directory name for the CSI volume plugin.
@@ -237,18 +237,16 @@ pub(crate) enum Strictness {
 }
 
 pub(crate) fn read_vol_data(path: &Path, strictness: Strictness) -> (Option<VolData>, Option<VolDataError>) {
-    match VolData::read(path) {
+    let bytes = match vol_data::read_bytes(path) {
+        Ok(bytes) => bytes,
+        Err(VolDataError::Read { source, .. }) if skippable(&source) => return (None, None),
+        Err(error) => return (None, Some(error)),
+    };
+    if bytes.is_empty() && strictness == Strictness::Walk {
+        return (None, None);
+    }
+    match VolData::parse(&bytes, path) {
         Ok(vol_data) => (Some(vol_data), None),
-        Err(VolDataError::Read { source, .. }) if skippable(&source) => (None, None),
-        Err(VolDataError::Syntax { source, .. })
-            if strictness == Strictness::Walk && source.is_eof() && is_empty(path) =>
-        {
-            (None, None)
-        }
         Err(error) => (None, Some(error)),
     }
-}
-
-fn is_empty(path: &Path) -> bool {
-    std::fs::symlink_metadata(path).is_ok_and(|metadata| metadata.len() == 0)
 }
