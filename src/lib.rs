@@ -5,6 +5,7 @@
 pub mod demo;
 pub mod demofs;
 pub mod heal;
+pub mod layout;
 pub mod mountinfo;
 pub mod plan;
 pub mod pods;
