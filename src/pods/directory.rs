@@ -1,8 +1,9 @@
 //! The in-memory model of `<kubelet-root>/pods`: which pods exist, their
 //! volumes (with `vol_data.json` for CSI ones) and their subPath entries.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::path::Path;
+use std::sync::Arc;
 
 use super::vol_data::VolData;
 use super::walk::{self, Dir, Visit};
@@ -10,10 +11,21 @@ use super::{PodChange, PodWatchError};
 
 /// Every pod directory and what the model tracks in it. Kept small: a node
 /// agent holds thousands of these (see `benches/pods.rs`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct PodDirectory {
     pods: BTreeMap<Box<str>, Pod>,
+    /// Plugin, driver and node names: a handful of values repeated in every
+    /// volume, stored once.
+    names: HashSet<Arc<str>>,
 }
+
+impl PartialEq for PodDirectory {
+    fn eq(&self, other: &Self) -> bool {
+        self.pods == other.pods
+    }
+}
+
+impl Eq for PodDirectory {}
 
 /// One pod's volumes and subPath entries, each sorted (so two models of the
 /// same tree are equal whatever order they learned it in).
@@ -27,7 +39,7 @@ pub struct Pod {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Volume {
     /// The plugin directory, e.g. `kubernetes.io~csi`.
-    pub plugin: Box<str>,
+    pub plugin: Arc<str>,
     /// For a CSI PV the PV name; otherwise the pod's volume name.
     pub name: Box<str>,
     /// Parsed `vol_data.json` of a CSI volume, once written and valid.
@@ -80,7 +92,12 @@ impl PodDirectory {
                 true
             }
             PodChange::PodRemoved { uid } => self.pods.remove(uid.as_str()).is_some(),
-            PodChange::VolumeSeen { uid, plugin, name, vol_data } => {
+            PodChange::VolumeSeen { uid, plugin, name, mut vol_data } => {
+                if let Some(data) = &mut vol_data {
+                    data.driver_name = intern(&mut self.names, &data.driver_name);
+                    data.node_name = data.node_name.as_ref().map(|node| intern(&mut self.names, node));
+                }
+                let plugin = intern(&mut self.names, &plugin);
                 let pod = self.pods.entry(uid.into()).or_default();
                 match pod.find_volume(&plugin, &name) {
                     Ok(at) if pod.volumes[at].vol_data == vol_data => false,
@@ -89,7 +106,9 @@ impl PodDirectory {
                         true
                     }
                     Err(at) => {
-                        pod.volumes.insert(at, Volume { plugin: plugin.into(), name: name.into(), vol_data });
+                        // Exact capacity: most pods have a few volumes.
+                        pod.volumes.reserve_exact(1);
+                        pod.volumes.insert(at, Volume { plugin, name: name.into(), vol_data });
                         true
                     }
                 }
@@ -103,6 +122,7 @@ impl PodDirectory {
             PodChange::SubPathSeen { uid, volume, container, index } => {
                 let pod = self.pods.entry(uid.into()).or_default();
                 let Err(at) = pod.find_subpath(&volume, &container, &index) else { return false };
+                pod.subpaths.reserve_exact(1);
                 pod.subpaths
                     .insert(at, SubPath { volume: volume.into(), container: container.into(), index: index.into() });
                 true
@@ -149,6 +169,15 @@ impl PodDirectory {
     pub fn vol_data(&self, uid: &str, name: &str) -> Option<&VolData> {
         self.volume(uid, walk::CSI_PLUGIN_DIR, name)?.vol_data.as_ref()
     }
+}
+
+fn intern(names: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
+    if let Some(known) = names.get(name) {
+        return known.clone();
+    }
+    let name: Arc<str> = name.into();
+    names.insert(name.clone());
+    name
 }
 
 impl Pod {

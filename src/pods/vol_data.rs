@@ -1,5 +1,6 @@
 //! `vol_data.json`: what the kubelet records about a CSI volume of a pod.
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
@@ -16,14 +17,15 @@ pub enum LifecycleMode {
     Ephemeral,
 }
 
-/// A CSI volume's `vol_data.json`. Strings are boxed: thousands are held.
+/// A CSI volume's `vol_data.json`. Strings are boxed: thousands are held;
+/// the driver and node names, the same for many volumes, are shared.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VolData {
     /// The PV name, or the pod's volume name for an inline volume.
     pub spec_vol_id: Box<str>,
     pub volume_handle: Box<str>,
-    pub driver_name: Box<str>,
-    pub node_name: Option<Box<str>>,
+    pub driver_name: Arc<str>,
+    pub node_name: Option<Arc<str>>,
     /// `Persistent` when absent: kubelets before 1.16 wrote no mode.
     pub lifecycle_mode: LifecycleMode,
     pub attachment_id: Option<Box<str>>,
@@ -97,8 +99,8 @@ impl VolData {
         Ok(VolData {
             spec_vol_id: required("specVolID")?,
             volume_handle: required("volumeHandle")?,
-            driver_name: required("driverName")?,
-            node_name: optional("nodeName")?,
+            driver_name: required("driverName")?.into(),
+            node_name: optional("nodeName")?.map(Arc::from),
             lifecycle_mode,
             attachment_id: optional("attachmentID")?,
             selinux_mount_context: optional("seLinuxMountContext")?,
