@@ -333,3 +333,23 @@ fn a_queue_overflow_recovers_by_rescan() {
     assert!(watched.directory.pod(&kept).is_none());
     assert_eq!(watched.directory.len(), 2, "the gate pod and the late pod");
 }
+
+#[test]
+fn the_watcher_thread_joins_the_given_mount_namespace() {
+    let root = tempfile::tempdir().unwrap();
+    fs::create_dir(root.path().join("pods")).unwrap();
+    make_pod(&root.path().join("pods"), 7);
+    // Our own namespace, joined by path as the host's would be.
+    let (send, changes) = mpsc::channel();
+    let watcher = PodWatcher::spawn(root.path(), Some(Path::new("/proc/self/ns/mnt")), move |change| {
+        let _ = send.send(change);
+    })
+    .unwrap();
+    let Ok(PodChange::Resync(directory)) = changes.try_recv() else { panic!("the initial scan comes first") };
+    assert_eq!(directory.len(), 1);
+    watcher.stop().unwrap();
+
+    let missing = root.path().join("no-such-namespace");
+    let err = PodWatcher::spawn(root.path(), Some(&missing), |_| {}).err().unwrap();
+    assert_eq!(err.to_string(), format!("cannot join mount namespace {}", missing.display()));
+}
