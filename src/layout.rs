@@ -86,6 +86,9 @@ pub struct TargetInfo<'a> {
     /// `volume-subpaths/<volume>/…` (the pod spec's volume name).
     pub volume: &'a str,
     pub kind: TargetKind,
+    /// The volume plugin directory of a whole-volume target
+    /// (`kubernetes.io~csi`, …); `None` for a subPath target.
+    pub plugin: Option<&'a str>,
     /// The target's root in its filesystem (mountinfo field 4).
     pub root: &'a Path,
     /// The CSI volume's `vol_data.json`. For a subPath target the caller
@@ -105,13 +108,15 @@ impl<'a> TargetInfo<'a> {
             _ => None,
         });
         let pod_uid = parts.next()??;
-        let (kind, volume) = match parts.next()?? {
+        let (kind, volume, plugin) = match parts.next()?? {
             "volumes" => {
                 let plugin = parts.next()??;
                 let volume = parts.next()??;
                 match (plugin, parts.next()) {
-                    (_, None) => (TargetKind::Volume, volume),
-                    (CSI_PLUGIN_DIR, Some(Some("mount"))) if parts.next().is_none() => (TargetKind::Volume, volume),
+                    (_, None) => (TargetKind::Volume, volume, Some(plugin)),
+                    (CSI_PLUGIN_DIR, Some(Some("mount"))) if parts.next().is_none() => {
+                        (TargetKind::Volume, volume, Some(plugin))
+                    }
                     _ => return None,
                 }
             }
@@ -121,11 +126,11 @@ impl<'a> TargetInfo<'a> {
                 if parts.next().is_some() {
                     return None;
                 }
-                (TargetKind::Subpath, volume)
+                (TargetKind::Subpath, volume, None)
             }
             _ => return None,
         };
-        Some(TargetInfo { pod_uid, volume, kind, root, vol_data: None })
+        Some(TargetInfo { pod_uid, volume, kind, plugin, root, vol_data: None })
     }
 
     pub fn with_vol_data(self, vol_data: Option<&'a VolData>) -> Self {
@@ -137,9 +142,14 @@ impl<'a> TargetInfo<'a> {
         match self.vol_data {
             Some(data) if data.lifecycle_mode == LifecycleMode::Persistent => Some(&data.spec_vol_id),
             Some(_) => None,
-            // Only a whole-volume directory is named after the PV.
-            None => (self.kind == TargetKind::Volume).then_some(self.volume),
+            None => self.csi_volume_dir(),
         }
+    }
+
+    /// Without `vol_data.json`, the name of a CSI whole-volume directory:
+    /// the PV name. A subPath directory is named after the pod's volume.
+    fn csi_volume_dir(&self) -> Option<&'a str> {
+        (self.plugin == Some(CSI_PLUGIN_DIR)).then_some(self.volume)
     }
 
     /// The driver's unique ID of the volume, when it is a CSI PV volume.
@@ -148,7 +158,7 @@ impl<'a> TargetInfo<'a> {
             Some(data) if data.lifecycle_mode == LifecycleMode::Persistent => Some(&data.volume_handle),
             Some(_) => None,
             // Dynamically provisioned PVs use the PV name as handle.
-            None => (self.kind == TargetKind::Volume).then_some(self.volume),
+            None => self.csi_volume_dir(),
         }
     }
 
@@ -543,7 +553,14 @@ mod tests {
     }
 
     fn whole_volume<'a>(volume: &'a str, root: &'a Path, data: &'a VolData) -> TargetInfo<'a> {
-        TargetInfo { pod_uid: "u", volume, kind: TargetKind::Volume, root, vol_data: Some(data) }
+        TargetInfo {
+            pod_uid: "u",
+            volume,
+            kind: TargetKind::Volume,
+            plugin: Some(CSI_PLUGIN_DIR),
+            root,
+            vol_data: Some(data),
+        }
     }
 
     fn pod_volume(uid_suffix: u32, volume: &str) -> String {
@@ -589,6 +606,17 @@ mod tests {
         assert_eq!(found.path, Path::new(KUBELET).join("plugins/kubernetes.io/csi/pv/pv-legacy/globalmount"));
         // Without vol_data, the directory name is the PV name.
         assert_eq!(locate(&layouts, &table, &pod_volume(2, "pv-legacy"), None).unwrap().path, found.path);
+        // Nor is a volume of another plugin that has the same name.
+        let sources: Vec<SourceMount<'_>> = table.sources.values().map(SourceMount::from).collect();
+        let empty_dir = TargetInfo {
+            pod_uid: "u",
+            volume: "pv-legacy",
+            kind: TargetKind::Volume,
+            plugin: Some("kubernetes.io~empty-dir"),
+            root: Path::new("/"),
+            vol_data: None,
+        };
+        assert_eq!(layouts.locate(&empty_dir, &sources), None);
         // An inline ephemeral volume is never staged.
         let mut inline = data.clone();
         inline.lifecycle_mode = LifecycleMode::Ephemeral;
