@@ -184,7 +184,7 @@ impl<S: FnMut(PodChange)> Watcher<S> {
     /// Drops every watch (by closing the instance) and scans afresh.
     fn rescan(&mut self) -> Result<(), PodWatchError> {
         let fresh = Inotify::new().map_err(|source| PodWatchError::Setup { what: "inotify", source })?;
-        // Deregistering a closed fd is automatic; the old one closes on drop.
+        // Best effort: closing the old instance (below) deregisters it anyway.
         let _ = self.poller.remove(self.inotify.as_fd());
         self.poller
             .add_readable(fresh.as_fd(), INOTIFY)
