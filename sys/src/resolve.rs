@@ -30,6 +30,24 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
+/// Reads a small regular file whole, refusing a symlink in the last component
+/// (`ELOOP`), anything but a regular file (so a FIFO put there cannot block the
+/// reader), and a file longer than `limit` bytes (`EFBIG`).
+pub fn read_small_file(path: &Path, limit: usize) -> io::Result<Vec<u8>> {
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    let file = fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
+    if !file.metadata()?.file_type().is_file() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let mut bytes = Vec::new();
+    // One byte past the limit tells a file at the limit from a longer one.
+    io::Read::read_to_end(&mut io::Read::take(&file, limit as u64 + 1), &mut bytes)?;
+    if bytes.len() > limit {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    }
+    Ok(bytes)
+}
+
 /// The 32-bit mount ID (the first field of mountinfo) of the mount `fd` is on.
 ///
 /// Read from the `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the

@@ -1,0 +1,375 @@
+//! The pod-directory watcher thread: inotify on every directory of the
+//! model (see `walk`), decoded into [`PodChange`]s.
+//!
+//! Races with directories created before their watch: a directory is
+//! listed only after its watch is in place, so whatever appears in it later
+//! produces an event, and whatever was there before is in the listing
+//! (entries found both ways are sent once or twice, which is harmless).
+//! A directory whose watch turns out to exist already was walked before and
+//! is skipped. Events lost to a queue overflow are recovered by a full
+//! rescan on a fresh inotify instance, sent as [`PodChange::Resync`].
+use std::collections::HashMap;
+use std::io;
+use std::ops::ControlFlow;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use fuse_supervisor_sys::inotify::{Event, EventFlags, EventReader, Inotify, WatchFlags};
+use fuse_supervisor_sys::ns;
+use fuse_supervisor_sys::poll::{Poller, Waker};
+
+use super::directory::PodDirectory;
+use super::vol_data::VOL_DATA_FILE;
+use super::walk::{self, CSI_PLUGIN_DIR, Dir, Strictness, Visit};
+use super::{PodChange, PodWatchError};
+
+const INOTIFY: u64 = 1;
+const STOP: u64 = 2;
+
+/// A running pod-directory watcher. Stops (and joins its thread) on
+/// [`PodWatcher::stop`] or drop.
+pub struct PodWatcher {
+    waker: Arc<Waker>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PodWatcher {
+    /// Starts watching `<kubelet_root>/pods` on a thread of its own, which
+    /// first joins `mount_namespace` (the supervisor's; `None`: stay in the
+    /// caller's). Returns once the initial scan is done and sent to `sink` as
+    /// a [`PodChange::Resync`]; then every change is sent as it happens.
+    /// No timer: the thread sleeps in `epoll_wait` while nothing changes.
+    pub fn spawn(
+        kubelet_root: &Path,
+        mount_namespace: Option<&Path>,
+        sink: impl FnMut(PodChange) + Send + 'static,
+    ) -> Result<PodWatcher, PodWatchError> {
+        let pods_dir = kubelet_root.join("pods");
+        let namespace = mount_namespace.map(Path::to_path_buf);
+        let waker = Arc::new(Waker::new().map_err(|source| PodWatchError::Setup { what: "eventfd", source })?);
+        let (ready, started) = mpsc::sync_channel(1);
+        let thread_waker = waker.clone();
+        let thread = std::thread::Builder::new()
+            .name("pod-watcher".into())
+            .spawn(move || {
+                let mut watcher = match Watcher::start(pods_dir, namespace.as_deref(), thread_waker, sink) {
+                    Ok(watcher) => watcher,
+                    Err(err) => {
+                        // The receiver only goes away if `spawn` panicked.
+                        let _ = ready.send(Err(err));
+                        return;
+                    }
+                };
+                let _ = ready.send(Ok(()));
+                if let Err(err) = watcher.run() {
+                    (watcher.sink)(PodChange::Failed(err));
+                }
+            })
+            .map_err(PodWatchError::Thread)?;
+        let mut watcher = PodWatcher { waker, thread: Some(thread) };
+        match started.recv() {
+            Ok(Ok(())) => Ok(watcher),
+            Ok(Err(err)) => {
+                watcher.join()?;
+                Err(err)
+            }
+            Err(mpsc::RecvError) => {
+                watcher.join()?;
+                Err(PodWatchError::Panicked)
+            }
+        }
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) -> Result<(), PodWatchError> {
+        self.waker.wake().map_err(|source| PodWatchError::Setup { what: "eventfd wake", source })?;
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), PodWatchError> {
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Err(_)) => Err(PodWatchError::Panicked),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for PodWatcher {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            if let Err(err) = self.waker.wake() {
+                tracing::error!(?err, "cannot wake the pod watcher to stop it");
+                return;
+            }
+            if self.join().is_err() {
+                tracing::error!("pod-watcher thread panicked");
+            }
+        }
+    }
+}
+
+/// What the watcher knows of its watches.
+struct Watches {
+    pods_dir: PathBuf,
+    by_wd: HashMap<i32, Dir>,
+    /// Every watch of each pod, to drop them when the pod goes.
+    by_pod: HashMap<Arc<str>, Vec<i32>>,
+}
+
+struct Watcher<S> {
+    poller: Poller,
+    _waker: Arc<Waker>,
+    inotify: Inotify,
+    reader: EventReader,
+    watches: Watches,
+    sink: S,
+}
+
+/// Why event handling stopped before the queue was empty.
+enum Stop {
+    Rescan,
+    Failed(PodWatchError),
+}
+
+impl<S: FnMut(PodChange)> Watcher<S> {
+    fn start(pods_dir: PathBuf, namespace: Option<&Path>, waker: Arc<Waker>, sink: S) -> Result<Self, PodWatchError> {
+        if let Some(path) = namespace {
+            ns::join_mount_namespace(path)
+                .map_err(|source| PodWatchError::Namespace { path: path.to_path_buf(), source })?;
+        }
+        let setup = |what| move |source| PodWatchError::Setup { what, source };
+        let poller = Poller::new().map_err(setup("epoll"))?;
+        poller.add_readable(waker.as_fd(), STOP).map_err(setup("eventfd"))?;
+        let inotify = Inotify::new().map_err(setup("inotify"))?;
+        poller.add_readable(inotify.as_fd(), INOTIFY).map_err(setup("inotify"))?;
+        let watches = Watches { pods_dir, by_wd: HashMap::new(), by_pod: HashMap::new() };
+        let mut watcher = Watcher { poller, _waker: waker, inotify, reader: EventReader::default(), watches, sink };
+        watcher.scan()?;
+        Ok(watcher)
+    }
+
+    fn run(&mut self) -> Result<(), PodWatchError> {
+        let mut ready = Vec::with_capacity(2);
+        loop {
+            self.poller.wait(&mut ready, None).map_err(PodWatchError::Read)?;
+            if ready.contains(&STOP) {
+                return Ok(());
+            }
+            let Watcher { inotify, reader, watches, sink, .. } = self;
+            let mut stop = None;
+            let flow = reader
+                .drain(inotify, |event| match watches.handle(inotify, event, &mut *sink) {
+                    Ok(ControlFlow::Continue(())) => ControlFlow::Continue(()),
+                    Ok(ControlFlow::Break(())) => {
+                        stop = Some(Stop::Rescan);
+                        ControlFlow::Break(())
+                    }
+                    Err(err) => {
+                        stop = Some(Stop::Failed(err));
+                        ControlFlow::Break(())
+                    }
+                })
+                .map_err(PodWatchError::Read)?;
+            match (flow, stop) {
+                (ControlFlow::Continue(()), _) => {}
+                (ControlFlow::Break(()), Some(Stop::Failed(err))) => return Err(err),
+                (ControlFlow::Break(()), _) => self.rescan()?,
+            }
+        }
+    }
+
+    /// Drops every watch (by closing the instance) and scans afresh.
+    fn rescan(&mut self) -> Result<(), PodWatchError> {
+        let fresh = Inotify::new().map_err(|source| PodWatchError::Setup { what: "inotify", source })?;
+        // Best effort: closing the old instance (below) deregisters it anyway.
+        let _ = self.poller.remove(self.inotify.as_fd());
+        self.poller
+            .add_readable(fresh.as_fd(), INOTIFY)
+            .map_err(|source| PodWatchError::Setup { what: "inotify", source })?;
+        self.inotify = fresh;
+        self.scan()
+    }
+
+    /// Watches and reads the whole tree into a fresh model, sent as one
+    /// `Resync` followed by the errors met on the way.
+    fn scan(&mut self) -> Result<(), PodWatchError> {
+        self.watches.by_wd.clear();
+        self.watches.by_pod.clear();
+        let mut directory = PodDirectory::default();
+        let mut errors = Vec::new();
+        let mut collect = |change| match change {
+            PodChange::VolDataInvalid { .. } => errors.push(change),
+            change => {
+                directory.apply(change);
+            }
+        };
+        let pods_dir = self.watches.pods_dir.clone();
+        walk::walk_all(
+            &pods_dir,
+            &mut WatchVisit { inotify: &self.inotify, watches: &mut self.watches, out: &mut collect },
+        )?;
+        (self.sink)(PodChange::Resync(directory));
+        errors.into_iter().for_each(&mut self.sink);
+        Ok(())
+    }
+}
+
+/// The mask each directory is watched with.
+fn mask(dir: &Dir) -> WatchFlags {
+    let entries = WatchFlags::CREATE | WatchFlags::MOVED_TO | WatchFlags::MOVED_FROM;
+    match dir {
+        Dir::Pods => entries | WatchFlags::DELETE | WatchFlags::DELETE_SELF | WatchFlags::MOVE_SELF,
+        Dir::Pod { .. } => entries | WatchFlags::DELETE_SELF,
+        Dir::Volumes { .. } | Dir::SubPaths { .. } | Dir::SubPathVolume { .. } => entries,
+        Dir::Plugin { .. } | Dir::SubPathContainer { .. } => entries | WatchFlags::DELETE,
+        Dir::CsiVolume { .. } => {
+            WatchFlags::CLOSE_WRITE | WatchFlags::MOVED_TO | WatchFlags::DELETE | WatchFlags::MOVED_FROM
+        }
+    }
+}
+
+struct WatchVisit<'a> {
+    inotify: &'a Inotify,
+    watches: &'a mut Watches,
+    out: &'a mut dyn FnMut(PodChange),
+}
+
+impl Visit for WatchVisit<'_> {
+    fn enter(&mut self, path: &Path, dir: &Dir) -> io::Result<bool> {
+        let wd = self.inotify.watch_dir(path, mask(dir))?;
+        if self.watches.by_wd.contains_key(&wd) {
+            return Ok(false);
+        }
+        self.watches.by_wd.insert(wd, dir.clone());
+        if let Some(uid) = dir.uid() {
+            self.watches.by_pod.entry(uid.clone()).or_default().push(wd);
+        }
+        Ok(true)
+    }
+
+    fn change(&mut self, change: PodChange) {
+        (self.out)(change);
+    }
+}
+
+impl Watches {
+    /// Decodes one event. `Break`: events were lost or cannot be followed
+    /// incrementally, rescan.
+    fn handle(
+        &mut self,
+        inotify: &Inotify,
+        event: Event<'_>,
+        sink: &mut dyn FnMut(PodChange),
+    ) -> Result<ControlFlow<()>, PodWatchError> {
+        if event.flags.contains(EventFlags::QUEUE_OVERFLOW) {
+            tracing::warn!(pods = %self.pods_dir.display(), "inotify queue overflowed; rescanning pod directories");
+            return Ok(ControlFlow::Break(()));
+        }
+        let Some(dir) = self.by_wd.get(&event.wd).cloned() else {
+            // A watch already forgotten (its pod went first).
+            return Ok(ControlFlow::Continue(()));
+        };
+        let gone = EventFlags::IGNORED | EventFlags::DELETE_SELF | EventFlags::MOVE_SELF;
+        if event.flags.intersects(gone) {
+            self.forget(event.wd, &dir, sink)?;
+            return Ok(ControlFlow::Continue(()));
+        }
+        let Some(name) = event.name else { return Ok(ControlFlow::Continue(())) };
+        let removed = event.flags.intersects(EventFlags::DELETE | EventFlags::MOVED_FROM);
+        let moved_away = event.flags.contains(EventFlags::MOVED_FROM);
+        match &dir {
+            Dir::CsiVolume { uid, name: volume } => {
+                if name != VOL_DATA_FILE {
+                    return Ok(ControlFlow::Continue(()));
+                }
+                let (vol_data, error) = if removed {
+                    (None, None)
+                } else {
+                    walk::read_vol_data(&dir.path(&self.pods_dir).join(name), Strictness::Complete)
+                };
+                let mut visit = WatchVisit { inotify, watches: self, out: sink };
+                walk::report_volume(&mut visit, uid, volume, vol_data, error);
+            }
+            Dir::Pods if removed => {
+                if let Some(uid) = name.to_str() {
+                    self.pod_removed(inotify, uid, moved_away, sink);
+                }
+            }
+            Dir::Plugin { uid, plugin } if removed => {
+                // A CSI volume directory moved away keeps its watch; only a
+                // rescan can drop it. The kubelet never does this.
+                if moved_away && &**plugin == CSI_PLUGIN_DIR {
+                    return Ok(ControlFlow::Break(()));
+                }
+                if let Some(name) = name.to_str() {
+                    sink(PodChange::VolumeRemoved {
+                        uid: uid.to_string(),
+                        plugin: plugin.to_string(),
+                        name: name.into(),
+                    });
+                }
+            }
+            Dir::SubPathContainer { uid, volume, container } if removed => {
+                if let Some(index) = name.to_str() {
+                    sink(PodChange::SubPathRemoved {
+                        uid: uid.to_string(),
+                        volume: volume.to_string(),
+                        container: container.to_string(),
+                        index: index.into(),
+                    });
+                }
+            }
+            // A watched directory moved away within a pod: its watches go
+            // with it. The kubelet never does this; a rescan sorts it out.
+            _ if moved_away => return Ok(ControlFlow::Break(())),
+            // Deleted directories were emptied first: their entries were
+            // reported one by one, and their own watch ends with IN_IGNORED.
+            _ if removed => {}
+            _ => {
+                let parent = dir.path(&self.pods_dir);
+                walk::walk_entry(&parent, &dir, name, &mut WatchVisit { inotify, watches: self, out: sink })?;
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// A watched directory is gone (deleted, moved, or its filesystem
+    /// unmounted).
+    fn forget(&mut self, wd: i32, dir: &Dir, sink: &mut dyn FnMut(PodChange)) -> Result<(), PodWatchError> {
+        self.by_wd.remove(&wd);
+        match dir {
+            Dir::Pods => Err(PodWatchError::PodsDirGone { path: self.pods_dir.clone() }),
+            Dir::Pod { uid } => {
+                if let Some(wds) = self.by_pod.remove(uid) {
+                    wds.iter().for_each(|wd| {
+                        self.by_wd.remove(wd);
+                    });
+                    sink(PodChange::PodRemoved { uid: uid.to_string() });
+                }
+                Ok(())
+            }
+            _ => {
+                if let Some(wds) = dir.uid().and_then(|uid| self.by_pod.get_mut(uid)) {
+                    wds.retain(|known| *known != wd);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn pod_removed(&mut self, inotify: &Inotify, uid: &str, moved_away: bool, sink: &mut dyn FnMut(PodChange)) {
+        let Some(wds) = self.by_pod.remove(uid) else { return };
+        for wd in wds {
+            self.by_wd.remove(&wd);
+            if moved_away {
+                // Deleted directories lose their watches by themselves; a
+                // moved one keeps them. EINVAL: already gone.
+                let _ = inotify.unwatch(wd);
+            }
+        }
+        sink(PodChange::PodRemoved { uid: uid.to_owned() });
+    }
+}
