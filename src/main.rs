@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
+use fuse_supervisor::layout::{self, SourceLayouts};
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
@@ -104,18 +105,35 @@ struct NodeArgs {
     /// How long a FUSE source may take to answer a health probe.
     #[arg(long, default_value = "2s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_PROBE_TIMEOUT")]
     probe_timeout: Duration,
+    /// Fluid's mount root: sources at <root>/<runtime>/<namespace>/<dataset>/<runtime>-fuse.
+    #[arg(long, default_value = layout::DEFAULT_FLUID_MOUNT_ROOT, env = "FUSE_SUPERVISOR_FLUID_MOUNT_ROOT")]
+    fluid_mount_root: PathBuf,
+    /// Where the JuiceFS CSI driver's mount pods mount: <root>/<volumeHandle>-<suffix>.
+    #[arg(long, default_value = layout::DEFAULT_JUICEFS_MOUNT_ROOT, env = "FUSE_SUPERVISOR_JUICEFS_MOUNT_ROOT")]
+    juicefs_mount_root: PathBuf,
+    /// A TOML file of source path templates per CSI driver, for drivers
+    /// whose layout is not built in.
+    #[arg(long, value_name = "FILE", env = "FUSE_SUPERVISOR_LAYOUT_CONFIG")]
+    layout_config: Option<PathBuf>,
 }
 
 impl NodeArgs {
-    fn config(&self) -> Config {
-        Config {
+    fn config(&self) -> anyhow::Result<Config> {
+        let mut layouts = SourceLayouts::new(&self.kubelet_root)
+            .with_fluid_mount_root(&self.fluid_mount_root)
+            .with_juicefs_mount_root(&self.juicefs_mount_root);
+        if let Some(rules) = &self.layout_config {
+            layouts = layouts.with_rules_from(rules)?;
+        }
+        Ok(Config {
             kubelet_root: self.kubelet_root.clone(),
             state_dir: self.state_dir.clone(),
             mount_namespace: self.mount_namespace.clone(),
             staging_dir: self.staging_dir.clone(),
             probe_timeout: self.probe_timeout,
             kubelet: None,
-        }
+            layouts,
+        })
     }
 }
 
@@ -296,12 +314,14 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run { node, kubelet, log } => {
             log.init();
-            kubelet.confirmation().and_then(|kubelet| run(&Config { kubelet, ..node.config() }))
+            node.config()
+                .and_then(|config| Ok(Config { kubelet: kubelet.confirmation()?, ..config }))
+                .and_then(|c| run(&c))
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {
             log.init();
-            heal_once(&node.config(), dry_run)
+            node.config().and_then(|config| heal_once(&config, dry_run))
         }
         Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
         Command::Internal(Internal::Demofs { backing, mountpoint, name }) => {

@@ -21,11 +21,13 @@ use tracing::{debug, error, info, info_span, warn};
 use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::heal::{Executor, Healed, MountExecutor};
 use crate::kubelet::{KubeletClient, KubeletConfig};
+use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
 use crate::mountinfo::MountInfoReader;
 use crate::plan::{self, Assessment, HealBatch};
+use crate::pods::{PodChange, PodDirectory, PodWatcher, VolData};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
-use crate::table::{Classified, Layout, Snapshot};
+use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
 use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
 
 /// How `run` is set up.
@@ -44,6 +46,8 @@ pub struct Config {
     /// Confirm restarts with the local kubelet before rebinding; None
     /// heals on mount evidence alone (`--kubelet none`).
     pub kubelet: Option<KubeletConfirmation>,
+    /// Where sources are when no healthy observation taught it.
+    pub layouts: SourceLayouts,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -75,6 +79,8 @@ pub enum SupervisorError {
     Watch(#[from] crate::watch::WatchError),
     #[error(transparent)]
     Kubelet(#[from] crate::kubelet::KubeletError),
+    #[error(transparent)]
+    Pods(#[from] crate::pods::PodWatchError),
     #[error("cannot start thread {name}")]
     Thread {
         name: &'static str,
@@ -111,6 +117,7 @@ enum Event {
     TableChanged,
     Probed(ProbeReport),
     Kubelet(Answer),
+    Pods(PodChange),
     WatchFailed(crate::watch::WatchError),
     Shutdown,
 }
@@ -187,6 +194,17 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             None
         }
     };
+    // The pod watcher joins the namespace itself; its first full scan is
+    // sent before spawn returns, so it is the first event, and it is
+    // applied before the first table scan is planned.
+    let pod_events = events.clone();
+    let pod_watcher = PodWatcher::spawn(&config.kubelet_root, Some(&config.mount_namespace), move |change| {
+        let _ = pod_events.send(Event::Pods(change));
+    })?;
+    let first_pod_scan = match inbox.try_recv() {
+        Ok(Event::Pods(change)) => Some(change),
+        _ => None,
+    };
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
     let open_mountinfo = || {
@@ -196,12 +214,19 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
     let pending = Arc::new(AtomicBool::new(false));
     let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
-    let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events)?;
+    let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
+    supervisor.pods_watched = true;
+    if let Some(change) = first_pod_scan {
+        supervisor.on_pods(change);
+    }
     supervisor.rescan();
     info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
     supervisor.serve(&inbox, &pending, shutdown);
     shutdown.request();
+    if let Err(err) = pod_watcher.stop() {
+        error!(%err, "pod-directory watcher failed");
+    }
     if watcher_thread.join().is_err() {
         error!("watcher thread panicked");
     }
@@ -259,6 +284,12 @@ struct Supervisor<E: Executor> {
     /// Whether the first scan is done: mounts seen in it were there before
     /// the supervisor, so when they appeared is unknown.
     scanned_once: bool,
+    layouts: SourceLayouts,
+    /// The kubelet's pod directory as the pod watcher reports it.
+    pods: PodDirectory,
+    /// Whether the pod watcher runs; without it deleted pods are found by
+    /// looking at their directories on each scan.
+    pods_watched: bool,
 }
 
 struct Confirmer {
@@ -293,6 +324,9 @@ impl Supervisor<MountExecutor> {
             dead_targets: BTreeSet::new(),
             confirmer: None,
             scanned_once: false,
+            layouts: config.layouts.clone(),
+            pods: PodDirectory::default(),
+            pods_watched: false,
         })
     }
 }
@@ -314,6 +348,7 @@ impl<E: Executor> Supervisor<E> {
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
+                Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;
@@ -370,8 +405,11 @@ impl<E: Executor> Supervisor<E> {
         let Some(classified) = self.read_table() else { return };
         self.report_propagated_heals(&classified);
         let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
+        changed |= self.locate_unmapped(&classified);
         changed |= self.sight_sources(&classified);
-        changed |= self.forget_deleted_pods();
+        if !self.pods_watched {
+            changed |= self.forget_deleted_pods();
+        }
         self.update_states(&classified);
         if changed && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
@@ -550,14 +588,97 @@ impl<E: Executor> Supervisor<E> {
     /// A target stays in the work set until healed or its pod is gone.
     fn forget_deleted_pods(&mut self) -> bool {
         let pods = self.layout.pods_dir().to_path_buf();
+        self.forget_targets(|uid| !pods.join(uid).exists())
+    }
+
+    fn forget_targets(&mut self, gone: impl Fn(&str) -> bool) -> bool {
         let records = &mut self.records;
         self.journal.retain(|target, mapping| {
-            let keep = pods.join(&mapping.pod_uid).exists();
+            let keep = !gone(&mapping.pod_uid);
             if !keep {
                 info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
                 records.remove(target);
             }
             keep
+        })
+    }
+
+    fn on_pods(&mut self, change: PodChange) {
+        let forgot = match &change {
+            PodChange::PodRemoved { uid } => self.forget_targets(|pod| pod == &**uid),
+            PodChange::Resync(directory) => self.forget_targets(|pod| directory.pod(pod).is_none()),
+            PodChange::VolDataInvalid { uid, name, error, .. } => {
+                warn!(pod = %uid, volume = %name, %error, "vol_data.json unreadable; its layout cannot be used");
+                false
+            }
+            PodChange::Failed(err) => {
+                error!(%err, "pod-directory watcher stopped; deleted pods are now found on each scan");
+                self.pods_watched = false;
+                return;
+            }
+            _ => false,
+        };
+        let located = matches!(change, PodChange::VolumeSeen { vol_data: Some(_), .. } | PodChange::Resync(_));
+        self.pods.apply(change);
+        if forgot && let Err(err) = self.journal.save() {
+            error!(%err, "cannot save state");
+        }
+        // A vol_data.json may be what an unmapped target's layout needed.
+        if located && self.scanned_once {
+            self.rescan();
+        }
+    }
+
+    /// Maps targets that no healthy observation mapped (a supervisor started
+    /// after the crash) to the source their layout names. Such a target is
+    /// judged by a probe: the mapping carries no connection of its own.
+    fn locate_unmapped(&mut self, classified: &Classified) -> bool {
+        let sources: Vec<SourceMount<'_>> = classified.sources.values().map(SourceMount::from).collect();
+        let mut changed = false;
+        for (path, target) in &classified.targets {
+            if self.journal.get(path).is_some() {
+                continue;
+            }
+            let top = target.stack.top();
+            let Some(info) = TargetInfo::from_path(self.layout.pods_dir(), path, &top.root) else { continue };
+            let vol_data = self.vol_data_of(classified, target, &info);
+            let Some(located) = self.layouts.locate(&info.with_vol_data(vol_data), &sources) else { continue };
+            info!(
+                target = %path.display(),
+                pod = %target.pod_uid,
+                source = %located.path.display(),
+                layout = %located.layout,
+                "source located by layout"
+            );
+            let mapping = Mapping {
+                source: located.path,
+                root_in_source: located.root_in_source,
+                source_mount_id: 0,
+                peer_group: None,
+                dev: Dev { major: 0, minor: 0 },
+                pod_uid: target.pod_uid.clone(),
+                kind: target.kind,
+            };
+            changed |= self.journal.record(path, mapping);
+        }
+        changed
+    }
+
+    /// The `vol_data.json` behind a target. A subPath directory is named
+    /// after the pod spec's volume, a CSI volume directory after the PV, so
+    /// a subPath takes the one of its pod's whole-volume target on the same
+    /// device.
+    fn vol_data_of(&self, classified: &Classified, target: &Target, info: &TargetInfo<'_>) -> Option<&VolData> {
+        if target.kind == TargetKind::Volume {
+            return self.pods.vol_data(info.pod_uid, info.volume);
+        }
+        let dev = target.stack.top().dev;
+        classified.targets.iter().find_map(|(path, volume)| {
+            if volume.kind != TargetKind::Volume || volume.pod_uid != target.pod_uid || volume.stack.top().dev != dev {
+                return None;
+            }
+            let info = TargetInfo::from_path(self.layout.pods_dir(), path, &volume.stack.top().root)?;
+            self.pods.vol_data(info.pod_uid, info.volume)
         })
     }
 

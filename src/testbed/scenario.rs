@@ -85,8 +85,20 @@ impl FuseSource {
     /// Creates the backing directory (a data file and a subdirectory) and
     /// mounts `runtime/<name>` served by `daemon`.
     pub fn start(sandbox: &Sandbox, binary: &Path, daemon: Daemon, name: &str) -> Result<Self, ScenarioError> {
+        Self::start_at(sandbox, binary, daemon, name, &sandbox.runtime_root().join(name).join("fuse"))
+    }
+
+    /// Like [`FuseSource::start`], mounted at `path` (a CSI staging
+    /// directory, say) instead of under the runtime tree.
+    pub fn start_at(
+        sandbox: &Sandbox,
+        binary: &Path,
+        daemon: Daemon,
+        name: &str,
+        path: &Path,
+    ) -> Result<Self, ScenarioError> {
         let backing = sandbox.root().join("backing").join(name);
-        let path = sandbox.runtime_root().join(name).join("fuse");
+        let path = path.to_path_buf();
         // Files are made from the sandbox thread: the sandbox's tmpfs hides
         // the host directory of the same name.
         let (dirs, inner, text) = (
