@@ -91,29 +91,47 @@ pub enum Verdict {
     NoOwner,
 }
 
-/// Finds the owner of `source` in `pods`. Pods named in `target_pods` (the
-/// UIDs of the broken targets' pods) are searched for a FUSE sidecar when
-/// no hostPath owner exists.
+/// Finds the owner of `source` in `pods`; see [`owners_of`].
 pub fn owner_of<'a>(pods: &'a PodList, source: &Path, target_pods: &[&str]) -> Option<(&'a Pod, &'a Container)> {
+    owners_of(pods, source, target_pods).into_iter().next()
+}
+
+/// The pods that may own `source`, equally likely, in list order. Pods
+/// named in `target_pods` (the UIDs of the broken targets' pods) are
+/// searched for a FUSE sidecar when no hostPath owner exists.
+///
+/// The deepest hostPath wins: a FUSE pod mounting /var/lib/juicefs/volume
+/// owns its mounts over a CSI node plugin mounting all of /var/lib. At equal
+/// depth (every JuiceFS mount pod, and the JuiceFS CSI node pod, mount
+/// /var/lib/juicefs/volume), a pod whose name carries the directory the
+/// source lies in below the hostPath wins: mount pods are named after it.
+pub fn owners_of<'a>(pods: &'a PodList, source: &Path, target_pods: &[&str]) -> Vec<(&'a Pod, &'a Container)> {
     let live = || pods.items.iter().filter(|pod| !is_finished(pod));
-    // The deepest hostPath wins: a FUSE pod mounting /var/lib/juicefs/volume
-    // owns its mounts over a CSI node plugin mounting all of /var/lib.
-    let by_host_path = live()
+    let mut ranked: Vec<((usize, bool), &Pod, &Container)> = live()
         .flat_map(|pod| {
             pod.bidirectional_host_paths().filter_map(move |mount| {
                 let host = Path::new(mount.host_path);
-                source.starts_with(host).then(|| (host.components().count(), pod, pod.container(mount.container)))
+                let below = source.strip_prefix(host).ok()?;
+                let named = below
+                    .components()
+                    .next()
+                    .and_then(|first| first.as_os_str().to_str())
+                    .is_some_and(|first| pod.metadata.name.contains(first));
+                Some(((host.components().count(), named), pod, pod.container(mount.container)?))
             })
         })
-        .max_by_key(|(depth, _, _)| *depth)
-        .and_then(|(_, pod, container)| Some((pod, container?)));
-    by_host_path.or_else(|| {
-        live().filter(|pod| target_pods.contains(&pod.metadata.uid.as_str())).find_map(|pod| {
-            let sidecar = pod.spec.containers.iter().chain(&pod.spec.init_containers);
-            let container = sidecar.into_iter().find(|c| c.volume_mounts.iter().any(|m| m.is_bidirectional()))?;
-            Some((pod, container))
+        .collect();
+    if let Some(best) = ranked.iter().map(|(rank, _, _)| *rank).max() {
+        ranked.retain(|(rank, _, _)| *rank == best);
+        return ranked.into_iter().map(|(_, pod, container)| (pod, container)).collect();
+    }
+    live()
+        .filter(|pod| target_pods.contains(&pod.metadata.uid.as_str()))
+        .filter_map(|pod| {
+            let mut containers = pod.spec.containers.iter().chain(&pod.spec.init_containers);
+            Some((pod, containers.find(|c| c.volume_mounts.iter().any(|m| m.is_bidirectional()))?))
         })
-    })
+        .collect()
 }
 
 fn is_finished(pod: &Pod) -> bool {
@@ -130,22 +148,32 @@ pub fn judge(
     replaced_seen: Option<SystemTime>,
     known: Option<&Owner>,
 ) -> Verdict {
-    let Some((pod, container)) = owner_of(pods, source, target_pods) else {
-        return Verdict::NoOwner;
-    };
-    let status = pod.container_status(&container.name);
-    let owner = Owner {
-        namespace: pod.metadata.namespace.clone(),
-        pod: pod.metadata.name.clone(),
-        pod_uid: pod.metadata.uid.clone(),
-        container: container.name.clone(),
-        container_id: status.and_then(|status| status.container_id.clone()),
-        started_at: status.filter(|status| status.is_running()).and_then(ContainerStatus::started_at),
-    };
-    match status {
-        Some(status) if restarted(status, &owner, replaced_seen, known) => Verdict::Restarted(owner),
-        _ => Verdict::NotYet(owner),
+    let owners = owners_of(pods, source, target_pods);
+    let verdicts = owners.iter().map(|(pod, container)| {
+        let status = pod.container_status(&container.name);
+        let owner = Owner {
+            namespace: pod.metadata.namespace.clone(),
+            pod: pod.metadata.name.clone(),
+            pod_uid: pod.metadata.uid.clone(),
+            container: container.name.clone(),
+            container_id: status.and_then(|status| status.container_id.clone()),
+            started_at: status.filter(|status| status.is_running()).and_then(ContainerStatus::started_at),
+        };
+        match status {
+            Some(status) if restarted(status, &owner, replaced_seen, known) => Verdict::Restarted(owner),
+            _ => Verdict::NotYet(owner),
+        }
+    });
+    // Of owners equally likely, the one that restarted is the one that
+    // mounted anew; none restarted: the first is reported as waited for.
+    let mut first = None;
+    for verdict in verdicts {
+        if matches!(verdict, Verdict::Restarted(_)) {
+            return verdict;
+        }
+        first.get_or_insert(verdict);
     }
+    first.unwrap_or(Verdict::NoOwner)
 }
 
 /// A running container restarted if it is not the container last
@@ -163,10 +191,12 @@ fn restarted(
     if !status.is_running() {
         return false;
     }
+    // Another pod (a replaced DaemonSet pod) is caught by its start time.
     if let Some(known) = known
+        && known.pod_uid == owner.pod_uid
         && known.container == owner.container
-        && (known.pod_uid != owner.pod_uid
-            || (known.container_id.is_some() && known.container_id != owner.container_id))
+        && known.container_id.is_some()
+        && known.container_id != owner.container_id
     {
         return true;
     }
@@ -260,6 +290,38 @@ mod tests {
         assert_eq!(pod.metadata.name, "csi-node");
         // Component-wise: /var/library is not under /var/lib.
         assert!(owner_of(&pods, Path::new("/var/library/x"), &[]).is_none());
+    }
+
+    #[test]
+    fn at_equal_depth_the_pod_named_after_the_source_directory_owns_it() {
+        let mount_pod = |name: &str, uid: &str, container_id: &str| {
+            json!({
+                "metadata": {"name": name, "namespace": "kube-system", "uid": uid},
+                "spec": {
+                    "volumes": [{"name": "jfs", "hostPath": {"path": "/var/lib/juicefs/volume"}}],
+                    "containers": [{"name": "jfs-mount", "volumeMounts": [
+                        {"name": "jfs", "mountPath": "/var/lib/juicefs/volume", "mountPropagation": "Bidirectional"}]}]
+                },
+                "status": {"phase": "Running", "containerStatuses": [{"name": "jfs-mount", "containerID": container_id,
+                    "state": {"running": {"startedAt": rfc3339(10)}}}]}
+            })
+        };
+        let pods: PodList = serde_json::from_value(json!({"items": [
+            mount_pod("juicefs-csi-node-x7k2p", "csi", "containerd://c"),
+            mount_pod("juicefs-node-a-pvc-2-ghijkl", "other", "containerd://o"),
+            mount_pod("juicefs-node-a-pvc-1-abcdef", "mine", "containerd://m"),
+        ]}))
+        .unwrap();
+        let source = Path::new("/var/lib/juicefs/volume/pvc-1-abcdef");
+        let owners = owners_of(&pods, source, &[]);
+        assert_eq!(owners.len(), 1);
+        assert_eq!(owners[0].0.metadata.uid, "mine");
+        // Another mount pod with the same container name is not a restart
+        // of the one last confirmed.
+        let Verdict::NotYet(known) = judge(&pods, source, &[], Some(at(100)), None) else { panic!() };
+        let unrelated = Path::new("/var/lib/juicefs/volume/pvc-3-zzzzzz");
+        assert_eq!(owners_of(&pods, unrelated, &[]).len(), 3, "all equally likely");
+        assert!(matches!(judge(&pods, unrelated, &[], Some(at(100)), Some(&known)), Verdict::NotYet(_)));
     }
 
     #[test]
