@@ -533,7 +533,7 @@ impl<E: Executor> Supervisor<E> {
                         pod = %format_args!("{}/{}", owner.namespace, owner.pod),
                         container = %owner.container,
                         container_id = owner.container_id.as_deref().unwrap_or(""),
-                        kubelet_ms = answer.took.as_millis() as u64,
+                        kubelet_us = answer.took.as_micros() as u64,
                         "kubelet confirms the owner restarted"
                     );
                     confirmation.waiting = Waiting::Go;
