@@ -262,7 +262,7 @@ impl<E: Executor> Supervisor<E> {
             }
         };
         match Snapshot::parse(table) {
-            Ok(snapshot) => Some(Classified::new(&snapshot, &self.layout)),
+            Ok(snapshot) => Some(Classified::from_snapshot(snapshot, &self.layout)),
             Err(err) => {
                 error!(%err, "mount table did not parse; keeping the last known state");
                 None
