@@ -29,10 +29,19 @@ pub struct Mapping {
     pub kind: TargetKind,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct StateFile {
     version: u32,
     targets: BTreeMap<PathBuf, Mapping>,
+}
+
+/// The state file as written: borrows the journal's mappings, so a save
+/// copies nothing (at 10,000 targets a copy and a whole-file buffer were
+/// most of the supervisor's peak memory).
+#[derive(Serialize)]
+struct StateFileRef<'a> {
+    version: u32,
+    targets: &'a BTreeMap<PathBuf, Mapping>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,11 +132,11 @@ impl Journal {
             let dir = self.path.parent().unwrap_or(Path::new("."));
             fs::create_dir_all(dir)?;
             let temporary = self.path.with_extension("json.tmp");
-            let file = StateFile { version: STATE_VERSION, targets: self.mappings.clone() };
-            let bytes = serde_json::to_vec_pretty(&file).map_err(io::Error::other)?;
-            let mut out = fs::File::create(&temporary)?;
-            out.write_all(&bytes)?;
-            out.sync_all()?;
+            let file = StateFileRef { version: STATE_VERSION, targets: &self.mappings };
+            let mut out = io::BufWriter::new(fs::File::create(&temporary)?);
+            serde_json::to_writer_pretty(&mut out, &file).map_err(io::Error::other)?;
+            out.flush()?;
+            out.get_ref().sync_all()?;
             fs::rename(&temporary, &self.path)?;
             fs::File::open(dir)?.sync_all()
         };

@@ -207,6 +207,9 @@ impl Supervisor<MountExecutor> {
 impl<E: Executor> Supervisor<E> {
     fn serve(&mut self, inbox: &Receiver<Event>, pending: &AtomicBool, shutdown: &Shutdown) {
         while !shutdown.requested() {
+            // A scan of a large table frees megabytes scattered between
+            // long-lived allocations: give them back before sleeping.
+            fuse_supervisor_sys::memory::release_free_memory();
             // Deadlines exist only while something is wrong: an idle
             // supervisor blocks on the channel with no timeout.
             let event = match self.next_deadline() {

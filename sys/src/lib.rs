@@ -6,6 +6,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod fuse;
+pub mod memory;
 pub mod mount;
 pub mod mountinfo_poll;
 pub mod ns;
