@@ -123,11 +123,15 @@ impl MountExecutor {
         Ok((fd, id))
     }
 
-    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<Healed, HealError> {
+    /// Stacks the new source onto the target unless an earlier stack of the
+    /// batch reached it by propagation; either way returns a handle on the
+    /// target's new top, for flattening.
+    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<(Healed, OwnedFd), HealError> {
         let (fd, top) = self.resolve_target(&target.path)?;
         if top != target.top_mount_id {
-            // An earlier stack of this batch propagated onto it.
-            return Ok(Healed::Propagated);
+            // An earlier stack of this batch propagated onto it; `fd` was
+            // resolved onto the copy.
+            return Ok((Healed::Propagated, fd));
         }
         let from = source.for_root(&target.root_in_source).ok_or_else(|| HealError::NoSourceRoot {
             path: target.path.clone(),
@@ -136,21 +140,20 @@ impl MountExecutor {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         let clone = mount::clone_mount(from.as_fd()).map_err(step("clone source"))?;
         mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(step("stack onto target"))?;
-        Ok(Healed::Stacked)
+        // Attached now, the clone's fd is a handle on the target's new top.
+        Ok((Healed::Stacked, clone))
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
     /// was under it (made private first, so the removal does not propagate
-    /// into containers), and puts the new top back.
-    fn flatten(&self, target: &TargetHeal, stale: BorrowedFd<'_>) -> Result<usize, HealError> {
+    /// into containers), and puts the new top back. `stale` is the handle on
+    /// the planned top taken before the first stack, `new_top` the one the
+    /// stack returned: both are moved and detached by handle, and the path is
+    /// resolved again only to see what lies under the parked top.
+    fn flatten(&self, target: &TargetHeal, stale: BorrowedFd<'_>, new_top: BorrowedFd<'_>) -> Result<usize, HealError> {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         mount::make_private(stale).map_err(step("make stale layer private"))?;
-        let (top_fd, top) = self.resolve_target(&target.path)?;
-        if target.layer_ids.contains(&top) {
-            return Ok(0); // Nothing new on top: nothing to flatten under.
-        }
-        let new_top = mount::open_mount(top_fd.as_fd()).map_err(step("open new top"))?;
-        mount::move_mount(new_top.as_fd(), self.staging.dir.as_fd()).map_err(step("park new top"))?;
+        mount::move_mount(new_top, self.staging.dir.as_fd()).map_err(step("park new top"))?;
         let mut removed = 0;
         let result = loop {
             let (fd, id) = match self.resolve_target(&target.path) {
@@ -160,8 +163,10 @@ impl MountExecutor {
             if !target.layer_ids.contains(&id) {
                 break Ok(fd);
             }
-            // Lower layers were covered until now: make them private too.
-            if let Err(err) = mount::make_private(fd.as_fd()).and_then(|()| mount::detach_top(fd.as_fd())) {
+            // Layers below the planned top were covered until now: make them
+            // private too. The planned top already is.
+            let private = if id == target.top_mount_id { Ok(()) } else { mount::make_private(fd.as_fd()) };
+            if let Err(err) = private.and_then(|()| mount::detach_top(fd.as_fd())) {
                 break Err(HealError::Mount { step: "remove stale layer", path: target.path.clone(), source: err });
             }
             removed += 1;
@@ -171,11 +176,11 @@ impl MountExecutor {
             Ok(fd) => fd,
             Err(err) => {
                 let (fd, _) = self.resolve_target(&target.path)?;
-                mount::move_mount(new_top.as_fd(), fd.as_fd()).map_err(step("restore new top"))?;
+                mount::move_mount(new_top, fd.as_fd()).map_err(step("restore new top"))?;
                 return Err(err);
             }
         };
-        mount::move_mount(new_top.as_fd(), restore_onto.as_fd()).map_err(step("restore new top"))?;
+        mount::move_mount(new_top, restore_onto.as_fd()).map_err(step("restore new top"))?;
         Ok(removed)
     }
 }
@@ -203,18 +208,18 @@ impl Executor for MountExecutor {
             })
             .collect();
         let mut outcomes = Vec::with_capacity(opened.len());
-        let mut stale_tops = Vec::with_capacity(opened.len());
+        let mut handles = Vec::with_capacity(opened.len());
         for (target, opened) in batch.targets.iter().zip(opened) {
-            let (result, stale_top) = match opened {
-                Ok(fd) => (self.stack(target, source), Some(fd)),
+            let (result, stale_and_new) = match opened.and_then(|stale| Ok((stale, self.stack(target, source)?))) {
+                Ok((stale, (how, new_top))) => (Ok(how), Some((stale, new_top))),
                 Err(err) => (Err(err), None),
             };
             outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error: None });
-            stale_tops.push(stale_top);
+            handles.push(stale_and_new);
         }
-        for ((target, stale_top), outcome) in batch.targets.iter().zip(&stale_tops).zip(&mut outcomes) {
-            let (Some(stale_top), Ok(_)) = (stale_top, &outcome.result) else { continue };
-            match self.flatten(target, stale_top.as_fd()) {
+        for ((target, handles), outcome) in batch.targets.iter().zip(&handles).zip(&mut outcomes) {
+            let Some((stale, new_top)) = handles else { continue };
+            match self.flatten(target, stale.as_fd(), new_top.as_fd()) {
                 Ok(removed) => outcome.layers_removed = removed,
                 Err(err) => outcome.flatten_error = Some(err),
             }
