@@ -209,6 +209,7 @@ impl<E: Executor> Supervisor<E> {
         while !shutdown.requested() {
             // A scan of a large table frees megabytes scattered between
             // long-lived allocations: give them back before sleeping.
+            self.reader.release_buffer();
             fuse_supervisor_sys::memory::release_free_memory();
             // Deadlines exist only while something is wrong: an idle
             // supervisor blocks on the channel with no timeout.

@@ -470,6 +470,20 @@ fn reads_a_plain_file_once() {
     assert_eq!(reader.last_read_count(), 1);
 }
 
+#[test]
+fn a_released_buffer_reads_the_same_table_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mountinfo");
+    let text = synthetic_table(2_000);
+    assert!(text.len() > 256 * 1024, "large enough to be released");
+    std::fs::write(&path, &text).unwrap();
+    let mut reader = MountInfoReader::open(&path).unwrap();
+    assert_eq!(reader.read().unwrap(), text.as_bytes());
+    reader.release_buffer();
+    assert!(reader.buffer().is_empty());
+    assert_eq!(reader.read().unwrap(), text.as_bytes());
+}
+
 /// A shell in its own private mount namespace (`unshare -m`, which makes
 /// every mount private), mounting on request; killed when dropped.
 struct NamespaceShell {
