@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, BufRead, BufReader, ErrorKind};
+use std::os::fd::AsFd;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -15,6 +16,7 @@ use fuse_supervisor::mountinfo::parse_table;
 use fuse_supervisor::testbed::{Sandbox, SandboxChild};
 use fuse_supervisor_sys::mount as sys_mount;
 use fuse_supervisor_sys::process::Signal;
+use fuse_supervisor_sys::resolve;
 
 const NAME: &str = "demofs-test";
 
@@ -271,6 +273,28 @@ fn stopped_daemon_makes_requests_hang_until_continued() {
         Err(mpsc::RecvTimeoutError::Timeout),
         "a stopped daemon answered"
     );
+
+    // What the supervisor asks of a FUSE mount without touching it: an
+    // O_PATH handle and its mount ID (statx from the cache) answer at once.
+    let (sender, mount_id) = mpsc::channel();
+    let root = sandbox.outside_path(&mountpoint);
+    let asker = std::thread::spawn(move || {
+        let _ = sender.send(resolve::open_path(&root).and_then(|fd| resolve::mount_id_of(fd.as_fd())).ok());
+    });
+    let table = sandbox.mountinfo();
+    let listed = parse_table(table.as_bytes())
+        .unwrap()
+        .iter()
+        .rfind(|m| m.mount_point.to_path() == mountpoint)
+        .unwrap()
+        .mount_id;
+    // A generous bound for a busy machine: a hang would never end.
+    assert_eq!(
+        mount_id.recv_timeout(Duration::from_secs(10)),
+        Ok(Some(listed)),
+        "mount ID of a stopped daemon's mount"
+    );
+    asker.join().unwrap();
 
     daemon.signal(Signal::Cont);
     assert_eq!(answer.recv().unwrap(), Ok("inner\n".to_owned()));
