@@ -32,6 +32,10 @@ use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart,
 use fuse_supervisor::testbed::{ContainerReader, Sandbox};
 use fuse_supervisor_sys::poll::{Poller, Waker};
 
+mod common;
+
+use common::{Flags, is_root};
+
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Clone)]
@@ -62,40 +66,24 @@ struct Options {
 }
 
 impl Options {
-    /// `--flag value` from the command line, else `HEAL_BENCH_FLAG`, else
-    /// the default. Unknown arguments (cargo passes `--bench`) are ignored.
     fn parse() -> Options {
-        let args: Vec<String> = std::env::args().collect();
-        let get = |flag: &str, default: &str| -> String {
-            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
-            let env = || std::env::var(format!("HEAL_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
-            cli.or_else(env).unwrap_or_else(|| default.to_owned())
+        let flags = Flags::new("HEAL_BENCH");
+        let daemon = |name: &str| match name {
+            "demofs" => Some(Daemon::DemoFs),
+            "bindfs" => Some(Daemon::Bindfs),
+            _ => None,
         };
-        let number = |flag: &str, default: &str| -> usize {
-            get(flag, default).parse().unwrap_or_else(|_| panic!("--{flag} takes a number"))
-        };
-        let daemons = get("daemons", "demofs,bindfs")
-            .split(',')
-            .map(|name| match name {
-                "demofs" => Daemon::DemoFs,
-                "bindfs" => Daemon::Bindfs,
-                other => panic!("--daemons: unknown daemon {other} (demofs, bindfs)"),
-            })
-            .collect();
         Options {
-            sizes: get("sizes", "1,100,1000")
-                .split(',')
-                .map(|n| n.parse().expect("--sizes takes comma-separated numbers"))
-                .collect(),
-            cycles: number("cycles", "20"),
-            large_cycles: number("large-cycles", "8"),
-            daemons,
-            all_readers_up_to: number("all-readers-up-to", "100"),
-            sampled_readers: number("sampled-readers", "20"),
-            watch_duty_percent: number("watch-duty-percent", "10").clamp(1, 100) as u32,
-            table_watch: on_off(&get("table-watch", "on"), "table-watch"),
-            clean_pass: on_off(&get("clean-pass", "on"), "clean-pass"),
-            reader_interval: Duration::from_millis(number("reader-interval-ms", "2") as u64),
+            sizes: flags.list("sizes", "1,100,1000", |n| n.parse().ok()),
+            cycles: flags.number("cycles", "20"),
+            large_cycles: flags.number("large-cycles", "8"),
+            daemons: flags.list("daemons", "demofs,bindfs", daemon),
+            all_readers_up_to: flags.number("all-readers-up-to", "100"),
+            sampled_readers: flags.number("sampled-readers", "20"),
+            watch_duty_percent: flags.number::<u32>("watch-duty-percent", "10").clamp(1, 100),
+            table_watch: flags.on_off("table-watch", "on"),
+            clean_pass: flags.on_off("clean-pass", "on"),
+            reader_interval: Duration::from_millis(flags.number("reader-interval-ms", "2")),
         }
     }
 
@@ -118,14 +106,6 @@ impl Options {
             1 => vec![0],
             sampled => (0..sampled).map(|i| i * (targets - 1) / (sampled - 1)).collect(),
         }
-    }
-}
-
-fn on_off(value: &str, flag: &str) -> bool {
-    match value {
-        "on" => true,
-        "off" => false,
-        other => panic!("--{flag}: on or off, not {other}"),
     }
 }
 
@@ -652,16 +632,4 @@ fn main() {
         }
     }
     report(&results, &options);
-}
-
-fn is_root() -> bool {
-    // /proc/self/status is always there on Linux; unreadable means "no".
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("Uid:").map(|ids| ids.split_whitespace().nth(1) == Some("0")))
-        })
-        .unwrap_or(false)
 }

@@ -21,6 +21,12 @@ use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, SupervisorProcess, wait_for};
 use fuse_supervisor_sys::mount;
 
+// Each bench uses part of the shared module.
+#[allow(dead_code)]
+mod common;
+
+use common::{Flags, is_root};
+
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const MIB: f64 = 1024.0 * 1024.0;
 /// Pause after start-up before the window opens, so the start-up scan and
@@ -38,19 +44,12 @@ struct Options {
 }
 
 impl Options {
-    /// `--flag value` from the command line, else `IDLE_BENCH_FLAG`, else
-    /// the default. Unknown arguments (cargo passes `--bench`) are ignored.
     fn parse() -> Options {
-        let args: Vec<String> = std::env::args().collect();
-        let number = |flag: &str, default: u64| -> u64 {
-            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
-            let env = || std::env::var(format!("IDLE_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
-            cli.or_else(env).map_or(default, |text| text.parse().unwrap_or_else(|_| panic!("--{flag} takes a number")))
-        };
+        let flags = Flags::new("IDLE_BENCH");
         Options {
-            window: Duration::from_secs(number("seconds", 60)),
-            targets: number("targets", 1_000) as usize,
-            large_mounts: number("large-mounts", 10_000) as usize,
+            window: Duration::from_secs(flags.number("seconds", "60")),
+            targets: flags.number("targets", "1000"),
+            large_mounts: flags.number("large-mounts", "10000"),
         }
     }
 }
@@ -337,16 +336,4 @@ fn main() {
         measure(&format!("1 source + {} pod targets", options.large_mounts), options.large_mounts, 0, options.window),
     ];
     report(&measurements);
-}
-
-fn is_root() -> bool {
-    // Unreadable status means "not known to be root".
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("Uid:").map(|ids| ids.split_whitespace().nth(1) == Some("0")))
-        })
-        .unwrap_or(false)
 }

@@ -38,7 +38,7 @@ fn parse(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("parse_and_classify", mounts), bytes, |b, text| {
             b.iter(|| {
                 let snapshot = Snapshot::parse(black_box(text)).expect("synthetic tables parse");
-                Classified::new(&snapshot, &layout).targets.len()
+                Classified::from_snapshot(snapshot, &layout).targets.len()
             })
         });
 

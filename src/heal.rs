@@ -8,8 +8,11 @@
 //! to be, at that moment, the mount the plan recorded.
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Mutex, PoisonError};
 
-use fuse_supervisor_sys::{mount, resolve};
+use fuse_supervisor_sys::{mount, ns, resolve};
+use tracing::warn;
 
 use crate::plan::{HealBatch, TargetHeal};
 use crate::probe::SourceHandles;
@@ -66,12 +69,14 @@ pub trait Executor {
 }
 
 /// Where a new top is parked while the layer under it is removed: a
-/// private tmpfs on a directory of the supervisor's. (A detached tmpfs would
-/// leave no trace, but 6.18 refuses to move an attached mount onto a
-/// detached tree, and to move it back out: EINVAL both ways.)
+/// private tmpfs on a directory of the supervisor's, with one parking
+/// directory per flattening thread (a top parked on another's would be moved
+/// back with it). (A detached tmpfs would leave no trace, but 6.18 refuses to
+/// move an attached mount onto a detached tree, and to move it back out:
+/// EINVAL both ways.)
 #[derive(Debug)]
 struct Staging {
-    dir: OwnedFd,
+    parks: Vec<OwnedFd>,
 }
 
 impl Staging {
@@ -87,17 +92,44 @@ impl Staging {
         // Private: a new top parked here must not propagate anywhere, and
         // it could not be moved back out of a shared parent.
         mount::set_propagation(path, mount::Propagation::Private, false)?;
-        Ok(Staging { dir: resolve::open_dir(path)? })
+        let parks = (0..FLATTEN_THREADS)
+            .map(|index| {
+                let park = path.join(format!("park-{index}"));
+                std::fs::create_dir_all(&park)?;
+                resolve::open_dir(&park)
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(Staging { parks })
     }
 }
 
+/// At most this many threads flatten one batch. Each flatten waits in
+/// `umount2` for an RCU grace period (tens of microseconds, milliseconds
+/// under load) and concurrent waits share grace periods, while the mount
+/// calls themselves take the namespace lock in turn: a few threads hide the
+/// waits, more would only queue on the lock.
+const FLATTEN_THREADS: usize = 4;
+
+/// Targets per flattening thread before another is worth its start-up.
+const TARGETS_PER_FLATTEN_THREAD: usize = 8;
+
+/// One target to flatten: its index in the batch, the handle on its planned
+/// top taken before the first stack, and the handle on its new top.
+struct FlattenJob {
+    index: usize,
+    stale: OwnedFd,
+    new_top: OwnedFd,
+}
+
 /// Mounts in the namespace of the calling thread (the supervisor's loop
-/// thread, which joined the watched namespace).
+/// thread, which joined the watched namespace), with helper threads that
+/// enter the same namespace to flatten large batches.
 #[derive(Debug)]
 pub struct MountExecutor {
     kubelet_root: PathBuf,
     kubelet_root_fd: OwnedFd,
     staging: Staging,
+    namespace: OwnedFd,
 }
 
 impl MountExecutor {
@@ -108,6 +140,7 @@ impl MountExecutor {
             kubelet_root: kubelet_root.to_path_buf(),
             kubelet_root_fd: resolve::open_dir(kubelet_root)?,
             staging: Staging::prepare(staging_dir)?,
+            namespace: ns::open_thread_mount_namespace()?,
         })
     }
 
@@ -123,11 +156,15 @@ impl MountExecutor {
         Ok((fd, id))
     }
 
-    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<Healed, HealError> {
+    /// Stacks the new source onto the target unless an earlier stack of the
+    /// batch reached it by propagation; either way returns a handle on the
+    /// target's new top, for flattening.
+    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<(Healed, OwnedFd), HealError> {
         let (fd, top) = self.resolve_target(&target.path)?;
         if top != target.top_mount_id {
-            // An earlier stack of this batch propagated onto it.
-            return Ok(Healed::Propagated);
+            // An earlier stack of this batch propagated onto it; `fd` was
+            // resolved onto the copy.
+            return Ok((Healed::Propagated, fd));
         }
         let from = source.for_root(&target.root_in_source).ok_or_else(|| HealError::NoSourceRoot {
             path: target.path.clone(),
@@ -136,21 +173,26 @@ impl MountExecutor {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         let clone = mount::clone_mount(from.as_fd()).map_err(step("clone source"))?;
         mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(step("stack onto target"))?;
-        Ok(Healed::Stacked)
+        // Attached now, the clone's fd is a handle on the target's new top.
+        Ok((Healed::Stacked, clone))
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
     /// was under it (made private first, so the removal does not propagate
-    /// into containers), and puts the new top back.
-    fn flatten(&self, target: &TargetHeal, stale: BorrowedFd<'_>) -> Result<usize, HealError> {
+    /// into containers), and puts the new top back. `stale` is the handle on
+    /// the planned top taken before the first stack, `new_top` the one the
+    /// stack returned: both are moved and detached by handle, and the path is
+    /// resolved again only to see what lies under the parked top.
+    fn flatten(
+        &self,
+        target: &TargetHeal,
+        stale: BorrowedFd<'_>,
+        new_top: BorrowedFd<'_>,
+        park: BorrowedFd<'_>,
+    ) -> Result<usize, HealError> {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         mount::make_private(stale).map_err(step("make stale layer private"))?;
-        let (top_fd, top) = self.resolve_target(&target.path)?;
-        if target.layer_ids.contains(&top) {
-            return Ok(0); // Nothing new on top: nothing to flatten under.
-        }
-        let new_top = mount::open_mount(top_fd.as_fd()).map_err(step("open new top"))?;
-        mount::move_mount(new_top.as_fd(), self.staging.dir.as_fd()).map_err(step("park new top"))?;
+        mount::move_mount(new_top, park).map_err(step("park new top"))?;
         let mut removed = 0;
         let result = loop {
             let (fd, id) = match self.resolve_target(&target.path) {
@@ -160,8 +202,10 @@ impl MountExecutor {
             if !target.layer_ids.contains(&id) {
                 break Ok(fd);
             }
-            // Lower layers were covered until now: make them private too.
-            if let Err(err) = mount::make_private(fd.as_fd()).and_then(|()| mount::detach_top(fd.as_fd())) {
+            // Layers below the planned top were covered until now: make them
+            // private too. The planned top already is.
+            let private = if id == target.top_mount_id { Ok(()) } else { mount::make_private(fd.as_fd()) };
+            if let Err(err) = private.and_then(|()| mount::detach_top(fd.as_fd())) {
                 break Err(HealError::Mount { step: "remove stale layer", path: target.path.clone(), source: err });
             }
             removed += 1;
@@ -171,12 +215,33 @@ impl MountExecutor {
             Ok(fd) => fd,
             Err(err) => {
                 let (fd, _) = self.resolve_target(&target.path)?;
-                mount::move_mount(new_top.as_fd(), fd.as_fd()).map_err(step("restore new top"))?;
+                mount::move_mount(new_top, fd.as_fd()).map_err(step("restore new top"))?;
                 return Err(err);
             }
         };
-        mount::move_mount(new_top.as_fd(), restore_onto.as_fd()).map_err(step("restore new top"))?;
+        mount::move_mount(new_top, restore_onto.as_fd()).map_err(step("restore new top"))?;
         Ok(removed)
+    }
+
+    /// Flattens the jobs on `queue` until it is closed and empty, parking
+    /// new tops on parking directory `park`.
+    fn flatten_jobs(
+        &self,
+        batch: &HealBatch,
+        park: usize,
+        queue: &Mutex<Receiver<FlattenJob>>,
+        done: &Sender<(usize, Result<usize, HealError>)>,
+    ) {
+        let Some(park) = self.staging.parks.get(park) else { return };
+        loop {
+            // The lock is held only while waiting for the next job.
+            let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
+            let Ok(FlattenJob { index, stale, new_top }) = job else { return };
+            let Some(target) = batch.targets.get(index) else { continue };
+            let result = self.flatten(target, stale.as_fd(), new_top.as_fd(), park.as_fd());
+            // The receiver lives until every helper is joined.
+            let _ = done.send((index, result));
+        }
     }
 }
 
@@ -186,39 +251,74 @@ impl Executor for MountExecutor {
     }
 
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {
-        // Handles on every stale top, taken before the first stack covers them.
-        let opened: Vec<Result<OwnedFd, HealError>> = batch
-            .targets
-            .iter()
-            .map(|target| {
-                let (fd, id) = self.resolve_target(&target.path)?;
-                if id != target.top_mount_id {
-                    return Err(HealError::Changed {
-                        path: target.path.clone(),
-                        planned: target.top_mount_id,
-                        found: id,
-                    });
+        let this = &*self;
+        let helpers = batch.targets.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).clamp(1, FLATTEN_THREADS) - 1;
+        let (jobs, queue) = mpsc::channel();
+        let queue = Mutex::new(queue);
+        let (done, finished) = mpsc::channel();
+        std::thread::scope(|scope| {
+            // Helpers start first, so that entering the namespace overlaps
+            // the stacks; they wait for jobs until the stacks are done.
+            for park in 1..=helpers {
+                let (queue, done) = (&queue, done.clone());
+                let helper = std::thread::Builder::new().name("flatten".into()).spawn_scoped(scope, move || {
+                    match ns::enter_mount_namespace(this.namespace.as_fd()) {
+                        Ok(()) => this.flatten_jobs(batch, park, queue, &done),
+                        Err(err) => warn!(?err, "flatten helper cannot enter the mount namespace"),
+                    }
+                });
+                if let Err(err) = helper {
+                    warn!(?err, "cannot start a flatten helper; flattening with fewer threads");
                 }
-                Ok(fd)
-            })
-            .collect();
-        let mut outcomes = Vec::with_capacity(opened.len());
-        let mut stale_tops = Vec::with_capacity(opened.len());
-        for (target, opened) in batch.targets.iter().zip(opened) {
-            let (result, stale_top) = match opened {
-                Ok(fd) => (self.stack(target, source), Some(fd)),
-                Err(err) => (Err(err), None),
-            };
-            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error: None });
-            stale_tops.push(stale_top);
-        }
-        for ((target, stale_top), outcome) in batch.targets.iter().zip(&stale_tops).zip(&mut outcomes) {
-            let (Some(stale_top), Ok(_)) = (stale_top, &outcome.result) else { continue };
-            match self.flatten(target, stale_top.as_fd()) {
-                Ok(removed) => outcome.layers_removed = removed,
-                Err(err) => outcome.flatten_error = Some(err),
             }
-        }
-        outcomes
+            // Handles on every stale top, taken before the first stack covers them.
+            let opened: Vec<Result<OwnedFd, HealError>> = batch
+                .targets
+                .iter()
+                .map(|target| {
+                    let (fd, id) = this.resolve_target(&target.path)?;
+                    if id != target.top_mount_id {
+                        return Err(HealError::Changed {
+                            path: target.path.clone(),
+                            planned: target.top_mount_id,
+                            found: id,
+                        });
+                    }
+                    Ok(fd)
+                })
+                .collect();
+            // Every stack before any flatten: a flatten makes its stale
+            // layer private, out of the peer group later stacks propagate
+            // through.
+            let mut outcomes = Vec::with_capacity(opened.len());
+            for (index, (target, opened)) in batch.targets.iter().zip(opened).enumerate() {
+                let stacked = opened.and_then(|stale| Ok((stale, this.stack(target, source)?)));
+                let result = match stacked {
+                    Ok((stale, (how, new_top))) => {
+                        // The receiver is this thread's, alive until the end.
+                        let _ = jobs.send(FlattenJob { index, stale, new_top });
+                        Ok(how)
+                    }
+                    Err(err) => Err(err),
+                };
+                outcomes.push(TargetOutcome {
+                    path: target.path.clone(),
+                    result,
+                    layers_removed: 0,
+                    flatten_error: None,
+                });
+            }
+            drop(jobs);
+            this.flatten_jobs(batch, 0, &queue, &done);
+            drop(done);
+            for (index, flattened) in finished.iter() {
+                let Some(outcome) = outcomes.get_mut(index) else { continue };
+                match flattened {
+                    Ok(removed) => outcome.layers_removed = removed,
+                    Err(err) => outcome.flatten_error = Some(err),
+                }
+            }
+            outcomes
+        })
     }
 }

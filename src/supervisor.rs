@@ -334,6 +334,10 @@ impl Supervisor<MountExecutor> {
 impl<E: Executor> Supervisor<E> {
     fn serve(&mut self, inbox: &Receiver<Event>, pending: &AtomicBool, shutdown: &Shutdown) {
         while !shutdown.requested() {
+            // A scan of a large table frees megabytes scattered between
+            // long-lived allocations: give them back before sleeping.
+            self.reader.release_buffer();
+            fuse_supervisor_sys::memory::release_free_memory();
             // Deadlines exist only while something is wrong: an idle
             // supervisor blocks on the channel with no timeout.
             let event = match self.next_deadline() {
@@ -393,7 +397,7 @@ impl<E: Executor> Supervisor<E> {
             }
         };
         match Snapshot::parse(table) {
-            Ok(snapshot) => Some(Classified::new(&snapshot, &self.layout)),
+            Ok(snapshot) => Some(Classified::from_snapshot(snapshot, &self.layout)),
             Err(err) => {
                 error!(%err, "mount table did not parse; keeping the last known state");
                 None

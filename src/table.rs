@@ -2,8 +2,10 @@
 //!
 //! A snapshot owns only what the heal logic needs (the FUSE mounts), so the
 //! parser can stay zero-copy over its reused buffer.
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -49,31 +51,20 @@ pub struct Snapshot {
 impl Snapshot {
     /// Parses a mountinfo table, keeping the FUSE mounts.
     pub fn parse(table: &[u8]) -> Result<Self, ParseError> {
-        let mut snapshot = Snapshot::default();
-        let mut seen = std::collections::HashSet::new();
-        for entry in mountinfo::parse_lines(table) {
-            let entry = entry?;
-            if !seen.insert(entry.mount_id) {
-                // A non-atomic read can list a mount twice; keep the last one.
-                snapshot.fuse_mounts.retain(|m| m.mount_id != entry.mount_id);
-            } else {
-                snapshot.total_mounts += 1;
-            }
-            if entry.is_fuse() {
-                snapshot.fuse_mounts.push(FuseMount {
-                    mount_id: entry.mount_id,
-                    parent_id: entry.parent_id,
-                    dev: Dev { major: entry.major, minor: entry.minor },
-                    root: entry.root.to_path().into_owned(),
-                    mount_point: entry.mount_point.to_path().into_owned(),
-                    peer_group: entry.propagation.shared,
-                    master: entry.propagation.master,
-                    fs_type: entry.fs_type.to_owned(),
-                    source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
-                });
-            }
-        }
-        Ok(snapshot)
+        let kept = mountinfo::parse_table_with(table, |entry| {
+            entry.is_fuse().then(|| FuseMount {
+                mount_id: entry.mount_id,
+                parent_id: entry.parent_id,
+                dev: Dev { major: entry.major, minor: entry.minor },
+                root: entry.root.to_path().into_owned(),
+                mount_point: entry.mount_point.to_path().into_owned(),
+                peer_group: entry.propagation.shared,
+                master: entry.propagation.master,
+                fs_type: entry.fs_type.to_owned(),
+                source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
+            })
+        })?;
+        Ok(Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts })
     }
 }
 
@@ -171,48 +162,55 @@ pub struct Classified {
 }
 
 impl Classified {
+    /// Classifies a snapshot's FUSE mounts (copied; see [`Classified::from_snapshot`]).
     pub fn new(snapshot: &Snapshot, layout: &Layout) -> Self {
-        let mut classified = Classified { total_mounts: snapshot.total_mounts, ..Default::default() };
-        for (path, stack) in stacks(&snapshot.fuse_mounts) {
-            match layout.role(&path) {
-                Role::Source => {
-                    classified.sources.insert(path, stack);
-                }
-                Role::Target { pod_uid, kind } => {
-                    classified.targets.insert(path, Target { stack, pod_uid, kind });
-                }
+        Self::from_mounts(snapshot.fuse_mounts.clone(), snapshot.total_mounts, layout)
+    }
+
+    /// Classifies a snapshot's FUSE mounts, moving them: what the loop does
+    /// on every table change (a copy would double the peak memory).
+    pub fn from_snapshot(snapshot: Snapshot, layout: &Layout) -> Self {
+        Self::from_mounts(snapshot.fuse_mounts, snapshot.total_mounts, layout)
+    }
+
+    fn from_mounts(mounts: Vec<FuseMount>, total_mounts: usize, layout: &Layout) -> Self {
+        let mut sources = Vec::new();
+        let mut targets = Vec::new();
+        for stack in stacks(mounts) {
+            match layout.role(&stack.path) {
+                Role::Source => sources.push((stack.path.clone(), stack)),
+                Role::Target { pod_uid, kind } => targets.push((stack.path.clone(), Target { stack, pod_uid, kind })),
                 Role::Other => {}
             }
         }
         // Kubelet never mounts inside a volume, and a global mount is never
         // a subdirectory bind inside another: such mounts are copies that a
         // subPath heal's propagation left under covered stale layers.
-        // Paths sort component by component, so a mount's descendants
-        // follow it directly: one pass finds them.
-        let mut nested_targets = Vec::new();
-        let mut outermost: Option<&Path> = None;
-        for path in classified.targets.keys() {
-            match outermost {
-                Some(above) if path.starts_with(above) => nested_targets.push(path.clone()),
-                _ => outermost = Some(path),
+        // In path order a mount's descendants follow it directly: one pass
+        // finds them.
+        let mut outermost: Option<PathBuf> = None;
+        targets.retain(|(path, _)| match &outermost {
+            Some(above) if is_beneath(path, above) => false,
+            _ => {
+                outermost = Some(path.clone());
+                true
             }
-        }
-        for path in nested_targets {
-            classified.targets.remove(&path);
-        }
-        let nested_sources: Vec<PathBuf> = classified
-            .sources
+        });
+        let nested_sources: Vec<bool> = sources
             .iter()
-            .filter(|(path, stack)| {
+            .map(|(path, stack)| {
                 stack.top().root != Path::new("/")
-                    && path.ancestors().skip(1).any(|above| classified.sources.contains_key(above))
+                    && path
+                        .ancestors()
+                        .skip(1)
+                        .any(|above| sources.binary_search_by(|(other, _)| path_order(other, above)).is_ok())
             })
-            .map(|(path, _)| path.clone())
             .collect();
-        for path in nested_sources {
-            classified.sources.remove(&path);
-        }
-        classified
+        let mut nested = nested_sources.into_iter();
+        sources.retain(|_| !nested.next().unwrap_or(false));
+        // Both are in path order already: the maps are built without
+        // comparing paths again, with full nodes.
+        Classified { sources: sources.into_iter().collect(), targets: targets.into_iter().collect(), total_mounts }
     }
 
     /// The source a healthy target shares its peer group with. When a
@@ -227,40 +225,161 @@ impl Classified {
     }
 }
 
-/// Groups mounts by mount point and orders each group bottom to top by
-/// following parent IDs (a mount stacked on another has it as parent).
-fn stacks(mounts: &[FuseMount]) -> BTreeMap<PathBuf, Stack> {
-    let mut by_path: BTreeMap<&Path, Vec<&FuseMount>> = BTreeMap::new();
-    for mount in mounts {
-        by_path.entry(&mount.mount_point).or_default().push(mount);
+/// The order of `Path` (component by component) for the paths the kernel
+/// prints (absolute, without `.`, `..`, repeated or trailing slashes), found
+/// from the bytes: the separator sorts before every other byte. Several
+/// times faster than comparing components.
+fn path_order(a: &Path, b: &Path) -> Ordering {
+    let (a, b) = (a.as_os_str().as_bytes(), b.as_os_str().as_bytes());
+    // Eight bytes at a time to the first difference: paths under the pods
+    // directory share long prefixes.
+    let words = a.chunks_exact(8).zip(b.chunks_exact(8)).take_while(|(x, y)| x == y).count() * 8;
+    let common = words + a[words..].iter().zip(&b[words..]).take_while(|(x, y)| x == y).count();
+    let rank = |byte: Option<&u8>| byte.map(|&byte| (byte != b'/', byte));
+    rank(a.get(common)).cmp(&rank(b.get(common)))
+}
+
+/// `path` is `above` or lies beneath it; like `Path::starts_with` for the
+/// paths the kernel prints, on the bytes.
+fn is_beneath(path: &Path, above: &Path) -> bool {
+    let (path, above) = (path.as_os_str().as_bytes(), above.as_os_str().as_bytes());
+    path.strip_prefix(above).is_some_and(|rest| rest.is_empty() || rest[0] == b'/' || above.ends_with(b"/"))
+}
+
+/// Groups mounts by mount point, in path order, and orders each group
+/// bottom to top by following parent IDs (a mount stacked on another has it
+/// as parent).
+fn stacks(mut mounts: Vec<FuseMount>) -> Vec<Stack> {
+    // Stable: mounts at one path stay in table order.
+    mounts.sort_by(|a, b| path_order(&a.mount_point, &b.mount_point));
+    let mut stacks = Vec::new();
+    let mut mounts = mounts.into_iter().peekable();
+    while let Some(first) = mounts.next() {
+        let path = first.mount_point.clone();
+        let mut group = vec![first];
+        while let Some(next) = mounts.next_if(|mount| mount.mount_point == path) {
+            group.push(next);
+        }
+        stacks.push(Stack { path, layers: chain(group) });
     }
-    by_path
-        .into_iter()
-        .map(|(path, group)| {
-            let ids: std::collections::HashSet<u32> = group.iter().map(|m| m.mount_id).collect();
-            let mut layers = Vec::with_capacity(group.len());
-            let mut current = group.iter().find(|m| !ids.contains(&m.parent_id)).copied();
-            while let Some(mount) = current {
-                layers.push(mount.clone());
-                current = group.iter().find(|m| m.parent_id == mount.mount_id).copied();
-                if layers.len() > group.len() {
-                    break; // IDs reused within one inconsistent read: never loop.
-                }
-            }
-            // Whatever the chain did not reach (a non-FUSE mount between
-            // layers) still belongs to the path: keep it, in table order.
-            for mount in &group {
-                if !layers.iter().any(|l| l.mount_id == mount.mount_id) {
-                    layers.push((*mount).clone());
-                }
-            }
-            (path.to_path_buf(), Stack { path: path.to_path_buf(), layers })
-        })
-        .collect()
+    stacks
+}
+
+/// Orders the mounts at one path bottom to top.
+fn chain(group: Vec<FuseMount>) -> Vec<FuseMount> {
+    if group.len() == 1 {
+        return group;
+    }
+    let mut order = Vec::with_capacity(group.len());
+    let mut current = group.iter().position(|m| !group.iter().any(|other| other.mount_id == m.parent_id));
+    while let Some(index) = current {
+        order.push(index);
+        if order.len() > group.len() {
+            break; // IDs reused within one inconsistent read: never loop.
+        }
+        current = group.iter().position(|m| m.parent_id == group[index].mount_id);
+    }
+    order.truncate(group.len());
+    // Whatever the chain did not reach (a non-FUSE mount between layers)
+    // still belongs to the path: keep it, in table order.
+    let mut placed = vec![false; group.len()];
+    for &index in &order {
+        placed[index] = true;
+    }
+    order.extend((0..group.len()).filter(|&index| !placed[index]));
+    let mut slots: Vec<Option<FuseMount>> = group.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|index| slots[index].take()).collect()
 }
 
 /// `target_root` relative to `source_root`: where inside the source a
 /// target's root lies (`sub` for a subPath of `sub`), if it lies inside.
 pub fn root_within(source_root: &Path, target_root: &Path) -> Option<PathBuf> {
     target_root.strip_prefix(source_root).ok().map(Path::to_path_buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PATHS: &[&str] = &[
+        "/",
+        "/a",
+        "/a/b",
+        "/a-b",
+        "/a b",
+        "/a.b",
+        "/a/b/c",
+        "/a/bc",
+        "/ab",
+        "/a\n/b",
+        "/var/lib/kubelet/pods/u/volumes/x/mount",
+        "/var/lib/kubelet/pods/u/volumes/x/mount/inner",
+        "/var/lib/kubelet/pods/u/volumes/x/mount-2",
+        "/var/lib/kubelet/pods/u/volume-subpaths/x/app/0",
+        "/\u{e9}",
+    ];
+
+    #[test]
+    fn path_order_is_the_order_of_paths() {
+        for a in PATHS {
+            for b in PATHS {
+                let (a, b) = (Path::new(a), Path::new(b));
+                assert_eq!(path_order(a, b), a.cmp(b), "{a:?} {b:?}");
+                assert_eq!(is_beneath(a, b), a.starts_with(b), "{a:?} beneath {b:?}");
+            }
+        }
+    }
+
+    fn fuse(id: u32, parent: u32, minor: u32, point: &str) -> FuseMount {
+        FuseMount {
+            mount_id: id,
+            parent_id: parent,
+            dev: Dev { major: 0, minor },
+            root: PathBuf::from("/"),
+            mount_point: PathBuf::from(point),
+            peer_group: None,
+            master: None,
+            fs_type: "fuse.x".into(),
+            source: "x".into(),
+        }
+    }
+
+    #[test]
+    fn stacks_group_by_path_and_order_bottom_to_top() {
+        let mounts = vec![
+            fuse(30, 20, 3, "/b"),
+            fuse(10, 1, 1, "/b"),
+            fuse(11, 1, 1, "/a"),
+            fuse(20, 10, 2, "/b"),
+            // Parent not at the path (a non-FUSE layer between): kept, last.
+            fuse(40, 99, 4, "/a"),
+        ];
+        let stacks = stacks(mounts);
+        let shape: Vec<(&Path, Vec<u32>)> =
+            stacks.iter().map(|s| (s.path.as_path(), s.layers.iter().map(|m| m.mount_id).collect())).collect();
+        assert_eq!(shape, [(Path::new("/a"), vec![11, 40]), (Path::new("/b"), vec![10, 20, 30])]);
+    }
+
+    #[test]
+    fn a_parent_cycle_from_reused_ids_ends() {
+        let layers = chain(vec![fuse(1, 2, 1, "/a"), fuse(2, 1, 2, "/a")]);
+        assert_eq!(layers.len(), 2);
+    }
+
+    #[test]
+    fn nested_targets_are_dropped_and_the_copy_matches_new() {
+        let pod = "/k/pods/u/volumes/kubernetes.io~csi/v/mount";
+        let snapshot = Snapshot {
+            fuse_mounts: vec![fuse(10, 1, 1, "/g"), fuse(11, 1, 1, pod), fuse(12, 11, 1, &format!("{pod}/sub"))],
+            total_mounts: 4,
+        };
+        let layout = Layout::new(Path::new("/k"));
+        let classified = Classified::new(&snapshot, &layout);
+        assert_eq!(classified.targets.keys().collect::<Vec<_>>(), [Path::new(pod)]);
+        assert_eq!(classified.sources.keys().collect::<Vec<_>>(), [Path::new("/g")]);
+        let moved = Classified::from_snapshot(snapshot, &layout);
+        assert_eq!(moved.targets, classified.targets);
+        assert_eq!(moved.sources, classified.sources);
+        assert_eq!(moved.total_mounts, 4);
+    }
 }

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 
 use fuse_supervisor::mountinfo::{
     Escaped, Field, MountInfo, MountInfoReader, ParseErrorKind, Propagation, parse_line, parse_lines, parse_table,
-    synthetic_table,
+    parse_table_with, synthetic_table,
 };
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 
@@ -284,6 +284,33 @@ fn duplicated_ids_keep_the_last_line() {
     assert_eq!(table[0].mount_id, 22);
 }
 
+#[test]
+fn parse_table_with_keeps_like_parse_table() {
+    let text = synthetic_table(2_000);
+    let lines: Vec<&str> = text.lines().collect();
+    let fuse_line = lines.iter().position(|line| line.contains(" - fuse.")).unwrap();
+    // Re-listed: a FUSE mount (now a tmpfs in its last line), and a tmpfs.
+    let mut reread = text.clone();
+    let now_tmpfs = lines[fuse_line].split(" - ").next().unwrap().to_owned() + " - tmpfs tmpfs rw";
+    let plain_line = lines.iter().position(|line| line.contains(" - tmpfs ")).unwrap();
+    for line in [now_tmpfs.as_str(), lines[plain_line]] {
+        reread.push_str(line);
+        reread.push('\n');
+    }
+    for table in [&text, &reread] {
+        let all = parse_table(table.as_bytes()).unwrap();
+        let kept = parse_table_with(table.as_bytes(), |m| m.is_fuse().then_some(m.mount_id)).unwrap();
+        let expected: Vec<u32> = all.iter().filter(|m| m.is_fuse()).map(|m| m.mount_id).collect();
+        assert_eq!(kept.items, expected);
+        assert_eq!(kept.total_mounts, all.len());
+    }
+    let dropped: u32 = lines[fuse_line].split(' ').next().unwrap().parse().unwrap();
+    let kept = parse_table_with(reread.as_bytes(), |m| m.is_fuse().then_some(m.mount_id));
+    assert!(!kept.unwrap().items.contains(&dropped), "its last line is not FUSE");
+    let err = parse_table_with(format!("{text}bad line\n").as_bytes(), |_| Some(()));
+    assert_eq!(err.unwrap_err().line, 2_001);
+}
+
 // ---- malformed input ---------------------------------------------------------
 
 fn error_of(text: &str) -> (usize, Field, ParseErrorKind) {
@@ -441,6 +468,20 @@ fn reads_a_plain_file_once() {
     let mut reader = MountInfoReader::from_file(std::fs::File::open(&path).unwrap());
     assert_eq!(reader.read().unwrap(), &fixture("fluid-example.txt")[..]);
     assert_eq!(reader.last_read_count(), 1);
+}
+
+#[test]
+fn a_released_buffer_reads_the_same_table_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mountinfo");
+    let text = synthetic_table(2_000);
+    assert!(text.len() > 256 * 1024, "large enough to be released");
+    std::fs::write(&path, &text).unwrap();
+    let mut reader = MountInfoReader::open(&path).unwrap();
+    assert_eq!(reader.read().unwrap(), text.as_bytes());
+    reader.release_buffer();
+    assert!(reader.buffer().is_empty());
+    assert_eq!(reader.read().unwrap(), text.as_bytes());
 }
 
 /// A shell in its own private mount namespace (`unshare -m`, which makes

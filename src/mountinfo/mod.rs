@@ -22,12 +22,15 @@
 //! where it is not one) detaches every mount on it, so a deleted mount point
 //! never appears in the table (verified on 6.18).
 
+mod dedup;
 mod escaped;
 mod reader;
 mod scan;
 mod synthetic;
 
 use std::fmt;
+
+use dedup::SeenIds;
 
 pub use escaped::Escaped;
 pub use reader::MountInfoReader;
@@ -182,11 +185,71 @@ pub fn parse_table(text: &[u8]) -> Result<Vec<MountInfo<'_>>, ParseError> {
     // A guess from typical line lengths; counting the lines first costs more
     // than the vector's few regrowths.
     let mut mounts = Vec::with_capacity(text.len() / 256 + 1);
-    for mount in parse_lines(text) {
-        mounts.push(mount?);
+    let mut seen = SeenIds::default();
+    for_each_line(text, |mount| {
+        seen.insert(mount.mount_id);
+        mounts.push(mount);
+    })?;
+    if seen.repeated() {
+        let ids: Vec<u32> = mounts.iter().map(|mount| mount.mount_id).collect();
+        let mut keep = dedup::last_of_each_id(&ids).into_iter();
+        mounts.retain(|_| keep.next().unwrap_or(true));
     }
-    dedup_keep_last(&mut mounts);
     Ok(mounts)
+}
+
+/// What [`parse_table_with`] kept of a table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kept<T> {
+    /// What `keep` returned, in table order, one per mount.
+    pub items: Vec<T>,
+    /// How many mounts the table lists (after deduplication), kept or not.
+    pub total_mounts: usize,
+}
+
+/// Parses a whole table, keeping only what `keep` makes of a line (for
+/// callers that want a few mounts, e.g. the FUSE ones, and nothing borrowed).
+/// Deduplicated like [`parse_table`]: an item is dropped when a later line
+/// lists its mount again, even if `keep` skipped that later line.
+pub fn parse_table_with<'a, T>(
+    text: &'a [u8],
+    mut keep: impl FnMut(&MountInfo<'a>) -> Option<T>,
+) -> Result<Kept<T>, ParseError> {
+    let mut items = Vec::new();
+    let mut item_lines = Vec::new();
+    let mut seen = SeenIds::default();
+    let mut line = 0;
+    for_each_line(text, |mount| {
+        seen.insert(mount.mount_id);
+        if let Some(item) = keep(&mount) {
+            items.push(item);
+            item_lines.push(line);
+        }
+        line += 1;
+    })?;
+    if seen.repeated() {
+        // Rare (an inconsistent read): parse again for every line's ID.
+        let ids = parse_lines(text).map(|mount| mount.map(|mount| mount.mount_id)).collect::<Result<Vec<_>, _>>()?;
+        let last = dedup::last_of_each_id(&ids);
+        let mut lines = item_lines.into_iter();
+        items.retain(|_| lines.next().is_some_and(|line| last.get(line).copied().unwrap_or(true)));
+    }
+    Ok(Kept { items, total_mounts: seen.distinct() })
+}
+
+/// Calls `each` with every line of a table, in order; stops at the first
+/// malformed one.
+#[inline(always)]
+fn for_each_line<'a>(text: &'a [u8], mut each: impl FnMut(MountInfo<'a>)) -> Result<(), ParseError> {
+    let text_utf8 = Utf8::check(text);
+    let (mut start, mut line_number) = (0, 0);
+    while start < text.len() {
+        line_number += 1;
+        let (mount, next_start) = parse_at(text, text_utf8, start, line_number);
+        each(mount?);
+        start = next_start;
+    }
+    Ok(())
 }
 
 /// Line by line, without collecting (for callers that filter, e.g. FUSE mounts
@@ -232,9 +295,13 @@ pub fn parse_line(line: &[u8], line_number: usize) -> Result<MountInfo<'_>, Pars
     Ok(mount)
 }
 
-/// Parses the line of `text` that starts at `start`, in one pass (no search
-/// for the line's end first); returns the start of the next line too, also
-/// after an error.
+/// Parses the line of `text` that starts at `start`; returns the start of the
+/// next line too, also after an error.
+///
+/// The line's end is found first, with one vectorised search: the super
+/// options, most of a kubelet node's bytes (overlay `lowerdir=` lists), are
+/// then taken whole without being scanned again, and every field search is
+/// bounded by the line, so a short line never runs into the next.
 #[inline(always)]
 fn parse_at<'a>(
     text: &'a [u8],
@@ -242,23 +309,35 @@ fn parse_at<'a>(
     start: usize,
     line_number: usize,
 ) -> (Result<MountInfo<'a>, ParseError>, usize) {
-    let mut fields = Fields { text, text_utf8, pos: start, ended: false, line_number };
+    let rest = text.get(start..).unwrap_or_default();
+    // One search finds the line's end and whether it has any escape (rare):
+    // without one, escaped fields are split like plain ones.
+    let (end, escapes) = match memchr::memchr2(b'\n', b'\\', rest) {
+        Some(at) if rest[at] == b'\\' => {
+            (memchr::memchr(b'\n', &rest[at..]).map_or(text.len(), |newline| start + at + newline), true)
+        }
+        found => (found.map_or(text.len(), |at| start + at), false),
+    };
+    let mut fields = Fields { text, text_utf8, pos: start, end, escapes, ended: false, line_number };
     let mount = fields.mount_info().map_err(|failure| *failure);
-    (mount, fields.next_line_start())
+    (mount, end + 1)
 }
 
 /// A parse error inside the parser: boxed, so that every field's `Result`
 /// stays small on the success path.
 type Failure = Box<ParseError>;
 
-/// A cursor over the space-separated fields of one line of a table. Every
-/// search stops at a newline, so a short line never runs into the next.
+/// A cursor over the space-separated fields of one line of a table.
 struct Fields<'a> {
     text: &'a [u8],
     text_utf8: Utf8<'a>,
-    /// Start of the next field; once `ended`, the line's newline (or the end
-    /// of the text).
+    /// Start of the next field; once `ended`, the line's end.
     pos: usize,
+    /// The line's end: its newline, or the end of the text.
+    end: usize,
+    /// The line has a backslash somewhere.
+    escapes: bool,
+    /// The last field taken ran to the end of the line.
     ended: bool,
     line_number: usize,
 }
@@ -296,10 +375,6 @@ impl<'a> Fields<'a> {
         })
     }
 
-    fn next_line_start(&self) -> usize {
-        if self.ended { self.pos + 1 } else { scan::find_byte(self.text, self.pos, b'\n') + 1 }
-    }
-
     #[cold]
     #[inline(never)]
     fn error(&self, field: Field, kind: ParseErrorKind) -> Failure {
@@ -312,41 +387,61 @@ impl<'a> Fields<'a> {
         self.error(field, ParseErrorKind::Missing)
     }
 
-    /// Moves past the field that ends at `end` (a space, a newline or the
-    /// end of the text).
-    #[inline]
-    fn finish_field(&mut self, end: usize) {
-        if self.text.get(end) == Some(&b' ') {
-            self.pos = end + 1;
+    /// What is left of the line.
+    #[inline(always)]
+    fn remaining(&self) -> &'a [u8] {
+        // `pos <= end <= text.len()` always holds; `get` keeps a broken
+        // invariant from panicking (the next field is then missing).
+        self.text.get(self.pos..self.end).unwrap_or_default()
+    }
+
+    /// Moves past the field that ends at `at` (a space, or the line's end).
+    #[inline(always)]
+    fn finish_field(&mut self, at: usize) {
+        if at < self.end {
+            self.pos = at + 1;
         } else {
-            self.pos = end;
+            self.pos = self.end;
             self.ended = true;
         }
     }
 
+    /// The end of the field that starts at `pos`: the next space, or the
+    /// line's end. Control bytes other than the newline are part of a field
+    /// (the kernel leaves them unescaped).
+    #[inline(always)]
+    fn field_end(&self) -> usize {
+        scan::find_space(self.remaining()).map_or(self.end, |at| self.pos + at)
+    }
+
     /// The next field, up to the next space or the end of the line.
-    #[inline]
+    #[inline(always)]
     fn plain(&mut self, field: Field) -> Result<&'a [u8], Failure> {
         if self.ended {
             return Err(self.missing(field));
         }
-        let start = self.pos;
-        let mut at = start;
-        loop {
-            at = scan::find_separator(self.text, at, false);
-            match self.text.get(at) {
-                Some(b' ' | b'\n') | None => break,
-                // The kernel leaves control bytes other than tab and newline
-                // unescaped: part of the field.
-                Some(_) => at += 1,
-            }
-        }
+        let (start, at) = (self.pos, self.field_end());
         self.finish_field(at);
         Ok(&self.text[start..at])
     }
 
-    #[inline]
+    /// A decimal number ended by a space or the line's end. The usual
+    /// number is read digit by digit in place; anything else (empty, too
+    /// long, not digits) goes the slow way, which names the error.
+    #[inline(always)]
     fn number(&mut self, field: Field) -> Result<u32, Failure> {
+        if !self.ended
+            && let Some((value, len)) = leading_u32(self.remaining(), b' ')
+        {
+            self.finish_field(self.pos + len);
+            return Ok(value);
+        }
+        self.number_slow(field)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn number_slow(&mut self, field: Field) -> Result<u32, Failure> {
         let text = self.plain(field)?;
         if text.is_empty() {
             return Err(self.missing(field));
@@ -354,7 +449,23 @@ impl<'a> Fields<'a> {
         parse_u32(text).ok_or_else(|| self.error(field, ParseErrorKind::InvalidNumber(quote(text))))
     }
 
+    #[inline(always)]
     fn device(&mut self) -> Result<(u32, u32), Failure> {
+        if !self.ended {
+            let rest = self.remaining();
+            if let Some((major, colon)) = leading_u32(rest, b':')
+                && let Some((minor, len)) = rest.get(colon + 1..).and_then(|after| leading_u32(after, b' '))
+            {
+                self.finish_field(self.pos + colon + 1 + len);
+                return Ok((major, minor));
+            }
+        }
+        self.device_slow()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn device_slow(&mut self) -> Result<(u32, u32), Failure> {
         let text = self.plain(Field::Device)?;
         if text.is_empty() {
             return Err(self.missing(Field::Device));
@@ -368,31 +479,13 @@ impl<'a> Fields<'a> {
     /// A field the kernel escapes; each escape is checked here so that
     /// `Escaped::unescaped` cannot meet a bad one. Only the source may be
     /// empty.
-    #[inline]
+    #[inline(always)]
     fn escaped(&mut self, field: Field) -> Result<Escaped<'a>, Failure> {
         if self.ended {
             return Err(self.missing(field));
         }
         let start = self.pos;
-        let mut at = start;
-        loop {
-            at = scan::find_separator(self.text, at, true);
-            match self.text.get(at) {
-                Some(b' ' | b'\n') | None => break,
-                Some(b'\\') => {
-                    if escaped::decode_escape(&self.text[at + 1..]).is_none() {
-                        let mut end = at;
-                        while !matches!(self.text.get(end), Some(b' ' | b'\n') | None) {
-                            end += 1;
-                        }
-                        let bad = &self.text[start..end];
-                        return Err(self.error(field, ParseErrorKind::InvalidEscape(quote(bad))));
-                    }
-                    at += 4;
-                }
-                Some(_) => at += 1,
-            }
-        }
+        let at = if self.escapes { self.escaped_field_end(field)? } else { self.field_end() };
         self.finish_field(at);
         let raw = &self.text[start..at];
         if raw.is_empty() && field != Field::Source {
@@ -401,8 +494,27 @@ impl<'a> Fields<'a> {
         Ok(Escaped::new(raw))
     }
 
+    /// The end of an escaped field on a line that has a backslash: escapes
+    /// are skipped (`\040` is a space inside the field) and checked.
+    #[inline(never)]
+    fn escaped_field_end(&self, field: Field) -> Result<usize, Failure> {
+        let line = &self.text[..self.end];
+        let mut at = self.pos;
+        loop {
+            at = scan::find_space_or_backslash(&line[at..]).map_or(self.end, |found| at + found);
+            if line.get(at) != Some(&b'\\') {
+                return Ok(at);
+            }
+            if escaped::decode_escape(&line[at + 1..]).is_none() {
+                let bad = &self.text[self.pos..self.field_end()];
+                return Err(self.error(field, ParseErrorKind::InvalidEscape(quote(bad))));
+            }
+            at += 4;
+        }
+    }
+
     /// A non-empty field that must be UTF-8 (options, fs type).
-    #[inline]
+    #[inline(always)]
     fn text(&mut self, field: Field) -> Result<&'a str, Failure> {
         let start = self.pos;
         let text = self.plain(field)?;
@@ -412,20 +524,19 @@ impl<'a> Fields<'a> {
     /// Everything left on the line: the super options. Taken whole, so that a
     /// filesystem that prints a space unescaped in its options does not break
     /// the line.
+    #[inline(always)]
     fn rest(&mut self, field: Field) -> Result<&'a str, Failure> {
         if self.ended {
             return Err(self.missing(field));
         }
-        let start = self.pos;
-        let end = scan::find_byte(self.text, start, b'\n');
-        let text = &self.text[start..end];
-        self.pos = end;
+        let (start, text) = (self.pos, self.remaining());
+        self.pos = self.end;
         self.ended = true;
         self.utf8(field, start, text)
     }
 
     /// `text`, which starts at `start` in the whole text, as a `str`.
-    #[inline]
+    #[inline(always)]
     fn utf8(&self, field: Field, start: usize, text: &'a [u8]) -> Result<&'a str, Failure> {
         if text.is_empty() {
             return Err(self.missing(field));
@@ -441,6 +552,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The optional fields up to and including the `-` separator.
+    #[inline(always)]
     fn optional_fields(&mut self) -> Result<Propagation, Failure> {
         let mut propagation = Propagation::default();
         loop {
@@ -480,6 +592,31 @@ impl<'a> Utf8<'a> {
     }
 }
 
+/// The decimal number at the start of `text`, if it has one to nine digits
+/// (so it cannot overflow) and is followed by `terminator`, or, for a
+/// space, by the end of the line; with the number of digits.
+#[inline(always)]
+fn leading_u32(text: &[u8], terminator: u8) -> Option<(u32, usize)> {
+    let mut value = 0u32;
+    let mut len = 0;
+    while let Some(&byte) = text.get(len) {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            break;
+        }
+        if len == 9 {
+            return None;
+        }
+        value = value * 10 + u32::from(digit);
+        len += 1;
+    }
+    let ended = match text.get(len) {
+        Some(&byte) => byte == terminator,
+        None => terminator == b' ',
+    };
+    (len > 0 && ended).then_some((value, len))
+}
+
 /// A decimal `u32`: digits only, at least one, no overflow.
 #[inline]
 fn parse_u32(text: &[u8]) -> Option<u32> {
@@ -495,45 +632,6 @@ fn parse_u32(text: &[u8]) -> Option<u32> {
         value = value * 10 + u64::from(digit);
     }
     u32::try_from(value).ok()
-}
-
-/// Keeps the last line of each mount ID, in place. The IDs are small (the
-/// kernel allocates the lowest free one), so a bitmap finds duplicates in one
-/// pass; a table without any (the usual case) is left untouched.
-fn dedup_keep_last(mounts: &mut Vec<MountInfo<'_>>) {
-    // A bitmap for IDs up to this bound costs at most 2 MiB; beyond it, sort.
-    const BITMAP_ID_LIMIT: u32 = 1 << 24;
-    let Some(max_id) = mounts.iter().map(|mount| mount.mount_id).max() else {
-        return;
-    };
-    let mut keep = vec![true; mounts.len()];
-    let mut any_duplicate = false;
-    if max_id < BITMAP_ID_LIMIT {
-        let mut seen = vec![0u64; max_id as usize / 64 + 1];
-        // From the end, so the first sighting is the line to keep.
-        for (index, mount) in mounts.iter().enumerate().rev() {
-            let (word, bit) = (mount.mount_id as usize / 64, 1u64 << (mount.mount_id % 64));
-            if seen[word] & bit != 0 {
-                keep[index] = false;
-                any_duplicate = true;
-            }
-            seen[word] |= bit;
-        }
-    } else {
-        let mut order: Vec<(u32, usize)> =
-            mounts.iter().enumerate().map(|(index, mount)| (mount.mount_id, index)).collect();
-        order.sort_unstable();
-        for pair in order.windows(2) {
-            if pair[0].0 == pair[1].0 {
-                keep[pair[0].1] = false;
-                any_duplicate = true;
-            }
-        }
-    }
-    if any_duplicate {
-        let mut verdicts = keep.into_iter();
-        mounts.retain(|_| verdicts.next().unwrap_or(true));
-    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,13 @@ pub struct MountInfoReader {
     file: File,
     buffer: Vec<u8>,
     last_read_count: usize,
+    /// Length of the last read, to size a released buffer anew.
+    last_len: usize,
 }
+
+/// A buffer up to this size is kept between reads; a larger one (a table
+/// of a few thousand mounts) is given back by [`MountInfoReader::release_buffer`].
+const KEPT_BUFFER: usize = 256 * 1024;
 
 impl MountInfoReader {
     pub fn open(path: &Path) -> io::Result<Self> {
@@ -29,7 +35,7 @@ impl MountInfoReader {
     }
 
     pub fn from_file(file: File) -> Self {
-        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0 }
+        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0, last_len: 0 }
     }
 
     /// Reads from offset 0 to EOF; then, if the file reports POLLPRI again
@@ -61,11 +67,25 @@ impl MountInfoReader {
         self.last_read_count
     }
 
+    /// Gives the buffer's memory back if it is large: between table changes
+    /// a supervisor of a big node would otherwise keep megabytes for nothing.
+    /// The next read sizes a new buffer from the last one's length, so it
+    /// still takes one pass of reads.
+    pub fn release_buffer(&mut self) {
+        if self.buffer.capacity() > KEPT_BUFFER {
+            self.buffer = Vec::new();
+        }
+    }
+
     fn read_once(&mut self) -> io::Result<()> {
         self.buffer.clear();
+        // Room for the table as it was plus some growth: the kernel then
+        // fills it in one or two reads instead of a doubling series.
+        self.buffer.reserve(self.last_len + self.last_len / 8);
         let mut file = &self.file;
         file.seek(SeekFrom::Start(0))?;
         file.read_to_end(&mut self.buffer)?;
+        self.last_len = self.buffer.len();
         Ok(())
     }
 }

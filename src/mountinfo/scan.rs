@@ -1,10 +1,14 @@
-//! Byte search eight bytes at a time (SWAR), in safe code: `memchr` is not a
-//! dependency, and a plain byte loop is several times slower on the long paths
-//! of a kubelet node's table.
+//! Byte search within one line. Most fields are short (a few to a few dozen
+//! bytes), where a call into `memchr` costs more than it saves: the first
+//! bytes are searched a word at a time here (SWAR, in safe code), and only a
+//! longer field goes on with `memchr`'s vectorised search.
 
 const LOW_SEVEN: u64 = 0x7f7f_7f7f_7f7f_7f7f;
 const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
 const ONES: u64 = 0x0101_0101_0101_0101;
+
+/// How many bytes are searched a word at a time before `memchr` takes over.
+const SHORT: usize = 8;
 
 /// The high bit of each byte of `word` that equals `byte`, exactly (no carry
 /// crosses bytes).
@@ -21,60 +25,43 @@ fn first_mark(marks: u64) -> usize {
     (marks.trailing_zeros() / 8) as usize
 }
 
-/// Index of the first `needle` in `haystack` at or after `from`, or
-/// `haystack.len()` when there is none.
-#[inline]
-pub(super) fn find_byte(haystack: &[u8], from: usize, needle: u8) -> usize {
-    let mut at = from;
-    while let Some(chunk) = haystack.get(at..).and_then(|rest| rest.first_chunk::<8>()) {
-        let found = marks(u64::from_le_bytes(*chunk), needle);
-        if found != 0 {
-            return at + first_mark(found);
-        }
-        at += 8;
-    }
-    while at < haystack.len() {
-        if haystack[at] == needle {
-            return at;
-        }
-        at += 1;
-    }
-    haystack.len()
-}
-
-/// The high bit of each byte of `word` below `bound` (at most 0x80). Only the
-/// lowest mark is exact: a borrow out of a marked byte can mark the next one.
+/// Index of the first space in `haystack`.
 #[inline(always)]
-fn marks_below(word: u64, bound: u8) -> u64 {
-    word.wrapping_sub(ONES * u64::from(bound)) & !word & HIGH_BITS
+pub(super) fn find_space(haystack: &[u8]) -> Option<usize> {
+    find(haystack, |word| marks(word, b' '), |byte| byte == b' ', |rest| memchr::memchr(b' ', rest))
 }
 
-/// Index of the first control byte or space (`< 0x21`: the field separators
-/// space and newline, and the rare unescaped control byte a caller skips) at
-/// or after `from`, or `haystack.len()`. With `backslash`, a backslash stops
-/// the search too.
-#[inline]
-pub(super) fn find_separator(haystack: &[u8], from: usize, backslash: bool) -> usize {
-    let mut at = from;
-    while let Some(chunk) = haystack.get(at..).and_then(|rest| rest.first_chunk::<8>()) {
-        let word = u64::from_le_bytes(*chunk);
-        let mut found = marks_below(word, 0x21);
-        if backslash {
-            found |= marks(word, b'\\');
-        }
+/// Index of the first space or backslash in `haystack`.
+#[inline(always)]
+pub(super) fn find_space_or_backslash(haystack: &[u8]) -> Option<usize> {
+    find(
+        haystack,
+        |word| marks(word, b' ') | marks(word, b'\\'),
+        |byte| byte == b' ' || byte == b'\\',
+        |rest| memchr::memchr2(b' ', b'\\', rest),
+    )
+}
+
+#[inline(always)]
+fn find(
+    haystack: &[u8],
+    word_marks: impl Fn(u64) -> u64,
+    matches: impl Fn(u8) -> bool,
+    long: impl Fn(&[u8]) -> Option<usize>,
+) -> Option<usize> {
+    let mut at = 0;
+    while at < SHORT {
+        let Some(chunk) = haystack.get(at..).and_then(|rest| rest.first_chunk::<8>()) else {
+            // Fewer than eight bytes left.
+            return haystack.get(at..)?.iter().position(|&byte| matches(byte)).map(|found| at + found);
+        };
+        let found = word_marks(u64::from_le_bytes(*chunk));
         if found != 0 {
-            return at + first_mark(found);
+            return Some(at + first_mark(found));
         }
         at += 8;
     }
-    while at < haystack.len() {
-        let byte = haystack[at];
-        if byte < 0x21 || (backslash && byte == b'\\') {
-            return at;
-        }
-        at += 1;
-    }
-    haystack.len()
+    long(haystack.get(at..)?).map(|found| at + found)
 }
 
 #[cfg(test)]
@@ -85,24 +72,20 @@ mod tests {
     fn finds_like_a_byte_loop() {
         let text: Vec<u8> = (0..300u32)
             .map(|i| {
-                [b'a', b' ', b'\\', b'\n', 0x80, 0xff, 0x01, 0x21, 0x20]
-                    [(i.wrapping_mul(2_654_435_761) >> 13) as usize % 9]
+                [b'a', b' ', b'\\', b'\n', 0x80, 0xff, 0x01, 0x21, b'a', b'b', b'c', b'd', b'e', b'f', b'g']
+                    [(i.wrapping_mul(2_654_435_761) >> 13) as usize % 15]
             })
             .collect();
         for from in 0..text.len() + 1 {
-            for needle in [b' ', b'\\', b'\n', 0x80, 0xff, b'z'] {
-                let expected = text[from..].iter().position(|&b| b == needle).map_or(text.len(), |i| i + from);
-                assert_eq!(find_byte(&text, from, needle), expected, "from {from} needle {needle}");
+            for to in [from, from + 1, from + 7, from + 8, from + 9, from + 30, text.len()] {
+                let hay = &text[from..to.min(text.len())];
+                assert_eq!(find_space(hay), hay.iter().position(|&b| b == b' '), "{from}..{to}");
+                assert_eq!(find_space_or_backslash(hay), hay.iter().position(|&b| b == b' ' || b == b'\\'));
             }
         }
-        for from in 0..text.len() + 1 {
-            for backslash in [false, true] {
-                let expected = text[from..]
-                    .iter()
-                    .position(|&b| b < 0x21 || (backslash && b == b'\\'))
-                    .map_or(text.len(), |i| i + from);
-                assert_eq!(find_separator(&text, from, backslash), expected);
-            }
-        }
+        let long = [vec![b'x'; 100], vec![b'\\'], vec![b'y'; 10], vec![b' ']].concat();
+        assert_eq!(find_space_or_backslash(&long), Some(100));
+        assert_eq!(find_space(&long), Some(111));
+        assert_eq!(find_space(&long[..111]), None);
     }
 }

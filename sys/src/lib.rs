@@ -7,6 +7,7 @@
 
 pub mod fuse;
 pub mod inotify;
+pub mod memory;
 pub mod mount;
 pub mod mountinfo_poll;
 pub mod ns;

@@ -5,7 +5,7 @@
 //! thread that did this should be dedicated to mount work and never handed
 //! back to a pool.
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
@@ -20,12 +20,25 @@ use rustix::thread::{LinkNameSpaceType, UnshareFlags};
 /// root.
 pub fn join_mount_namespace(ns_file: &Path) -> io::Result<()> {
     let namespace = rustix::fs::open(ns_file, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    enter_mount_namespace(namespace.as_fd())
+}
+
+/// [`join_mount_namespace`] with an open namespace fd, e.g. one from
+/// [`open_thread_mount_namespace`] on another thread.
+pub fn enter_mount_namespace(namespace: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: the `unsafe` of `unshare` is about CLONE_FILES (other threads'
     // fds vanishing from this thread's table); CLONE_FS only gives this thread
     // its own cwd/root/umask, which no other thread relies on.
     unsafe { rustix::thread::unshare_unsafe(UnshareFlags::FS)? };
-    rustix::thread::move_into_link_name_space(namespace.as_fd(), Some(LinkNameSpaceType::Mount))?;
+    rustix::thread::move_into_link_name_space(namespace, Some(LinkNameSpaceType::Mount))?;
     Ok(())
+}
+
+/// `open("/proc/thread-self/ns/mnt")`: the calling thread's mount namespace,
+/// for helper threads to enter with [`enter_mount_namespace`]. The fd keeps
+/// the namespace, not the thread, alive.
+pub fn open_thread_mount_namespace() -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open("/proc/thread-self/ns/mnt", OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
 /// `unshare(CLONE_FS|CLONE_NEWNS)` on the calling thread.

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxFlags};
 
 /// `openat2(dir, path, O_PATH|O_CLOEXEC, RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS|RESOLVE_NO_MAGICLINKS)`.
 ///
@@ -50,11 +50,27 @@ pub fn read_small_file(path: &Path, limit: usize) -> io::Result<Vec<u8>> {
 
 /// The 32-bit mount ID (the first field of mountinfo) of the mount `fd` is on.
 ///
-/// Read from the `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the
-/// kernel fills from the fd's `struct path` alone: the filesystem behind the
-/// fd (maybe a hung FUSE mount) is never asked. IDs are reused after unmount,
-/// so do not key long-lived state on this alone.
+/// `statx(fd, "", AT_EMPTY_PATH|AT_STATX_DONT_SYNC|AT_SYMLINK_NOFOLLOW, 0)`:
+/// the kernel fills `stx_mnt_id` from the fd's `struct path` after the
+/// filesystem's getattr, and with an empty request mask and `DONT_SYNC` FUSE's
+/// getattr answers from its cache (or, for a process the mount does not
+/// allow, with the device alone): the daemon behind the fd, maybe hung, is
+/// never asked. One syscall, where reading `/proc/thread-self/fdinfo/<fd>`
+/// takes three and formats text; that stays the fallback should statx fail
+/// (a FUSE inode marked bad answers every getattr with EIO). IDs are reused
+/// after unmount, so do not key long-lived state on this alone.
 pub fn mount_id_of(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    match rustix::fs::statx(fd, c"", flags, StatxFlags::empty()) {
+        Ok(stat) if stat.stx_mask & StatxFlags::MNT_ID.bits() != 0 => u32::try_from(stat.stx_mnt_id)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "statx mount ID does not fit 32 bits")),
+        _ => mount_id_from_fdinfo(fd),
+    }
+}
+
+/// The `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the kernel
+/// fills from the fd's `struct path` alone.
+fn mount_id_from_fdinfo(fd: BorrowedFd<'_>) -> io::Result<u32> {
     let fdinfo = fs::read_to_string(format!("/proc/thread-self/fdinfo/{}", fd.as_raw_fd()))?;
     fdinfo
         .lines()
@@ -76,6 +92,14 @@ mod tests {
         // /proc/self/cwd is a magic link.
         let err = open_beneath(root.as_fd(), Path::new("cwd")).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+    }
+
+    #[test]
+    fn statx_and_fdinfo_agree() {
+        for path in ["/", "/proc", "/proc/self", "/dev", "/sys"] {
+            let fd = open_path(Path::new(path)).unwrap();
+            assert_eq!(mount_id_of(fd.as_fd()).unwrap(), mount_id_from_fdinfo(fd.as_fd()).unwrap(), "{path}");
+        }
     }
 
     #[test]

@@ -88,6 +88,34 @@ fn join_mount_namespace_moves_only_the_calling_thread() {
 }
 
 #[test]
+fn a_namespace_fd_lets_another_thread_enter_after_its_owner_ended() {
+    require_root();
+    let dir = scratch_dir("enter");
+    let target = dir.clone();
+    let namespace = std::thread::spawn(move || {
+        private_namespace();
+        mount::mount_tmpfs(&target).unwrap();
+        fs::write(target.join("inside"), "").unwrap();
+        ns::open_thread_mount_namespace().unwrap()
+    })
+    .join()
+    .unwrap();
+    // The owner is gone; the fd keeps its namespace, and the tmpfs, alive.
+    let inside = dir.clone();
+    let seen = std::thread::spawn(move || {
+        ns::enter_mount_namespace(namespace.as_fd()).unwrap();
+        let seen = inside.join("inside").exists();
+        mount::detach(&inside).unwrap();
+        seen
+    })
+    .join()
+    .unwrap();
+    assert!(seen, "the entering thread must see the namespace's mounts");
+    assert!(!dir.join("inside").exists(), "the rest of the process must stay where it was");
+    fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
 fn kill_with_parent_kills_when_the_spawning_thread_ends() {
     let mut child = std::thread::spawn(|| {
         let mut command = Command::new("sleep");

@@ -1,0 +1,60 @@
+//! What the root benches share: their options, read from the command line
+//! or the environment, and the check that they run as root.
+//!
+//! Each bench uses part of it (`#[allow(dead_code)]` on its `mod common`).
+use std::str::FromStr;
+
+/// `--flag value` arguments, else `<PREFIX>_FLAG` environment variables
+/// (`--large-cycles` is `HEAL_BENCH_LARGE_CYCLES`), else defaults. Arguments
+/// it does not know (cargo passes `--bench`) are ignored.
+pub struct Flags {
+    env_prefix: &'static str,
+    args: Vec<String>,
+}
+
+impl Flags {
+    pub fn new(env_prefix: &'static str) -> Flags {
+        Flags { env_prefix, args: std::env::args().collect() }
+    }
+
+    pub fn text(&self, flag: &str, default: &str) -> String {
+        let cli = self.args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
+        let env = || std::env::var(format!("{}_{}", self.env_prefix, flag.replace('-', "_").to_uppercase())).ok();
+        cli.or_else(env).unwrap_or_else(|| default.to_owned())
+    }
+
+    /// A number; a value that is not one stops the bench with a message.
+    pub fn number<T: FromStr>(&self, flag: &str, default: &str) -> T {
+        self.text(flag, default).parse().unwrap_or_else(|_| panic!("--{flag} takes a number"))
+    }
+
+    /// Comma-separated values, each read with `parse`.
+    pub fn list<T>(&self, flag: &str, default: &str, parse: impl Fn(&str) -> Option<T>) -> Vec<T> {
+        self.text(flag, default)
+            .split(',')
+            .map(|item| parse(item).unwrap_or_else(|| panic!("--{flag}: cannot read {item:?}")))
+            .collect()
+    }
+
+    /// `on` or `off`.
+    pub fn on_off(&self, flag: &str, default: &str) -> bool {
+        match self.text(flag, default).as_str() {
+            "on" => true,
+            "off" => false,
+            other => panic!("--{flag}: on or off, not {other}"),
+        }
+    }
+}
+
+/// Whether the process runs as root (real UID 0); unreadable status means
+/// "not known to be root".
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Uid:").map(|ids| ids.split_whitespace().nth(1) == Some("0")))
+        })
+        .unwrap_or(false)
+}
