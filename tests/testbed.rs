@@ -38,11 +38,13 @@ fn fill_tmpfs(sandbox: &Sandbox, dir: &Path, content: &str, marker: &str) {
     sandbox.run(move || {
         fs::create_dir_all(&dir).unwrap();
         mount::mount_tmpfs(&dir).unwrap();
-        fs::write(dir.join("data"), &content).unwrap();
+        // Readers see the mount at once: the data file, which they wait
+        // for, comes last, so a reader that reads it sees every entry.
+        fs::write(dir.join(&marker), "").unwrap();
         fs::create_dir(dir.join("sub")).unwrap();
-        fs::write(dir.join("sub/data"), format!("{content}-sub")).unwrap();
         fs::write(dir.join("sub").join(format!("{marker}-sub")), "").unwrap();
-        fs::write(dir.join(marker), "").unwrap();
+        fs::write(dir.join("sub/data"), format!("{content}-sub")).unwrap();
+        fs::write(dir.join("data"), &content).unwrap();
     });
 }
 
