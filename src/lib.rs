@@ -10,6 +10,7 @@ pub mod kubelet;
 pub mod mountinfo;
 pub mod plan;
 pub mod probe;
+pub mod process_watch;
 pub mod state;
 pub mod status;
 pub mod supervisor;
