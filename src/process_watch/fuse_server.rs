@@ -3,7 +3,8 @@
 //!
 //! How a descriptor is tied to a connection:
 //!
-//! - **Exact** (Linux 6.17, and 6.18 as verified): the fdinfo of a `/dev/fuse`
+//! - **Exact** (verified on 6.18; the kernel change is from mid-2025, so
+//!   6.16 or 6.17): the fdinfo of a `/dev/fuse`
 //!   descriptor has `fuse_connection: <id>` once the descriptor serves a
 //!   mount, where `<id>` is the connection's device number in the kernel's
 //!   encoding (`major << 20 | minor`; for the anonymous `0:N` device of a
@@ -31,10 +32,11 @@ use tracing::debug;
 
 use super::{ProcessId, read_stat};
 
-/// Kernel release from which every attached `/dev/fuse` descriptor shows its
-/// connection in fdinfo. A scan that sees the field at all knows the kernel
-/// has it, whatever its version (backports); this only matters for a node
-/// with no FUSE connection at all besides the one asked about.
+/// Kernel release from which every attached `/dev/fuse` descriptor surely
+/// shows its connection in fdinfo (the later of the two it may have landed
+/// in). A scan that sees the field at all knows the kernel has it, whatever
+/// its version (6.16, backports); the version only matters when no
+/// descriptor on the node shows one.
 const FDINFO_CONNECTION_SINCE: (u32, u32) = (6, 17);
 
 /// The device of a FUSE mount, as mountinfo shows it (`major:minor`).

@@ -189,6 +189,9 @@ pub enum ReadOutcome {
 #[derive(Debug)]
 pub struct ProcConnector {
     socket: OwnedFd,
+    /// Whether the kernel acknowledged our listen without an error: only
+    /// then is there a listen to take back on drop.
+    subscribed: bool,
     /// Whether the kernel accepted an 8-byte `proc_input` listen (6.6+).
     filters: bool,
     /// Whether the wanted filter was installed.
@@ -214,7 +217,7 @@ impl ProcConnector {
         // Port 0: the kernel picks a free port id.
         rustix::net::bind(&socket, &SocketAddrNetlink::new(0, CN_IDX_PROC))
             .map_err(|errno| SubscribeError::Bind(errno.into()))?;
-        let mut connector = ProcConnector { socket, filters: false, filtered: false };
+        let mut connector = ProcConnector { socket, subscribed: false, filters: false, filtered: false };
 
         let nonce = ack_nonce();
         let probe_ack = nonce;
@@ -227,6 +230,7 @@ impl ProcConnector {
         if errno != 0 {
             return Err(SubscribeError::Refused { errno: errno as i32 });
         }
+        connector.subscribed = true;
         connector.filters = probe_acked;
         if let (Some(types), true) = (options.filter, probe_acked) {
             // Filtered out like every other PROC_EVENT_NONE: no ack to wait for.
@@ -328,8 +332,14 @@ impl AsFd for ProcConnector {
 
 impl Drop for ProcConnector {
     /// Unsubscribes, so the kernel's listener count (which decides whether
-    /// it builds events at all) goes back down. Best effort.
+    /// it builds events at all) goes back down. Best effort. Never without an
+    /// accepted listen: before 6.6 the kernel does not track listens per
+    /// socket, and a spurious `IGNORE` would cut events off for every other
+    /// listener on the machine.
     fn drop(&mut self) {
+        if !self.subscribed {
+            return;
+        }
         let message = if self.filters {
             control_message(0, &proc_input(PROC_CN_MCAST_IGNORE, PROC_EVENT_ALL))
         } else {
