@@ -12,6 +12,7 @@ pub mod mountinfo;
 pub mod plan;
 pub mod pods;
 pub mod probe;
+pub mod process_watch;
 pub mod state;
 pub mod status;
 pub mod supervisor;

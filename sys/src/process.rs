@@ -41,7 +41,7 @@ pub enum Signal {
 }
 
 impl Signal {
-    fn to_rustix(self) -> rustix::process::Signal {
+    pub(crate) fn to_rustix(self) -> rustix::process::Signal {
         use rustix::process::Signal as S;
         match self {
             Signal::Kill => S::KILL,
@@ -49,6 +49,26 @@ impl Signal {
             Signal::Cont => S::CONT,
             Signal::Term => S::TERM,
             Signal::Int => S::INT,
+        }
+    }
+}
+
+/// How a process ended, decoded from a wait status (what `waitpid` returns,
+/// what the proc connector's exit event and pidfd exit info carry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// `exit(code)`.
+    Exited(u8),
+    /// Killed by `signal`.
+    Signaled { signal: i32, core_dumped: bool },
+}
+
+impl ExitStatus {
+    /// `WIFSIGNALED`/`WTERMSIG`/`WCOREDUMP`/`WEXITSTATUS` of a wait status.
+    pub fn from_wait_status(status: u32) -> ExitStatus {
+        match (status & 0x7f) as i32 {
+            0 => ExitStatus::Exited(((status >> 8) & 0xff) as u8),
+            signal => ExitStatus::Signaled { signal, core_dumped: status & 0x80 != 0 },
         }
     }
 }

@@ -1,0 +1,328 @@
+//! Process watchers: how fast a death is reported, and what the node-wide
+//! proc connector costs under process churn. A benchmark, not a test: it
+//! prints numbers.
+//!
+//! ```text
+//! cargo bench --bench process_watch [-- --kills 200 --daemon-kills 20 --seconds 10 --rate 1000]
+//! ```
+//!
+//! 1. Death-to-event latency, both backends: SIGKILL sent → `Exited`
+//!    received by the consumer thread, p50/p90/p99. First on plain `sleep`
+//!    processes, then on FUSE daemons (demofs, in a private mount namespace)
+//!    whose exit also tears down a FUSE connection. For the proc connector
+//!    the kernel's exit timestamp splits it into kill → death and death →
+//!    delivery.
+//! 2. CPU of the proc-connector watcher thread (`schedstat` on-CPU time)
+//!    while the bench forks and reaps `/bin/true` at a steady rate: without
+//!    the kernel filter, with it (exit + exec, the default), with exit only,
+//!    and with no load (what the rest of the machine costs it meanwhile).
+//!
+//! Every flag is also an environment variable (`PROCESS_WATCH_BENCH_RATE`…).
+//! Needs root (and /dev/fuse for the daemons).
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor::process_watch::{
+    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
+};
+use fuse_supervisor::testbed::Sandbox;
+use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct Options {
+    kills: usize,
+    daemon_kills: usize,
+    window: Duration,
+    rate: u64,
+}
+
+impl Options {
+    /// `--flag value` from the command line, else `PROCESS_WATCH_BENCH_FLAG`,
+    /// else the default. Unknown arguments (cargo passes `--bench`) are ignored.
+    fn parse() -> Options {
+        let args: Vec<String> = std::env::args().collect();
+        let number = |flag: &str, default: u64| -> u64 {
+            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
+            let env = || std::env::var(format!("PROCESS_WATCH_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
+            cli.or_else(env).map_or(default, |text| text.parse().unwrap_or_else(|_| panic!("--{flag} takes a number")))
+        };
+        Options {
+            kills: number("kills", 200) as usize,
+            daemon_kills: number("daemon-kills", 20) as usize,
+            window: Duration::from_secs(number("seconds", 10)),
+            rate: number("rate", 1_000),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Connector,
+    Pidfd,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Connector => "proc connector",
+            Kind::Pidfd => "pidfd",
+        }
+    }
+
+    fn start(self) -> (Box<dyn ProcessWatcher>, Receiver<ProcessEvent>) {
+        let (events, inbox) = mpsc::channel();
+        let sink = Box::new(move |event| events.send(event).is_ok());
+        let watcher: Box<dyn ProcessWatcher> = match self {
+            Kind::Connector => {
+                Box::new(ProcConnectorWatcher::start(ConnectorOptions::default(), sink).expect("subscribe"))
+            }
+            Kind::Pidfd => Box::new(PidfdWatcher::start(PathBuf::from("/proc"), sink).expect("pidfd watcher")),
+        };
+        (watcher, inbox)
+    }
+}
+
+/// Waits for the `Exited` of `pid`; returns when it was received and the
+/// death time the watcher reported.
+fn exited(inbox: &Receiver<ProcessEvent>, pid: u32) -> (Instant, Instant) {
+    loop {
+        match inbox.recv_timeout(EVENT_TIMEOUT).expect("an exit event in time") {
+            ProcessEvent::Exited { pid: exited, at, .. } if exited == pid => return (Instant::now(), at),
+            ProcessEvent::Failed(err) => panic!("watcher failed: {err}"),
+            _ => {}
+        }
+    }
+}
+
+/// Percentiles of a sample, in microseconds.
+fn summary(label: &str, mut sample: Vec<Duration>) {
+    sample.sort_unstable();
+    let at = |q: f64| sample[((sample.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e6;
+    println!(
+        "{label:<58} n={:<4} p50 {:>8.1} µs  p90 {:>8.1} µs  p99 {:>8.1} µs  max {:>8.1} µs",
+        sample.len(),
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        at(1.0)
+    );
+}
+
+/// Kill → received, and (proc connector) kill → death and death → received.
+#[derive(Default)]
+struct Latencies {
+    total: Vec<Duration>,
+    to_death: Vec<Duration>,
+    delivery: Vec<Duration>,
+}
+
+impl Latencies {
+    fn record(&mut self, killed: Instant, (received, died): (Instant, Instant)) {
+        self.total.push(received - killed);
+        self.to_death.push(died.saturating_duration_since(killed));
+        self.delivery.push(received.saturating_duration_since(died));
+    }
+
+    fn print(self, kind: Kind, what: &str) {
+        summary(&format!("{}: SIGKILL → Exited received ({what})", kind.name()), self.total);
+        if kind == Kind::Connector {
+            summary("    of which SIGKILL → death (kernel timestamp)", self.to_death);
+            summary("    of which death → Exited received", self.delivery);
+        }
+    }
+}
+
+fn plain_process_latency(kind: Kind, kills: usize) {
+    let (watcher, inbox) = kind.start();
+    let mut latencies = Latencies::default();
+    for _ in 0..kills {
+        let mut child = Command::new("sleep").arg("1000").stdin(Stdio::null()).spawn().expect("spawn sleep");
+        let id = ProcessId::of(Path::new("/proc"), child.id()).expect("identity");
+        watcher.watch(id).expect("watch");
+        let killed = Instant::now();
+        child.kill().expect("kill");
+        latencies.record(killed, exited(&inbox, id.pid));
+        child.wait().expect("reap");
+    }
+    latencies.print(kind, "sleep processes");
+}
+
+fn daemon_latency(kind: Kind, kills: usize) {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let (watcher, inbox) = kind.start();
+    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "bench").expect("start demofs");
+    let mut latencies = Latencies::default();
+    for round in 0..kills {
+        if round > 0 {
+            source.restart(&sandbox, fuse_supervisor::testbed::scenario::Restart::UnmountThenMount).expect("restart");
+        }
+        let pid = source.pid().expect("daemon running");
+        watcher.watch(ProcessId::of(Path::new("/proc"), pid).expect("identity")).expect("watch");
+        let killed = Instant::now();
+        fuse_supervisor_sys::process::signal(pid, fuse_supervisor_sys::process::Signal::Kill).expect("kill");
+        latencies.record(killed, exited(&inbox, pid));
+        source.crash().expect("reap");
+    }
+    latencies.print(kind, "demofs FUSE daemons");
+}
+
+/// On-CPU nanoseconds of this process's thread named `name`. A thread names
+/// itself once it runs, so a just-started one is waited for a little.
+fn thread_cpu_ns(name: &str) -> u64 {
+    for _ in 0..100 {
+        let tasks = std::fs::read_dir("/proc/self/task").expect("list threads");
+        for task in tasks.map_while(Result::ok) {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim() == name {
+                let schedstat = std::fs::read_to_string(task.path().join("schedstat")).expect("schedstat");
+                return schedstat.split_whitespace().next().and_then(|ns| ns.parse().ok()).expect("on-CPU time");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("no thread named {name}");
+}
+
+/// Forks and reaps `/bin/true` at `rate` per second until `stop`; returns
+/// how many ran. Children are reaped by a second thread so that spawning
+/// keeps its pace.
+fn churn(rate: u64, window: Duration) -> u64 {
+    let (spawned, reap) = mpsc::channel::<Child>();
+    let reaper = std::thread::spawn(move || {
+        for mut child in reap {
+            let _ = child.wait();
+        }
+    });
+    let interval = Duration::from_nanos(1_000_000_000 / rate.max(1));
+    let started = Instant::now();
+    let mut count = 0u64;
+    while started.elapsed() < window {
+        let due = started + interval * count as u32;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let child = Command::new("/bin/true")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn /bin/true");
+        count += 1;
+        let _ = spawned.send(child);
+    }
+    drop(spawned);
+    let _ = reaper.join();
+    count
+}
+
+struct Load {
+    label: &'static str,
+    kernel_filter: bool,
+    exec: ExecReports,
+    rate: u64,
+}
+
+fn connector_cpu(load: &Load, window: Duration) {
+    let lost = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&lost);
+    let ready = Arc::new(Barrier::new(2));
+    let options =
+        ConnectorOptions { kernel_filter: load.kernel_filter, exec: load.exec, ..ConnectorOptions::default() };
+    let watcher = ProcConnectorWatcher::start(
+        options,
+        Box::new(move |event| {
+            match event {
+                ProcessEvent::Lost => {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+                ProcessEvent::Failed(err) => panic!("watcher failed: {err:?}"),
+                _ => {}
+            }
+            true
+        }),
+    )
+    .expect("subscribe");
+    // One watched process, as a supervisor would have: its daemon.
+    let mut daemon = Command::new("sleep").arg("1000").stdin(Stdio::null()).spawn().expect("spawn sleep");
+    watcher.watch(ProcessId::of(Path::new("/proc"), daemon.id()).expect("identity")).expect("watch");
+    let gate = Arc::clone(&ready);
+    let rate = load.rate;
+    let generator = std::thread::spawn(move || {
+        gate.wait();
+        if rate == 0 {
+            std::thread::sleep(window);
+            0
+        } else {
+            churn(rate, window)
+        }
+    });
+    let before = thread_cpu_ns("procwatch");
+    let decoded_before = watcher.events_decoded();
+    let opened = Instant::now();
+    ready.wait();
+    let spawned = generator.join().expect("generator");
+    // Let the watcher drain what is queued before reading its clock.
+    std::thread::sleep(Duration::from_millis(200));
+    let cpu = Duration::from_nanos(thread_cpu_ns("procwatch") - before);
+    let decoded = watcher.events_decoded() - decoded_before;
+    let elapsed = opened.elapsed();
+    let per_event =
+        if decoded > 0 { format!("{:.2} µs", cpu.as_secs_f64() * 1e6 / decoded as f64) } else { "-".to_owned() };
+    println!(
+        "{:<42} filter {:<5} {:>6} processes ({:>5.0}/s)  {:>7} events decoded  watcher CPU {:>7.1} ms = {:>5.2} % of a core  {per_event:>8}/event  lost {}",
+        load.label,
+        watcher.kernel_filter(),
+        spawned,
+        spawned as f64 / window.as_secs_f64(),
+        decoded,
+        cpu.as_secs_f64() * 1e3,
+        cpu.as_secs_f64() / elapsed.as_secs_f64() * 100.0,
+        lost.load(Ordering::Relaxed),
+    );
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+}
+
+fn main() {
+    let options = Options::parse();
+    println!("# death-to-event latency");
+    for kind in [Kind::Connector, Kind::Pidfd] {
+        plain_process_latency(kind, options.kills);
+    }
+    for kind in [Kind::Connector, Kind::Pidfd] {
+        daemon_latency(kind, options.daemon_kills);
+    }
+    println!(
+        "# proc-connector watcher CPU, {} s per line, churn target {} processes/s (fork+exec+exit of /bin/true)",
+        options.window.as_secs(),
+        options.rate
+    );
+    let loads = [
+        Load { label: "no load (the rest of the machine)", kernel_filter: true, exec: ExecReports::Watched, rate: 0 },
+        Load { label: "churn, no kernel filter", kernel_filter: false, exec: ExecReports::Watched, rate: options.rate },
+        Load {
+            label: "churn, kernel filter exit+exec (default)",
+            kernel_filter: true,
+            exec: ExecReports::Watched,
+            rate: options.rate,
+        },
+        Load {
+            label: "churn, kernel filter exit only",
+            kernel_filter: true,
+            exec: ExecReports::Off,
+            rate: options.rate,
+        },
+    ];
+    // Twice, interleaved: the rest of the machine (other builds) is noise.
+    for _ in 0..2 {
+        for load in &loads {
+            connector_cpu(load, options.window);
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! Root tests of the process watchers and the FUSE-server finder, with real
+//! processes: FUSE daemons (the built-in demofs and bindfs) in a private
+//! mount namespace, killed with SIGKILL; a fork/exit burst against a tiny
+//! netlink buffer; a real pid reuse; subscriptions from the wrong
+//! namespaces.
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor::process_watch::fuse_server::{FuseServers, MatchedBy, MountDevice};
+use fuse_supervisor::process_watch::{
+    ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
+    ProcessWatchError, ProcessWatcher,
+};
+use fuse_supervisor::testbed::Sandbox;
+use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
+const SIGKILL: ExitStatus = ExitStatus::Signaled { signal: 9, core_dumped: false };
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Connector,
+    Pidfd,
+}
+
+fn proc_root() -> PathBuf {
+    PathBuf::from("/proc")
+}
+
+/// A watcher of `kind` whose events arrive on the returned channel.
+fn start(kind: Kind) -> (Box<dyn ProcessWatcher>, Receiver<ProcessEvent>) {
+    let (events, inbox) = mpsc::channel();
+    let sink = Box::new(move |event| events.send(event).is_ok());
+    let watcher: Box<dyn ProcessWatcher> = match kind {
+        Kind::Connector => Box::new(ProcConnectorWatcher::start(ConnectorOptions::default(), sink).expect("subscribe")),
+        Kind::Pidfd => Box::new(PidfdWatcher::start(proc_root(), sink).expect("pidfd watcher")),
+    };
+    (watcher, inbox)
+}
+
+/// The first `Exited` (skipping exec and loss reports); panics on timeout.
+fn next_exit(inbox: &Receiver<ProcessEvent>) -> (u32, Option<ExitStatus>, Instant, Detection) {
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match inbox.recv_timeout(left).expect("an exit event in time") {
+            ProcessEvent::Exited { pid, status, at, detection } => return (pid, status, at, detection),
+            ProcessEvent::Failed(err) => panic!("watcher failed: {err}"),
+            ProcessEvent::Exec { .. } | ProcessEvent::Lost => {}
+        }
+    }
+}
+
+/// A plain child process, killed and reaped on drop.
+struct Process(Child);
+
+impl Process {
+    fn spawn(program: &str, args: &[&str]) -> Process {
+        Process(Command::new(program).args(args).stdin(Stdio::piped()).spawn().expect("spawn"))
+    }
+
+    fn id(&self) -> ProcessId {
+        ProcessId::of(&proc_root(), self.0.id()).expect("process identity")
+    }
+
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The device (mountinfo `major:minor`) of the mount at `path` in the sandbox.
+fn device_of(sandbox: &Sandbox, path: &Path) -> MountDevice {
+    let table = sandbox.mountinfo();
+    let wanted = path.to_str().expect("utf-8 path");
+    let device = table
+        .lines()
+        .map(|line| line.split(' ').collect::<Vec<_>>())
+        .filter(|fields| fields.len() > 4 && fields[4] == wanted)
+        .map(|fields| fields[2].to_owned())
+        // The topmost mount is the last one listed.
+        .next_back()
+        .unwrap_or_else(|| panic!("no mount at {wanted} in\n{table}"));
+    let (major, minor) = device.split_once(':').expect("major:minor");
+    MountDevice { major: major.parse().unwrap(), minor: minor.parse().unwrap() }
+}
+
+/// The one process serving `source`, found by the finder.
+fn server_of(sandbox: &Sandbox, source: &FuseSource) -> ProcessId {
+    let serving = FuseServers::scan(&proc_root()).unwrap().serving(device_of(sandbox, &source.path)).unwrap();
+    assert_eq!(serving.matched_by, MatchedBy::Connection, "Linux 6.18 names the connection in fdinfo");
+    assert_eq!(serving.processes.len(), 1, "{serving:?}");
+    serving.processes[0]
+}
+
+fn killed_daemon_is_reported(kind: Kind, daemon: Daemon) {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "watched").expect("start daemon");
+    let server = server_of(&sandbox, &source);
+    assert_eq!(Some(server.pid), source.pid());
+    let (watcher, inbox) = start(kind);
+    watcher.watch(server).unwrap();
+    assert_eq!(watcher.watched(), vec![server]);
+
+    let killed_at = Instant::now();
+    source.crash().unwrap();
+    let (pid, status, at, detection) = next_exit(&inbox);
+    assert_eq!((pid, detection), (server.pid, Detection::Event));
+    assert!(at >= killed_at, "death after the kill");
+    match kind {
+        Kind::Connector => assert_eq!(status, Some(SIGKILL)),
+        // Known only if the sandbox reaped the daemon before the watcher asked.
+        Kind::Pidfd => assert!(status.is_none() || status == Some(SIGKILL), "{status:?}"),
+    }
+    assert!(watcher.watched().is_empty(), "an exited process is no longer watched");
+}
+
+#[test]
+fn proc_connector_reports_a_killed_demofs_daemon() {
+    killed_daemon_is_reported(Kind::Connector, Daemon::DemoFs);
+}
+
+#[test]
+fn proc_connector_reports_a_killed_bindfs_daemon() {
+    killed_daemon_is_reported(Kind::Connector, Daemon::Bindfs);
+}
+
+#[test]
+fn pidfd_reports_a_killed_demofs_daemon() {
+    killed_daemon_is_reported(Kind::Pidfd, Daemon::DemoFs);
+}
+
+#[test]
+fn pidfd_reports_a_killed_bindfs_daemon() {
+    killed_daemon_is_reported(Kind::Pidfd, Daemon::Bindfs);
+}
+
+#[test]
+fn finder_tells_the_daemons_of_two_mounts_apart() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut demofs = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "first").expect("start demofs");
+    let bindfs = FuseSource::start(&sandbox, binary, Daemon::Bindfs, "second").expect("start bindfs");
+    let (demofs_device, bindfs_device) = (device_of(&sandbox, &demofs.path), device_of(&sandbox, &bindfs.path));
+    assert_ne!(demofs_device, bindfs_device);
+
+    assert_eq!(Some(server_of(&sandbox, &demofs).pid), demofs.pid());
+    assert_eq!(Some(server_of(&sandbox, &bindfs).pid), bindfs.pid());
+
+    // A dead daemon's mount stays, served by nobody.
+    demofs.crash().unwrap();
+    let servers = FuseServers::scan(&proc_root()).unwrap();
+    assert!(servers.serving(demofs_device).unwrap().processes.is_empty());
+    assert_eq!(
+        servers.serving(bindfs_device).unwrap().processes.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        vec![bindfs.pid().unwrap()]
+    );
+}
+
+/// The watcher thread is held inside the sink (as a slow consumer would
+/// hold it) while a burst of short processes overflows a minimal receive
+/// buffer, and the daemon is killed in the middle of the burst: its exit
+/// event cannot be queued. The resync after `ENOBUFS` must still report it.
+#[test]
+fn lost_events_resync_reports_a_daemon_killed_during_a_burst() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "busy").expect("start daemon");
+    let daemon = server_of(&sandbox, &source);
+    let mut gate = Process::spawn("sleep", &["1000"]);
+    let gate_id = gate.id();
+
+    let (held_tx, held) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let (events, inbox) = mpsc::channel();
+    let sink = Box::new(move |event: ProcessEvent| {
+        let hold = matches!(event, ProcessEvent::Exited { pid, .. } if pid == gate_id.pid);
+        let delivered = events.send(event).is_ok();
+        if hold {
+            let _ = held_tx.send(());
+            let _ = release_rx.recv();
+        }
+        delivered
+    });
+    // The kernel raises a tiny request to its minimum (a few events' worth).
+    let options = ConnectorOptions { receive_buffer: Some(1), exec: ExecReports::Off, ..ConnectorOptions::default() };
+    let watcher = ProcConnectorWatcher::start(options, sink).expect("subscribe");
+    assert!(watcher.kernel_filter());
+    watcher.watch(gate_id).unwrap();
+    watcher.watch(daemon).unwrap();
+
+    gate.kill();
+    held.recv_timeout(EVENT_TIMEOUT).expect("the watcher thread is held in the sink");
+    const BURST: usize = 3_000;
+    for spawned in 0..BURST {
+        if spawned == BURST / 2 {
+            source.crash().unwrap();
+        }
+        Command::new("true").status().expect("run true");
+    }
+    release.send(()).unwrap();
+
+    let (pid, status, _, detection) = next_exit(&inbox);
+    assert_eq!(pid, gate_id.pid);
+    assert_eq!(status, Some(SIGKILL));
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    while !seen.iter().any(|event| matches!(event, ProcessEvent::Lost)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        seen.push(inbox.recv_timeout(left).unwrap_or_else(|_| panic!("no Lost report; events: {seen:?}")));
+    }
+    assert_eq!(detection, Detection::Event);
+    assert!(
+        seen.iter().any(|event| matches!(
+            event,
+            ProcessEvent::Exited { pid, status: None, detection: Detection::Resync, .. } if *pid == daemon.pid
+        )),
+        "the resync reports the daemon before Lost: {seen:?}"
+    );
+    assert!(watcher.watched().is_empty());
+}
+
+/// Runs the test `name` of this binary again under `unshare flags`, with
+/// `CHILD_MODE` set to `mode`, and returns its stdout once it passed.
+fn run_in_child(name: &str, flags: &[&str], mode: &str) -> String {
+    let output = Command::new("unshare")
+        .args(flags)
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(CHILD_MODE, mode)
+        .output()
+        .expect("run unshare");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "unshare {flags:?} {name}: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// Set in a test run by [`run_in_child`].
+const CHILD_MODE: &str = "PROCESS_WATCH_TEST_CHILD";
+
+/// Forces a real pid reuse: the next pid the kernel hands out is set with
+/// `ns_last_pid`. Run in a pid namespace of its own, where nothing else
+/// takes pids and no other process on the machine sees its pids reused. The
+/// first process lives a few clock ticks: start times count in ticks
+/// (10 ms), and a daemon worth watching lives longer than one.
+fn reused_pid() -> (ProcessId, Process) {
+    for _ in 0..20 {
+        let mut first = Process::spawn("sleep", &["1000"]);
+        let old = first.id();
+        std::thread::sleep(Duration::from_millis(30));
+        first.kill();
+        fs::write("/proc/sys/kernel/ns_last_pid", (old.pid - 1).to_string()).expect("set ns_last_pid (needs root)");
+        let second = Process::spawn("sleep", &["1000"]);
+        if second.0.id() == old.pid {
+            return (old, second);
+        }
+    }
+    panic!("could not get a pid reused in 20 attempts");
+}
+
+#[test]
+fn pidfd_refuses_a_reused_pid() {
+    const NAME: &str = "pidfd_refuses_a_reused_pid";
+    if std::env::var(CHILD_MODE).is_err() {
+        let stdout = run_in_child(NAME, &["--pid", "--fork", "--mount-proc"], "reuse");
+        assert!(stdout.contains("refused: pid "), "{stdout}");
+        return;
+    }
+    let (watcher, _inbox) = start(Kind::Pidfd);
+    let (old, new) = reused_pid();
+    let err = watcher.watch(old).unwrap_err();
+    match &err {
+        ProcessWatchError::Reused { pid, expected, found } => {
+            assert_eq!((*pid, *expected), (old.pid, old.start_time));
+            assert_eq!(*found, new.id().start_time);
+        }
+        other => panic!("expected a reuse refusal, got {other:?}"),
+    }
+    println!("refused: {err}");
+    assert!(watcher.watched().is_empty());
+    // The new process itself is fine to watch.
+    watcher.watch(new.id()).unwrap();
+}
+
+/// The connector needs the host pid namespace, where forcing a reuse would
+/// disturb the machine: the reuse is shown to it as /proc shows one, a
+/// live pid with another start time than the identified process had.
+#[test]
+fn proc_connector_refuses_a_pid_whose_start_time_changed() {
+    let (watcher, _inbox) = start(Kind::Connector);
+    let process = Process::spawn("sleep", &["1000"]);
+    let now = process.id();
+    let identified = ProcessId { start_time: now.start_time - 1, ..now };
+    let err = watcher.watch(identified).unwrap_err();
+    assert!(
+        matches!(err, ProcessWatchError::Reused { pid, expected, found }
+            if pid == now.pid && expected == identified.start_time && found == now.start_time),
+        "{err:?}"
+    );
+    assert!(watcher.watched().is_empty());
+}
+
+fn gone_process_is_refused(kind: Kind) {
+    let (watcher, _inbox) = start(kind);
+    let mut process = Process::spawn("sleep", &["1000"]);
+    let id = process.id();
+    // Past its first clock tick: a process reusing the pid meanwhile has
+    // another start time.
+    std::thread::sleep(Duration::from_millis(30));
+    process.kill();
+    // Taken again meanwhile, it is a reuse; otherwise it is gone.
+    let err = watcher.watch(id).unwrap_err();
+    assert!(
+        matches!(err, ProcessWatchError::Gone { pid } if pid == id.pid)
+            || matches!(err, ProcessWatchError::Reused { .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn pidfd_refuses_a_process_that_is_gone() {
+    gone_process_is_refused(Kind::Pidfd);
+}
+
+#[test]
+fn proc_connector_refuses_a_process_that_is_gone() {
+    gone_process_is_refused(Kind::Connector);
+}
+
+/// After `unwatch`, an exit is not reported: the next exit seen is that of
+/// a process killed later.
+fn unwatched_process_is_not_reported(kind: Kind) {
+    let (watcher, inbox) = start(kind);
+    let mut first = Process::spawn("sleep", &["1000"]);
+    let mut second = Process::spawn("sleep", &["1000"]);
+    watcher.watch(first.id()).unwrap();
+    watcher.watch(second.id()).unwrap();
+    assert!(watcher.unwatch(first.0.id()));
+    assert!(!watcher.unwatch(first.0.id()));
+    first.kill();
+    second.kill();
+    assert_eq!(next_exit(&inbox).0, second.0.id());
+}
+
+#[test]
+fn pidfd_does_not_report_an_unwatched_process() {
+    unwatched_process_is_not_reported(Kind::Pidfd);
+}
+
+#[test]
+fn proc_connector_does_not_report_an_unwatched_process() {
+    unwatched_process_is_not_reported(Kind::Connector);
+}
+
+#[test]
+fn proc_connector_reports_exec_and_exit_codes_of_watched_processes() {
+    let (watcher, inbox) = start(Kind::Connector);
+    let mut shell = Process::spawn("sh", &["-c", "read line; exec sh -c 'read line; exit 7'"]);
+    let id = shell.id();
+    watcher.watch(id).unwrap();
+    let mut stdin = shell.0.stdin.take().expect("piped stdin");
+    stdin.write_all(b"exec\n").unwrap();
+    let event = inbox.recv_timeout(EVENT_TIMEOUT).expect("an exec event");
+    assert!(matches!(event, ProcessEvent::Exec { pid, .. } if pid == id.pid), "{event:?}");
+    stdin.write_all(b"exit\n").unwrap();
+    let (pid, status, _, _) = next_exit(&inbox);
+    assert_eq!((pid, status), (id.pid, Some(ExitStatus::Exited(7))));
+    drop(stdin);
+}
+
+/// Outside the host's namespaces the subscription fails with an error that
+/// names the missing setting. Runs itself again under `unshare`: in a new
+/// pid namespace (the kernel does not answer) and in a new network
+/// namespace (there is no connector).
+#[test]
+fn proc_connector_outside_the_host_namespaces_names_what_is_missing() {
+    const NAME: &str = "proc_connector_outside_the_host_namespaces_names_what_is_missing";
+    if let Ok(expected) = std::env::var(CHILD_MODE) {
+        let options = ConnectorOptions { ack_timeout: Duration::from_millis(500), ..ConnectorOptions::default() };
+        let err = ProcConnectorWatcher::start(options, Box::new(|_| true)).err().expect("the subscription must fail");
+        println!("error: {err}");
+        assert!(err.to_string().contains(&expected), "{err}");
+        return;
+    }
+    for (flags, expected) in [(&["--pid", "--fork"][..], "hostPID: true"), (&["--net"][..], "hostNetwork: true")] {
+        let stdout = run_in_child(NAME, flags, expected);
+        assert!(stdout.contains("error: ") && stdout.contains(expected), "{stdout}");
+    }
+}
