@@ -288,16 +288,13 @@ impl Executor for MountExecutor {
                     Ok(fd)
                 })
                 .collect();
-            // Every stack before any flatten: a flatten makes its stale
-            // layer private, out of the peer group later stacks propagate
-            // through.
             let mut outcomes = Vec::with_capacity(opened.len());
+            let mut flattens = Vec::with_capacity(opened.len());
             for (index, (target, opened)) in batch.targets.iter().zip(opened).enumerate() {
                 let stacked = opened.and_then(|stale| Ok((stale, this.stack(target, source)?)));
                 let result = match stacked {
                     Ok((stale, (how, new_top))) => {
-                        // The receiver is this thread's, alive until the end.
-                        let _ = jobs.send(FlattenJob { index, stale, new_top });
+                        flattens.push(FlattenJob { index, stale, new_top });
                         Ok(how)
                     }
                     Err(err) => Err(err),
@@ -309,9 +306,16 @@ impl Executor for MountExecutor {
                     flatten_error: None,
                 });
             }
-            drop(jobs);
             // Containers read again from here on; the heal ends with the flatten.
             debug!(targets = outcomes.len(), "stacks in place");
+            // Every stack before any flatten (as DESIGN.md verified it): a
+            // flatten takes its stale layer out of the peer group that later
+            // stacks propagate through.
+            for job in flattens {
+                // The receiver is this thread's, alive until the end.
+                let _ = jobs.send(job);
+            }
+            drop(jobs);
             this.flatten_jobs(batch, 0, &queue, &done);
             drop(done);
             for (index, flattened) in finished.iter() {
