@@ -6,8 +6,9 @@
 //! for both, and the `/pods` round trip inside it.
 //!
 //! ```text
-//! cargo bench --bench confirm_latency [-- CYCLES]
+//! cargo bench --bench confirm_latency [-- --cycles 20]
 //! ```
+//! (or `CONFIRM_BENCH_CYCLES`).
 //! Needs root and /dev/fuse; runs in a private mount namespace.
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -17,12 +18,17 @@ use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, Supervisor
 use fuse_supervisor::testbed::{ContainerReader, Sandbox};
 use serde_json::Value;
 
+#[allow(dead_code)]
+mod common;
+
+use common::Flags;
+
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);
 const TOKEN: &str = "bench-token";
 
 fn main() {
-    let cycles: usize = std::env::args().filter_map(|arg| arg.parse().ok()).next().unwrap_or(20);
+    let cycles: usize = Flags::new("CONFIRM_BENCH").number("cycles", "20");
     println!("heal latency with and without kubelet confirmation, {cycles} cycles each, 1 pod, demofs");
     let (none, _) = run(cycles, false);
     let (confirmed, kubelet) = run(cycles, true);

@@ -28,6 +28,11 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor::pods::{PodChange, PodDirectory, PodWatcher};
 
+#[allow(dead_code)]
+mod common;
+
+use common::Flags;
+
 const KIB: f64 = 1024.0;
 
 struct Options {
@@ -40,16 +45,11 @@ impl Options {
     /// `--flag value`, else `PODS_BENCH_FLAG`, else the default. Unknown
     /// arguments (cargo passes `--bench`) are ignored.
     fn parse() -> Options {
-        let args: Vec<String> = std::env::args().collect();
-        let number = |flag: &str, default: u64| -> u64 {
-            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
-            let env = || std::env::var(format!("PODS_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
-            cli.or_else(env).map_or(default, |text| text.parse().unwrap_or_else(|_| panic!("--{flag} takes a number")))
-        };
+        let flags = Flags::new("PODS_BENCH");
         Options {
-            pods: number("pods", 5_000) as usize,
-            volumes: number("volumes", 2) as usize,
-            quiet: Duration::from_secs(number("quiet-seconds", 10)),
+            pods: flags.number("pods", "5000"),
+            volumes: flags.number("volumes", "2"),
+            quiet: Duration::from_secs(flags.number("quiet-seconds", "10")),
         }
     }
 }

@@ -32,6 +32,11 @@ use fuse_supervisor::process_watch::{
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
 
+#[allow(dead_code)]
+mod common;
+
+use common::Flags;
+
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -46,17 +51,12 @@ impl Options {
     /// `--flag value` from the command line, else `PROCESS_WATCH_BENCH_FLAG`,
     /// else the default. Unknown arguments (cargo passes `--bench`) are ignored.
     fn parse() -> Options {
-        let args: Vec<String> = std::env::args().collect();
-        let number = |flag: &str, default: u64| -> u64 {
-            let cli = args.windows(2).find(|pair| pair[0] == format!("--{flag}")).map(|pair| pair[1].clone());
-            let env = || std::env::var(format!("PROCESS_WATCH_BENCH_{}", flag.replace('-', "_").to_uppercase())).ok();
-            cli.or_else(env).map_or(default, |text| text.parse().unwrap_or_else(|_| panic!("--{flag} takes a number")))
-        };
+        let flags = Flags::new("PROCESS_WATCH_BENCH");
         Options {
-            kills: number("kills", 200) as usize,
-            daemon_kills: number("daemon-kills", 20) as usize,
-            window: Duration::from_secs(number("seconds", 10)),
-            rate: number("rate", 1_000),
+            kills: flags.number("kills", "200"),
+            daemon_kills: flags.number("daemon-kills", "20"),
+            window: Duration::from_secs(flags.number("seconds", "10")),
+            rate: flags.number("rate", "1000"),
         }
     }
 }
