@@ -218,10 +218,13 @@ impl Journal {
         changed
     }
 
-    /// Forgets source paths for which `keep` says no.
-    pub fn retain_sources(&mut self, mut keep: impl FnMut(&Path) -> bool) -> bool {
+    /// Forgets source paths that are neither mounted nor the source of a
+    /// recorded target; returns whether any went. The mappings are searched
+    /// only for paths not mounted, which are rare.
+    pub fn forget_unused_sources(&mut self, mounted: impl Fn(&Path) -> bool) -> bool {
         let before = self.sources.len();
-        self.sources.retain(|path, _| keep(path));
+        let mappings = &self.mappings;
+        self.sources.retain(|path, _| mounted(path) || mappings.values().any(|mapping| &mapping.source == path));
         before != self.sources.len()
     }
 

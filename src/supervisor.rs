@@ -295,6 +295,9 @@ struct Supervisor<E: Executor> {
     /// Whether the pod watcher runs; without it deleted pods are found by
     /// looking at their directories on each scan.
     pods_watched: bool,
+    /// Pods with targets that neither a healthy observation nor a layout
+    /// mapped at the last scan: a new vol_data.json of theirs is worth one.
+    unmapped_pods: BTreeSet<String>,
 }
 
 struct Confirmer {
@@ -332,6 +335,7 @@ impl Supervisor<MountExecutor> {
             layouts: config.layouts.clone(),
             pods: PodDirectory::default(),
             pods_watched: false,
+            unmapped_pods: BTreeSet::new(),
         })
     }
 }
@@ -449,9 +453,7 @@ impl<E: Executor> Supervisor<E> {
         for (path, source) in &classified.sources {
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
-        let mappings = self.journal.mappings();
-        let referenced: BTreeSet<PathBuf> = mappings.values().map(|mapping| mapping.source.clone()).collect();
-        changed | self.journal.retain_sources(|path| classified.sources.contains_key(path) || referenced.contains(path))
+        changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
     }
 
     /// Whether a batch may be healed now. A source replaced under its
@@ -627,13 +629,18 @@ impl<E: Executor> Supervisor<E> {
             }
             _ => false,
         };
-        let located = matches!(change, PodChange::VolumeSeen { vol_data: Some(_), .. } | PodChange::Resync(_));
+        // A vol_data.json may be what an unmapped target's layout needed;
+        // pods without one (most, during a burst of pod creations) need no scan.
+        let may_locate = match &change {
+            PodChange::VolumeSeen { uid, vol_data: Some(_), .. } => self.unmapped_pods.contains(&**uid),
+            PodChange::Resync(_) => !self.unmapped_pods.is_empty(),
+            _ => false,
+        };
         self.pods.apply(change);
         if forgot && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
         }
-        // A vol_data.json may be what an unmapped target's layout needed.
-        if located && self.scanned_once {
+        if may_locate && self.scanned_once {
             self.rescan();
         }
     }
@@ -644,6 +651,7 @@ impl<E: Executor> Supervisor<E> {
     fn locate_unmapped(&mut self, classified: &Classified) -> bool {
         let sources: Vec<SourceMount<'_>> = classified.sources.values().map(SourceMount::from).collect();
         let mut changed = false;
+        let mut unmapped_pods = BTreeSet::new();
         for (path, target) in &classified.targets {
             if self.journal.get(path).is_some() {
                 continue;
@@ -651,7 +659,10 @@ impl<E: Executor> Supervisor<E> {
             let top = target.stack.top();
             let Some(info) = TargetInfo::from_path(self.layout.pods_dir(), path, &top.root) else { continue };
             let vol_data = self.vol_data_of(classified, target, &info);
-            let Some(located) = self.layouts.locate(&info.with_vol_data(vol_data), &sources) else { continue };
+            let Some(located) = self.layouts.locate(&info.with_vol_data(vol_data), &sources) else {
+                unmapped_pods.insert(target.pod_uid.clone());
+                continue;
+            };
             info!(
                 target = %path.display(),
                 pod = %target.pod_uid,
@@ -670,6 +681,7 @@ impl<E: Executor> Supervisor<E> {
             };
             changed |= self.journal.record(path, mapping);
         }
+        self.unmapped_pods = unmapped_pods;
         changed
     }
 
