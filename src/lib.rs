@@ -13,6 +13,7 @@ pub mod plan;
 pub mod pods;
 pub mod probe;
 pub mod process_watch;
+pub mod report;
 pub mod state;
 pub mod status;
 pub mod supervisor;

@@ -10,6 +10,7 @@ use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
+use fuse_supervisor::report::Reporters;
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
@@ -133,6 +134,7 @@ impl NodeArgs {
             probe_timeout: self.probe_timeout,
             kubelet: None,
             layouts,
+            reporters: Reporters::default(),
         })
     }
 }

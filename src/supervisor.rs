@@ -26,6 +26,7 @@ use crate::mountinfo::MountInfoReader;
 use crate::plan::{self, Assessment, HealBatch};
 use crate::pods::{PodChange, PodDirectory, PodWatcher, VolData};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
+use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
 use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
@@ -48,6 +49,8 @@ pub struct Config {
     pub kubelet: Option<KubeletConfirmation>,
     /// Where sources are when no healthy observation taught it.
     pub layouts: SourceLayouts,
+    /// Who hears about breaks, heals and kubelet calls (events, metrics).
+    pub reporters: Reporters,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -172,6 +175,14 @@ fn recheck_delay(attempts: u32) -> Duration {
 struct TargetRecord {
     state: TargetState,
     attempts: u32,
+    /// When the current outage began; kept through healing and retries.
+    broken_since: Option<SystemTime>,
+}
+
+impl TargetRecord {
+    fn new(state: TargetState) -> Self {
+        TargetRecord { state, attempts: 0, broken_since: None }
+    }
 }
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
@@ -298,6 +309,7 @@ struct Supervisor<E: Executor> {
     /// Pods with targets that neither a healthy observation nor a layout
     /// mapped at the last scan: a new vol_data.json of theirs is worth one.
     unmapped_pods: BTreeSet<String>,
+    reporters: Reporters,
 }
 
 struct Confirmer {
@@ -336,6 +348,7 @@ impl Supervisor<MountExecutor> {
             pods: PodDirectory::default(),
             pods_watched: false,
             unmapped_pods: BTreeSet::new(),
+            reporters: config.reporters.clone(),
         })
     }
 }
@@ -357,6 +370,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::TableChanged) => {
                     pending.store(false, Ordering::SeqCst);
                     self.woke_at = Instant::now();
+                    self.reporters.report(&Report::TableChanged);
                     self.rescan();
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
@@ -443,6 +457,21 @@ impl<E: Executor> Supervisor<E> {
                 self.start_probe(&batch);
             }
         }
+        self.reporters.report(&Report::Scanned(&self.counts(&classified)));
+    }
+
+    fn counts(&self, classified: &Classified) -> ScanCounts {
+        let mut counts =
+            ScanCounts { mounts: classified.total_mounts, sources: classified.sources.len(), ..ScanCounts::default() };
+        for path in classified.targets.keys() {
+            match self.records.get(path).map(|record| &record.state) {
+                None | Some(TargetState::Healthy | TargetState::Healed { .. }) => counts.healthy += 1,
+                Some(TargetState::Broken { .. }) => counts.broken += 1,
+                Some(TargetState::Healing) => counts.healing += 1,
+                Some(TargetState::Failed { .. }) => counts.failed += 1,
+            }
+        }
+        counts
     }
 
     /// Notes the mount at every source path, and when a new one appeared.
@@ -501,6 +530,7 @@ impl<E: Executor> Supervisor<E> {
     fn on_kubelet(&mut self, answer: Answer) {
         let Some(confirmer) = &mut self.confirmer else { return };
         confirmer.asker.answered();
+        self.reporters.report(&Report::KubeletAnswered { result: answer.pods.as_ref().map(|_| ()), took: answer.took });
         let now = Instant::now();
         let mut confirmed = false;
         for (source, confirmation) in &mut confirmer.waiting {
@@ -548,6 +578,7 @@ impl<E: Executor> Supervisor<E> {
                         "kubelet confirms the owner restarted"
                     );
                     confirmation.waiting = Waiting::Go;
+                    self.reporters.report(&Report::DaemonRestarted { source, owner: &owner });
                     confirmed |= self.journal.confirm_owner(source, Some(owner));
                 }
                 Verdict::NoOwner => {
@@ -707,8 +738,7 @@ impl<E: Executor> Supervisor<E> {
         for (path, target) in &classified.targets {
             let mapping = self.journal.get(path);
             let assessment = plan::assess(target, mapping, classified);
-            let record =
-                self.records.entry(path.clone()).or_insert(TargetRecord { state: TargetState::Healthy, attempts: 0 });
+            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
             let next = match (&record.state, &assessment) {
                 (_, Assessment::Unmanaged) => continue,
                 // Healthy again without a heal of ours (propagation is
@@ -731,8 +761,23 @@ impl<E: Executor> Supervisor<E> {
                     "target state"
                 );
             }
-            if matches!(next, TargetState::Healthy) {
-                record.attempts = 0;
+            match next {
+                TargetState::Healthy => {
+                    record.attempts = 0;
+                    record.broken_since = None;
+                }
+                TargetState::Broken { since } if record.broken_since.is_none() => {
+                    record.broken_since = Some(since);
+                    if let Some(mapping) = mapping {
+                        self.reporters.report(&Report::TargetBroken(&TargetEvent {
+                            target: path,
+                            pod_uid: &target.pod_uid,
+                            source: &mapping.source,
+                            broken_since: Some(since),
+                        }));
+                    }
+                }
+                _ => {}
             }
             record.state = next;
         }
@@ -858,10 +903,14 @@ impl<E: Executor> Supervisor<E> {
         let latency = self.woke_at.elapsed();
         let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
-            let record = self
-                .records
-                .entry(outcome.path.clone())
-                .or_insert(TargetRecord { state: TargetState::Healing, attempts: 0 });
+            let record =
+                self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+            let event = TargetEvent {
+                target: &outcome.path,
+                pod_uid: &target.pod_uid,
+                source: &batch.source.path,
+                broken_since: record.broken_since,
+            };
             match outcome.result {
                 Ok(how) => {
                     info!(
@@ -875,8 +924,12 @@ impl<E: Executor> Supervisor<E> {
                     if let Some(err) = outcome.flatten_error {
                         warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
                     }
-                    record.state = TargetState::Healed { outage: None };
+                    let outage = record.broken_since.and_then(|since| since.elapsed().ok());
+                    let heal = HealReport { how, latency, outage, layers_removed: outcome.layers_removed };
+                    self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
+                    record.state = TargetState::Healed { outage };
                     record.attempts = 0;
+                    record.broken_since = None;
                     healed_any = true;
                     self.dead_targets.remove(&outcome.path);
                     // The target is now on the source's current mount: record
@@ -897,11 +950,15 @@ impl<E: Executor> Supervisor<E> {
                     record.attempts += 1;
                     let delay = retry_delay(record.attempts);
                     warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %err, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
-                    record.state = TargetState::Failed {
+                    let error = err.to_string();
+                    self.reporters.report(&Report::HealFailed {
+                        target: &event,
+                        error: &error,
                         attempts: record.attempts,
-                        retry_at: Instant::now() + delay,
-                        error: err.to_string(),
-                    };
+                        retry_in: delay,
+                    });
+                    record.state =
+                        TargetState::Failed { attempts: record.attempts, retry_at: Instant::now() + delay, error };
                 }
             }
         }

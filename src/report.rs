@@ -1,0 +1,128 @@
+//! What the supervisor tells the outside world beside its logs: every
+//! change worth a Kubernetes Event or a metric passes through one seam, so
+//! publishers never reach into the loop and the loop never waits for them.
+//!
+//! A [`Reporter`] runs on the loop thread: it must return at once (count,
+//! or hand the report to a queue of its own).
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::heal::Healed;
+use crate::kubelet::KubeletError;
+use crate::state::Owner;
+
+/// One thing that happened, borrowed from the loop for the call.
+#[derive(Debug)]
+pub enum Report<'a> {
+    /// The mount table changed and the loop woke for it.
+    TableChanged,
+    /// A scan finished; the counts are of the whole table.
+    Scanned(&'a ScanCounts),
+    /// A target was found broken (first sighting of this outage).
+    TargetBroken(&'a TargetEvent<'a>),
+    /// A heal of one target succeeded.
+    TargetHealed { target: &'a TargetEvent<'a>, heal: &'a HealReport },
+    /// A heal of one target failed; it is retried after `retry_in`.
+    HealFailed { target: &'a TargetEvent<'a>, error: &'a str, attempts: u32, retry_in: Duration },
+    /// The kubelet confirmed that the owner of a replaced source restarted.
+    DaemonRestarted { source: &'a Path, owner: &'a Owner },
+    /// One kubelet `/pods` call ended.
+    KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
+}
+
+/// Targets by state and sources, after a scan.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ScanCounts {
+    pub mounts: usize,
+    pub sources: usize,
+    pub healthy: usize,
+    pub broken: usize,
+    pub healing: usize,
+    pub failed: usize,
+}
+
+/// The target a report is about, and the application pod it belongs to.
+#[derive(Debug)]
+pub struct TargetEvent<'a> {
+    pub target: &'a Path,
+    pub pod_uid: &'a str,
+    pub source: &'a Path,
+    /// When the outage began: the target was first seen broken then.
+    pub broken_since: Option<SystemTime>,
+}
+
+/// What a successful heal did.
+#[derive(Debug, Clone)]
+pub struct HealReport {
+    pub how: Healed,
+    /// From the wake-up on the new global mount to this target healed.
+    pub latency: Duration,
+    /// From the start of the outage to this target healed, when known.
+    pub outage: Option<Duration>,
+    pub layers_removed: usize,
+}
+
+/// Receives reports on the loop thread; must not block.
+pub trait Reporter: Send + Sync {
+    fn report(&self, report: &Report<'_>);
+}
+
+/// Every reporter the supervisor was given.
+#[derive(Clone, Default)]
+pub struct Reporters(Vec<Arc<dyn Reporter>>);
+
+impl Reporters {
+    pub fn new(reporters: Vec<Arc<dyn Reporter>>) -> Self {
+        Reporters(reporters)
+    }
+
+    pub fn push(&mut self, reporter: Arc<dyn Reporter>) {
+        self.0.push(reporter);
+    }
+
+    pub fn report(&self, report: &Report<'_>) {
+        for reporter in &self.0 {
+            reporter.report(report);
+        }
+    }
+}
+
+impl std::fmt::Debug for Reporters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Reporters({})", self.0.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<String>>);
+
+    impl Reporter for Recorder {
+        fn report(&self, report: &Report<'_>) {
+            let line = match report {
+                Report::TableChanged => "table".to_owned(),
+                Report::Scanned(counts) => format!("scanned {}", counts.mounts),
+                other => format!("{other:?}"),
+            };
+            self.0.lock().unwrap().push(line);
+        }
+    }
+
+    #[test]
+    fn every_reporter_receives_every_report_in_order() {
+        let first = Arc::new(Recorder::default());
+        let second = Arc::new(Recorder::default());
+        let reporters = Reporters::new(vec![first.clone(), second.clone()]);
+        reporters.report(&Report::TableChanged);
+        reporters.report(&Report::Scanned(&ScanCounts { mounts: 7, ..ScanCounts::default() }));
+        for recorder in [first, second] {
+            assert_eq!(*recorder.0.lock().unwrap(), ["table", "scanned 7"]);
+        }
+    }
+}
