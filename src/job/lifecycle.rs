@@ -360,7 +360,11 @@ impl Lifecycle {
         match self.client.pods() {
             Ok(list) => {
                 self.failures = 0;
-                debug!(pods = list.items.len(), took_us = started.elapsed().as_micros() as u64, "kubelet answered");
+                debug!(
+                    pods = list.items.len(),
+                    took_us = started.elapsed().as_micros() as u64,
+                    "pods listed for the job lifecycle"
+                );
                 self.reconcile(&list);
             }
             Err(err) => {
