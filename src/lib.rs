@@ -6,6 +6,7 @@ pub mod confirm;
 pub mod demo;
 pub mod demofs;
 pub mod heal;
+pub mod job;
 pub mod kubelet;
 pub mod layout;
 pub mod mountinfo;

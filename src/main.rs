@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
+use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
 use fuse_supervisor::report::Reporters;
@@ -35,6 +36,10 @@ enum Command {
         node: NodeArgs,
         #[command(flatten)]
         kubelet: KubeletArgs,
+        // Sidecar mode and the Job lifecycle; boxed, or every command
+        // would be as large as this one.
+        #[command(flatten)]
+        job: Box<JobArgs>,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -135,7 +140,82 @@ impl NodeArgs {
             kubelet: None,
             layouts,
             reporters: Reporters::default(),
+            pod_scope: None,
+            job: None,
         })
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Sidecar mode")]
+struct SidecarArgs {
+    /// Run as a container of the application's pod: heal only that pod's
+    /// targets and end its FUSE container when its Job's work is done.
+    #[arg(long, env = "FUSE_SUPERVISOR_SIDECAR", requires = "pod_uid")]
+    sidecar: bool,
+    /// This pod's UID (downward API `metadata.uid`).
+    #[arg(long, env = "FUSE_SUPERVISOR_POD_UID")]
+    pod_uid: Option<String>,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Job lifecycle")]
+struct JobArgs {
+    /// End the FUSE container of a Job's pod once its application
+    /// containers have finished (node-wide; always on in sidecar mode).
+    #[arg(long, env = "FUSE_SUPERVISOR_JOB_LIFECYCLE")]
+    job_lifecycle: bool,
+    /// Which pods qualify (kubectl label selector syntax; node-wide only).
+    #[arg(long, value_name = "SELECTOR", default_value = job::DEFAULT_SELECTOR, env = "FUSE_SUPERVISOR_JOB_SELECTOR")]
+    job_selector: job::LabelSelector,
+    /// How long the FUSE daemon may take to exit after its unmount, and again
+    /// after SIGTERM, before SIGTERM and then SIGKILL.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_JOB_GRACE")]
+    job_grace: Duration,
+    /// How application processes are watched: `pidfd` (any pid namespace),
+    /// or `proc-connector` (needs hostPID and hostNetwork).
+    #[arg(long, value_enum, default_value = "pidfd", env = "FUSE_SUPERVISOR_JOB_PROCESS_WATCHER")]
+    job_process_watcher: JobWatcher,
+    #[command(flatten)]
+    sidecar: SidecarArgs,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum JobWatcher {
+    Pidfd,
+    ProcConnector,
+}
+
+impl JobArgs {
+    /// The lifecycle's setup: node-wide with `--job-lifecycle`, for the one
+    /// pod in sidecar mode; it needs the kubelet.
+    fn config(&self, kubelet: Option<&KubeletConfirmation>, node: &Config) -> anyhow::Result<Option<job::JobConfig>> {
+        let sidecar = &self.sidecar;
+        let scope = match (&sidecar.pod_uid, sidecar.sidecar) {
+            (Some(uid), true) => job::JobScope::Pod { uid: uid.clone() },
+            _ if self.job_lifecycle => job::JobScope::Node(self.job_selector.clone()),
+            _ => return Ok(None),
+        };
+        let Some(kubelet) = kubelet else {
+            anyhow::ensure!(
+                !self.job_lifecycle,
+                "--job-lifecycle needs the kubelet to confirm that a pod's work is done: drop --kubelet none"
+            );
+            tracing::info!("job lifecycle is off: it needs the kubelet (--kubelet none)");
+            return Ok(None);
+        };
+        Ok(Some(job::JobConfig {
+            kubelet: kubelet.client.clone(),
+            scope,
+            grace: self.job_grace,
+            watcher: match self.job_process_watcher {
+                JobWatcher::Pidfd => job::WatcherKind::Pidfd,
+                JobWatcher::ProcConnector => job::WatcherKind::ProcConnector,
+            },
+            proc_root: PathBuf::from("/proc"),
+            mount_namespace: node.mount_namespace.clone(),
+            kubelet_root: node.kubelet_root.clone(),
+        }))
     }
 }
 
@@ -314,10 +394,15 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, kubelet, log } => {
+        Command::Run { node, kubelet, job, log } => {
             log.init();
             node.config()
-                .and_then(|config| Ok(Config { kubelet: kubelet.confirmation()?, ..config }))
+                .and_then(|config| {
+                    let kubelet = kubelet.confirmation()?;
+                    let pod_scope = job.sidecar.sidecar.then(|| job.sidecar.pod_uid.clone()).flatten();
+                    let job = job.config(kubelet.as_ref(), &config)?;
+                    Ok(Config { kubelet, pod_scope, job, ..config })
+                })
                 .and_then(|c| run(&c))
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),

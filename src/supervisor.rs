@@ -51,6 +51,10 @@ pub struct Config {
     pub layouts: SourceLayouts,
     /// Who hears about breaks, heals and kubelet calls (events, metrics).
     pub reporters: Reporters,
+    /// Sidecar mode: only this pod's targets are healed.
+    pub pod_scope: Option<String>,
+    /// The serverless Job lifecycle, on its own thread, when enabled.
+    pub job: Option<crate::job::JobConfig>,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -84,6 +88,8 @@ pub enum SupervisorError {
     Kubelet(#[from] crate::kubelet::KubeletError),
     #[error(transparent)]
     Pods(#[from] crate::pods::PodWatchError),
+    #[error(transparent)]
+    Job(#[from] crate::job::JobError),
     #[error("cannot start thread {name}")]
     Thread {
         name: &'static str,
@@ -210,6 +216,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             None
         }
     };
+    // Like the kubelet thread, it stays in this namespace; in sidecar mode
+    // the supervisor ends with its pod's FUSE container.
+    let job = match &config.job {
+        Some(job) => {
+            let done = shutdown.clone();
+            Some(crate::job::JobLifecycle::spawn(job.clone(), move || done.request())?)
+        }
+        None => None,
+    };
     // The pod watcher joins the namespace itself; its first full scan is
     // sent before spawn returns, so it is the first event, and it is
     // applied before the first table scan is planned.
@@ -240,6 +255,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
     supervisor.serve(&inbox, &pending, shutdown);
     shutdown.request();
+    drop(job);
     if let Err(err) = pod_watcher.stop() {
         error!(%err, "pod-directory watcher failed");
     }
@@ -331,7 +347,7 @@ impl Supervisor<MountExecutor> {
                 source,
             })?;
         Ok(Supervisor {
-            layout: Layout::new(&config.kubelet_root),
+            layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load(&config.state_dir)?,
             records: BTreeMap::new(),
             reader,

@@ -95,11 +95,20 @@ pub enum Role {
 pub struct Layout {
     kubelet_root: PathBuf,
     pods_dir: PathBuf,
+    /// Sidecar mode: only this pod's volumes are targets.
+    only_pod: Option<String>,
 }
 
 impl Layout {
     pub fn new(kubelet_root: &Path) -> Self {
-        Layout { kubelet_root: kubelet_root.to_path_buf(), pods_dir: kubelet_root.join("pods") }
+        Layout { kubelet_root: kubelet_root.to_path_buf(), pods_dir: kubelet_root.join("pods"), only_pod: None }
+    }
+
+    /// With `Some(uid)`, other pods' volumes are not targets (they are
+    /// [`Role::Other`]): nothing of theirs is planned or healed.
+    pub fn with_pod_scope(mut self, uid: Option<&str>) -> Self {
+        self.only_pod = uid.map(str::to_owned);
+        self
     }
 
     pub fn pods_dir(&self) -> &Path {
@@ -121,6 +130,9 @@ impl Layout {
             Some("volume-subpaths") => TargetKind::Subpath,
             _ => return Role::Other,
         };
+        if self.only_pod.as_deref().is_some_and(|only| uid.to_str() != Some(only)) {
+            return Role::Other;
+        }
         Role::Target { pod_uid: uid.to_string_lossy().into_owned(), kind }
     }
 }
@@ -381,5 +393,15 @@ mod tests {
         assert_eq!(moved.targets, classified.targets);
         assert_eq!(moved.sources, classified.sources);
         assert_eq!(moved.total_mounts, 4);
+    }
+
+    #[test]
+    fn a_pod_scope_leaves_other_pods_volumes_alone() {
+        let layout = Layout::new(Path::new("/k")).with_pod_scope(Some("mine"));
+        let role = layout.role(Path::new("/k/pods/mine/volumes/kubernetes.io~csi/v/mount"));
+        assert_eq!(role, Role::Target { pod_uid: "mine".into(), kind: TargetKind::Volume });
+        assert_eq!(layout.role(Path::new("/k/pods/other/volumes/kubernetes.io~csi/v/mount")), Role::Other);
+        assert_eq!(layout.role(Path::new("/k/pods/other/volume-subpaths/v/c/0")), Role::Other);
+        assert_eq!(layout.role(Path::new("/runtime/x")), Role::Source);
     }
 }

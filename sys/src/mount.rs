@@ -117,6 +117,12 @@ pub fn detach(path: &Path) -> io::Result<()> {
     Ok(rustix::mount::unmount(path, UnmountFlags::DETACH)?)
 }
 
+/// `umount2(path, 0)`: unmount the topmost mount at `path`; `EBUSY` while
+/// anything uses it (an open file, a mount below it).
+pub fn unmount(path: &Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(path, UnmountFlags::empty())?)
+}
+
 /// `mount(source, target, NULL, MS_BIND)`: a non-recursive bind by path. For
 /// tests and the demo; the healer mounts by fd.
 pub fn bind(source: &Path, target: &Path) -> io::Result<()> {

@@ -1,0 +1,353 @@
+//! The serverless Job lifecycle and sidecar mode end to end, as root: a
+//! real FUSE daemon (demofs, or bindfs) and application processes in a
+//! private mount namespace, each in a cgroup named like a containerd
+//! container, a kubelet stand-in serving the pod as the test changes it,
+//! and `fuse-supervisor run` in the namespace.
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use fuse_supervisor::testbed::cgroup::ContainerCgroup;
+use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
+use fuse_supervisor::testbed::scenario::{
+    DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
+};
+use fuse_supervisor::testbed::{Sandbox, SandboxChild};
+use serde_json::{Value, json};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const UID: &str = "7d4c2a10-job0-4000-a000-000000000001";
+const LABEL: &str = "done.sidecar.fluid.io/inject";
+const STARTED: &str = "2025-03-04T05:06:07Z";
+
+/// What the kubelet stand-in says about one container.
+#[derive(Clone)]
+enum State {
+    Running(String),
+    Exited(String, i32),
+}
+
+impl State {
+    fn status(&self, name: &str) -> Value {
+        match self {
+            State::Running(id) => json!({"name": name, "containerID": format!("containerd://{id}"), "ready": true,
+                "restartCount": 0, "state": {"running": {"startedAt": STARTED}}}),
+            State::Exited(id, code) => json!({"name": name, "containerID": format!("containerd://{id}"),
+                "restartCount": 0, "state": {"terminated": {"exitCode": code,
+                "reason": if *code == 0 { "Completed" } else { "Error" }, "startedAt": STARTED,
+                "finishedAt": STARTED, "containerID": format!("containerd://{id}")}}}),
+        }
+    }
+}
+
+/// An application container: a shell in its cgroup that exits with its
+/// code once the test creates its trigger file.
+struct App {
+    cgroup: ContainerCgroup,
+    child: SandboxChild,
+    trigger: PathBuf,
+}
+
+/// A Job's pod: an app container and a FUSE container whose mount is
+/// published at a global path and bound into the pod's volume.
+struct JobPod {
+    policy: &'static str,
+    native_sidecar: bool,
+    apps: Vec<App>,
+    fuse_cgroup: ContainerCgroup,
+    daemon: SandboxChild,
+    mount: PathBuf,
+    target: PathBuf,
+    app_state: State,
+    supervisor: Option<SupervisorProcess>,
+    kubelet: KubeletStandIn,
+    // Last: the namespace goes after everything in it.
+    sandbox: Sandbox,
+}
+
+impl JobPod {
+    fn new(policy: &'static str, native_sidecar: bool, daemon: Daemon, ignore_term: bool, first_exit: i32) -> JobPod {
+        let sandbox = Sandbox::new().expect("sandbox");
+        let fuse_cgroup = ContainerCgroup::new().expect("a cgroup for the FUSE container (needs a writable cgroup fs)");
+        let (backing, mount) = (sandbox.root().join("backing"), sandbox.runtime_root().join("job/fuse"));
+        let dirs = (backing.clone(), mount.clone());
+        sandbox
+            .run(move || {
+                fs::create_dir_all(&dirs.1)?;
+                fs::create_dir_all(&dirs.0)?;
+                fs::write(dirs.0.join(DATA_FILE), "job data")
+            })
+            .expect("backing directory");
+        let command = match daemon {
+            Daemon::DemoFs => {
+                let (b, m) = (backing.display().to_string(), mount.display().to_string());
+                fuse_cgroup.command(
+                    Path::new(BINARY),
+                    &["internal", "demofs", "--backing", &b, "--mountpoint", &m],
+                    ignore_term,
+                )
+            }
+            Daemon::Bindfs => {
+                let (b, m) = (backing.display().to_string(), mount.display().to_string());
+                fuse_cgroup.command(Path::new("bindfs"), &["-f", "-o", "allow_other", &b, &m], ignore_term)
+            }
+        };
+        let daemon = sandbox.spawn(command).expect("start the FUSE daemon");
+        wait_for("the FUSE mount", TIMEOUT, || !fuse_mount_ids_at(&sandbox, &mount).is_empty()).expect("mounted");
+        let target = sandbox.pod_volume_dir(UID, "data");
+        sandbox.bind(&mount, &target).expect("bind into the pod");
+        let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+        let mut pod = JobPod {
+            policy,
+            native_sidecar,
+            apps: Vec::new(),
+            fuse_cgroup,
+            daemon,
+            mount,
+            target,
+            app_state: State::Running(String::new()),
+            supervisor: None,
+            kubelet,
+            sandbox,
+        };
+        pod.start_app(first_exit);
+        pod
+    }
+
+    /// A new instance of the app container (a restart), exiting with `code`.
+    fn start_app(&mut self, code: i32) {
+        let cgroup = ContainerCgroup::new().expect("a cgroup for the app container");
+        let trigger = self.sandbox.root().join(format!("exit-{}", cgroup.id()));
+        let script = format!("while [ ! -e '{}' ]; do sleep 0.02; done; exit {code}", trigger.display());
+        let child = self.sandbox.spawn(cgroup.shell(&script)).expect("start the app");
+        self.app_state = State::Running(cgroup.id().to_owned());
+        self.apps.push(App { cgroup, child, trigger });
+        self.publish();
+    }
+
+    /// The stand-in's answer from the current states.
+    fn publish(&self) {
+        let fuse = State::Running(self.fuse_cgroup.id().to_owned()).status("fluid-fuse");
+        let mut spec = json!({"nodeName": "node-a", "restartPolicy": self.policy, "containers": [{"name": "app"}]});
+        let mut status = json!({"phase": "Running", "containerStatuses": [self.app_state.status("app")]});
+        if self.native_sidecar {
+            spec["initContainers"] = json!([{"name": "fluid-fuse", "restartPolicy": "Always"}]);
+            status["initContainerStatuses"] = json!([fuse]);
+        } else {
+            spec["containers"].as_array_mut().unwrap().push(json!({"name": "fluid-fuse"}));
+            status["containerStatuses"].as_array_mut().unwrap().push(fuse);
+        }
+        let pod = json!({"metadata": {"name": "etl-x7k2p", "namespace": "default", "uid": UID,
+            "labels": {LABEL: "true", "job-name": "etl"}}, "spec": spec, "status": status});
+        self.kubelet.set_pods(pod_list_body([pod]));
+    }
+
+    fn start_supervisor(&mut self, grace: &str) {
+        let files = self.sandbox.root().join("credentials");
+        let (ca, token) = (files.join("ca.pem"), files.join("token"));
+        let writes = (files, ca.clone(), self.kubelet.ca_pem().to_owned(), token.clone());
+        self.sandbox
+            .run(move || {
+                fs::create_dir_all(&writes.0)?;
+                fs::write(&writes.1, writes.2)?;
+                fs::write(&writes.3, "token")
+            })
+            .expect("credentials");
+        let args = [
+            "--kubelet".to_owned(),
+            format!("https://127.0.0.1:{}", self.kubelet.port()),
+            "--kubelet-ca-file".to_owned(),
+            ca.display().to_string(),
+            "--kubelet-token-file".to_owned(),
+            token.display().to_string(),
+            "--job-lifecycle".to_owned(),
+            "--job-grace".to_owned(),
+            grace.to_owned(),
+        ];
+        let state = self.sandbox.root().join("state");
+        self.supervisor =
+            Some(SupervisorProcess::start_with(&self.sandbox, Path::new(BINARY), &state, args).expect("supervisor"));
+    }
+
+    fn supervisor(&self) -> &SupervisorProcess {
+        self.supervisor.as_ref().expect("supervisor running")
+    }
+
+    fn logged(&self, pred: impl Fn(&str) -> bool) -> String {
+        self.supervisor().wait_for_log(TIMEOUT, pred).expect("log line")
+    }
+
+    fn logged_message(&self, message: &str) -> String {
+        let quoted = format!("\"message\":\"{message}");
+        self.logged(|line| line.contains(&quoted))
+    }
+
+    /// Waits until the lifecycle watches the current app instance.
+    fn app_watched(&self) {
+        let pid = format!("\"pid\":{}", self.apps.last().expect("an app").child.pid());
+        self.logged(|line| line.contains("watching application process") && line.contains(&pid));
+    }
+
+    /// The current app instance exits with its code; the kubelet shows it
+    /// only afterwards (its status lags).
+    fn app_exits(&mut self, code: i32) {
+        let app = self.apps.last().expect("an app");
+        let trigger = app.trigger.clone();
+        self.sandbox.run(move || fs::write(trigger, "")).expect("trigger");
+        let status = app.child.wait().expect("app exit");
+        assert_eq!(status.code(), Some(code));
+        self.app_state = State::Exited(app.cgroup.id().to_owned(), code);
+        self.publish();
+    }
+
+    fn fuse_mounts(&self) -> usize {
+        fuse_mount_ids_at(&self.sandbox, &self.mount).len() + fuse_mount_ids_at(&self.sandbox, &self.target).len()
+    }
+
+    fn daemon_runs(&self) -> bool {
+        self.daemon.try_wait().expect("daemon status").is_none()
+    }
+
+    /// A look at the kubelet prompted from outside (a new pod directory),
+    /// done, so that anything the lifecycle would do with the current
+    /// answer is done.
+    fn another_look(&self, name: &str) {
+        let answered = self.answered();
+        let dir = self.sandbox.kubelet_root().join("pods").join(name);
+        self.sandbox.run(move || fs::create_dir_all(dir)).expect("pod directory");
+        wait_for("another kubelet answer", TIMEOUT, || self.answered() > answered).expect("answered");
+    }
+
+    fn answered(&self) -> usize {
+        self.supervisor
+            .as_ref()
+            .map_or(0, |s| s.log().iter().filter(|l| l.contains("pods listed for the job lifecycle")).count())
+    }
+}
+
+impl Drop for JobPod {
+    fn drop(&mut self) {
+        if std::thread::panicking()
+            && let Some(supervisor) = &self.supervisor
+        {
+            eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
+        }
+    }
+}
+
+#[test]
+fn finished_app_unmounts_the_fuse_mount_and_the_daemon_exits() {
+    let mut pod = JobPod::new("Never", false, Daemon::DemoFs, false, 0);
+    pod.start_supervisor("10s");
+    pod.app_watched();
+    assert_eq!(pod.fuse_mounts(), 2);
+    pod.app_exits(0);
+    let finished = pod.logged_message("application containers finished");
+    assert!(finished.contains("app=0 (Completed)"), "{finished}");
+    let ended = pod.logged_message("FUSE daemon exited");
+    assert!(ended.contains("\"ended_by\":\"unmount\""), "{ended}");
+    wait_for("the daemon reaped", TIMEOUT, || !pod.daemon_runs()).expect("daemon gone");
+    assert_eq!(pod.fuse_mounts(), 0, "{}", pod.sandbox.mountinfo());
+    assert!(pod.supervisor().log().iter().all(|line| !line.contains("signalling")));
+}
+
+#[test]
+fn on_failure_with_exit_1_waits_for_the_restarted_container_to_succeed() {
+    let mut pod = JobPod::new("OnFailure", false, Daemon::DemoFs, false, 1);
+    pod.start_supervisor("10s");
+    pod.app_watched();
+    pod.app_exits(1);
+    let waiting = pod.logged_message("OnFailure: waiting for the failed containers to run again");
+    assert!(waiting.contains("app=1 (Error)"), "{waiting}");
+    pod.another_look("some-other-pod");
+    assert!(pod.daemon_runs() && pod.fuse_mounts() == 2, "touched before the container was done");
+
+    // The kubelet restarts it; this time it succeeds.
+    pod.start_app(0);
+    pod.app_watched();
+    assert!(pod.daemon_runs() && pod.fuse_mounts() == 2);
+    pod.app_exits(0);
+    pod.logged_message("FUSE daemon exited");
+    wait_for("the daemon reaped", TIMEOUT, || !pod.daemon_runs()).expect("daemon gone");
+    assert_eq!(pod.fuse_mounts(), 0);
+}
+
+#[test]
+fn restart_policy_always_is_never_touched() {
+    let mut pod = JobPod::new("Always", false, Daemon::DemoFs, false, 0);
+    pod.start_supervisor("1s");
+    pod.logged(|line| line.contains("restartPolicy Always"));
+    pod.app_exits(0);
+    pod.another_look("some-other-pod");
+    pod.another_look("yet-another-pod");
+    assert!(pod.daemon_runs() && pod.fuse_mounts() == 2);
+    assert!(pod.supervisor().log().iter().all(|line| !line.contains("application containers finished")));
+}
+
+#[test]
+fn a_native_sidecar_is_left_to_the_kubelet() {
+    let mut pod = JobPod::new("Never", true, Daemon::DemoFs, false, 0);
+    pod.start_supervisor("1s");
+    let judged = pod.logged_message("job pod");
+    assert!(judged.contains("\"assessment\":\"native-sidecar\""), "{judged}");
+    pod.app_exits(0);
+    pod.another_look("some-other-pod");
+    assert!(pod.daemon_runs() && pod.fuse_mounts() == 2);
+}
+
+#[test]
+fn a_daemon_that_outlives_its_unmount_and_ignores_sigterm_is_killed_after_the_grace() {
+    // bindfs (libfuse) keeps an ignored SIGTERM ignored; a process in a
+    // namespace of its own holds a copy of the mount, so the connection
+    // survives the unmount and the daemon keeps serving.
+    let mut pod = JobPod::new("Never", false, Daemon::Bindfs, true, 0);
+    let mut holder = Command::new("unshare");
+    holder.args(["--mount", "--propagation", "private", "sleep", "600"]);
+    let holder = pod.sandbox.spawn(holder).expect("holder");
+    pod.start_supervisor("1s");
+    pod.app_watched();
+    pod.app_exits(0);
+    pod.logged_message("unmounted FUSE mount");
+    let term = pod.logged(|line| line.contains("signalling") && line.contains("\"signal\":\"Term\""));
+    assert!(term.contains(&format!("\"pid\":{}", pod.daemon.pid())), "{term}");
+    pod.logged(|line| line.contains("signalling") && line.contains("\"signal\":\"Kill\""));
+    let ended = pod.logged_message("FUSE daemon exited");
+    assert!(ended.contains("\"ended_by\":\"SIGKILL\""), "{ended}");
+    wait_for("the daemon reaped", TIMEOUT, || !pod.daemon_runs()).expect("daemon gone");
+    assert_eq!(pod.fuse_mounts(), 0);
+    holder.kill().expect("holder");
+}
+
+#[test]
+fn sidecar_mode_heals_only_its_own_pods_targets() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut mine = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "mine").expect("source");
+    let mut other = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "other").expect("source");
+    let my_target = mine.bind_volume(&sandbox, "my-pod", "data").expect("bind");
+    let other_target = other.bind_volume(&sandbox, "other-pod", "data").expect("bind");
+    let state = sandbox.root().join("state");
+    let args = ["--kubelet", "none", "--sidecar", "--pod-uid", "my-pod"];
+    let supervisor = SupervisorProcess::start_with(&sandbox, binary, &state, args).expect("supervisor");
+    supervisor.wait_for_log(TIMEOUT, |line| line.contains("job lifecycle is off")).expect("no kubelet, no lifecycle");
+    for source in [&mut mine, &mut other] {
+        source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
+    }
+    let read = |target: &Path| {
+        let file = target.join(DATA_FILE);
+        sandbox.run(move || fs::read_to_string(file))
+    };
+    let expected = mine.expected_content();
+    wait_for("own target healed", TIMEOUT, || read(&my_target).is_ok_and(|text| text == expected))
+        .unwrap_or_else(|err| panic!("{err}; supervisor log:\n{}", supervisor.log().join("\n")));
+    // The other pod's source is back too, and its target stays broken.
+    assert_eq!(read(&other.path).expect("other source"), other.expected_content());
+    supervisor.wait_for_log(TIMEOUT, |line| line.contains("\"healed\"")).expect("healed line");
+    let err = read(&other_target).expect_err("another pod's target was healed");
+    assert_eq!(err.raw_os_error(), Some(107), "ENOTCONN: {err}");
+    let other_name = other_target.display().to_string();
+    assert!(supervisor.log().iter().all(|line| !line.contains(&other_name)), "another pod's target was considered");
+    supervisor.stop().expect("stop");
+}
