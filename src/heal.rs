@@ -66,6 +66,13 @@ pub trait Executor {
     /// Resolves a target as the executor would for a heal, returning an
     /// O_PATH handle on it and the ID of the mount on top.
     fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError>;
+
+    /// Removes the stale layers under a target that a mount over its stale
+    /// source healed by propagation. `stale` is a handle on the stale layer
+    /// taken when its daemon died, before the new mount covered it (no path
+    /// reaches it now); `target.top_mount_id` is the propagated new top.
+    /// Returns the number of layers removed.
+    fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError>;
 }
 
 /// Where a new top is parked while the layer under it is removed: a
@@ -249,6 +256,20 @@ impl MountExecutor {
 impl Executor for MountExecutor {
     fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
         self.resolve_target(path)
+    }
+
+    fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
+        let (top, id) = self.resolve_target(&target.path)?;
+        if id != target.top_mount_id {
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
+        }
+        // The loop thread flattens alone here: the first parking directory is its own.
+        let park = self.staging.parks.first().ok_or_else(|| HealError::Mount {
+            step: "find a parking directory",
+            path: target.path.clone(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })?;
+        self.flatten(target, stale.as_fd(), top.as_fd(), park.as_fd())
     }
 
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod confirm;
+pub mod daemons;
 pub mod demo;
 pub mod demofs;
 pub mod heal;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
 use fuse_supervisor::job;
@@ -28,6 +29,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start: the size of the `run` variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Watch the node and heal broken FUSE mounts as they appear.
@@ -40,6 +43,8 @@ enum Command {
         // would be as large as this one.
         #[command(flatten)]
         job: Box<JobArgs>,
+        #[command(flatten)]
+        daemons: DaemonArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -142,6 +147,7 @@ impl NodeArgs {
             reporters: Reporters::default(),
             pod_scope: None,
             job: None,
+            daemons: DaemonWatch::default(),
         })
     }
 }
@@ -327,6 +333,47 @@ fn parse_kubelet_url(url: &str) -> anyhow::Result<(String, u16)> {
     Ok((host.to_owned(), port))
 }
 
+#[derive(Debug, Args)]
+#[command(next_help_heading = "FUSE daemons")]
+struct DaemonArgs {
+    /// How daemon deaths are seen: `connector` (netlink process connector:
+    /// hostPID, hostNetwork; falls back to pidfd), `pidfd` (any pid
+    /// namespace), or `off` (only when a new mount appears).
+    #[arg(long, value_enum, default_value = "connector", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
+    process_watch: ProcessWatchArg,
+    /// When a serving process exits while another process keeps its FUSE
+    /// connection open unread, abort the connection once requests wait on
+    /// it, so readers get an error instead of hanging.
+    #[arg(long, env = "FUSE_SUPERVISOR_ABORT_DEAD_CONNECTIONS")]
+    abort_dead_connections: bool,
+    /// Where the FUSE control filesystem (fusectl) is mounted in the
+    /// watched namespace.
+    #[arg(long, default_value = "/sys/fs/fuse/connections", env = "FUSE_SUPERVISOR_FUSE_CONNECTIONS_DIR")]
+    fuse_connections_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ProcessWatchArg {
+    Connector,
+    Pidfd,
+    Off,
+}
+
+impl DaemonArgs {
+    fn watch(&self) -> DaemonWatch {
+        DaemonWatch {
+            mode: match self.process_watch {
+                ProcessWatchArg::Connector => ProcessWatch::Connector,
+                ProcessWatchArg::Pidfd => ProcessWatch::Pidfd,
+                ProcessWatchArg::Off => ProcessWatch::Off,
+            },
+            abort_dead_connections: self.abort_dead_connections,
+            fuse_connections: self.fuse_connections_dir.clone(),
+            ..DaemonWatch::default()
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Json,
@@ -394,14 +441,14 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, kubelet, job, log } => {
+        Command::Run { node, kubelet, job, daemons, log } => {
             log.init();
             node.config()
                 .and_then(|config| {
                     let kubelet = kubelet.confirmation()?;
                     let pod_scope = job.sidecar.sidecar.then(|| job.sidecar.pod_uid.clone()).flatten();
                     let job = job.config(kubelet.as_ref(), &config)?;
-                    Ok(Config { kubelet, pod_scope, job, ..config })
+                    Ok(Config { kubelet, pod_scope, job, daemons: daemons.watch(), ..config })
                 })
                 .and_then(|c| run(&c))
         }

@@ -105,6 +105,18 @@ pub struct TargetHeal {
 }
 
 impl TargetHeal {
+    /// The target as the table shows it now, to be healed from `mapping`'s source.
+    pub fn of(path: &Path, target: &Target, mapping: &Mapping) -> TargetHeal {
+        TargetHeal {
+            path: path.to_path_buf(),
+            pod_uid: target.pod_uid.clone(),
+            kind: target.kind,
+            root_in_source: mapping.root_in_source.clone(),
+            top_mount_id: target.stack.top().mount_id,
+            layer_ids: target.stack.layers.iter().map(|layer| layer.mount_id).collect(),
+        }
+    }
+
     /// Whole-volume targets first: one stack on one of them propagates to
     /// every other root-level peer.
     fn order_key(&self) -> (bool, bool, &Path) {
@@ -136,14 +148,7 @@ pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &BTree
         }
         let Some(mapping) = mapping else { continue };
         let Some(source) = classified.sources.get(&mapping.source) else { continue };
-        let heal = TargetHeal {
-            path: path.clone(),
-            pod_uid: target.pod_uid.clone(),
-            kind: target.kind,
-            root_in_source: mapping.root_in_source.clone(),
-            top_mount_id: target.stack.top().mount_id,
-            layer_ids: target.stack.layers.iter().map(|layer| layer.mount_id).collect(),
-        };
+        let heal = TargetHeal::of(path, target, mapping);
         match batches.iter_mut().find(|batch| batch.source.path == source.path) {
             Some(batch) => batch.targets.push(heal),
             None => batches.push(HealBatch { source: source.clone(), targets: vec![heal] }),

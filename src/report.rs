@@ -4,7 +4,7 @@
 //!
 //! A [`Reporter`] runs on the loop thread: it must return at once (count,
 //! or hand the report to a queue of its own).
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -27,6 +27,10 @@ pub enum Report<'a> {
     HealFailed { target: &'a TargetEvent<'a>, error: &'a str, attempts: u32, retry_in: Duration },
     /// The kubelet confirmed that the owner of a replaced source restarted.
     DaemonRestarted { source: &'a Path, owner: &'a Owner },
+    /// The FUSE daemon serving a source died (`at`: when, as the process
+    /// watcher saw it); `targets` were on its connection and are Degraded
+    /// until a new mount appears at the source and they are healed.
+    DaemonDied { source: &'a Path, pid: u32, at: SystemTime, targets: &'a [PathBuf] },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

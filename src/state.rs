@@ -43,6 +43,19 @@ pub struct SourceRecord {
     /// The pod and container serving it, as last confirmed by the kubelet.
     #[serde(default)]
     pub owner: Option<Owner>,
+    /// The daemon serving the mount now at the path died; kept until
+    /// another mount replaces it (`status` shows the source Degraded).
+    #[serde(default)]
+    pub daemon_died: Option<DaemonDeath>,
+}
+
+/// A FUSE daemon's death, as the process watcher saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonDeath {
+    pub pid: u32,
+    pub at: SystemTime,
+    /// The connection it served: the source's device when it died.
+    pub dev: Dev,
 }
 
 /// A mount seen at a source path.
@@ -190,7 +203,7 @@ impl Journal {
                 true
             }
             None => {
-                let record = SourceRecord { mount_id, first_seen: now, replaced: None, owner: None };
+                let record = SourceRecord { mount_id, first_seen: now, replaced: None, owner: None, daemon_died: None };
                 self.sources.insert(path.to_path_buf(), record);
                 true
             }
@@ -216,6 +229,34 @@ impl Journal {
             record.owner = owner;
         }
         changed
+    }
+
+    /// Records that the daemon serving `path` died; returns whether
+    /// anything changed.
+    pub fn daemon_died(&mut self, path: &Path, death: DaemonDeath) -> bool {
+        let Some(record) = self.sources.get_mut(path) else { return false };
+        let changed = record.daemon_died != Some(death);
+        record.daemon_died = Some(death);
+        changed
+    }
+
+    /// Forgets a recorded death once the source path holds another
+    /// connection (`current`: its device now, None if nothing is mounted
+    /// there, which changes nothing). Returns whether anything changed.
+    pub fn settle_death(&mut self, path: &Path, current: Option<Dev>) -> bool {
+        let Some(record) = self.sources.get_mut(path) else { return false };
+        match (record.daemon_died, current) {
+            (Some(death), Some(dev)) if death.dev != dev => {
+                record.daemon_died = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Source paths with a recorded death.
+    pub fn deaths(&self) -> impl Iterator<Item = (&Path, &DaemonDeath)> {
+        self.sources.iter().filter_map(|(path, record)| Some((path.as_path(), record.daemon_died.as_ref()?)))
     }
 
     /// Forgets source paths that are neither mounted nor the source of a
@@ -261,6 +302,11 @@ impl Journal {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TargetState {
     Healthy,
+    /// Its daemon died at `since`: the target answers ENOTCONN until a new
+    /// mount appears at its source and it is healed.
+    Degraded {
+        since: SystemTime,
+    },
     /// Stale since `since`, waiting for a live source or a heal.
     Broken {
         since: SystemTime,
@@ -281,6 +327,7 @@ impl TargetState {
     pub fn name(&self) -> &'static str {
         match self {
             TargetState::Healthy => "healthy",
+            TargetState::Degraded { .. } => "degraded",
             TargetState::Broken { .. } => "broken",
             TargetState::Healing => "healing",
             TargetState::Healed { .. } => "healed",
@@ -344,6 +391,25 @@ mod tests {
         fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
         let err = Journal::load(dir.path()).unwrap_err();
         assert!(err.to_string().contains("state.json"), "{err}");
+    }
+
+    #[test]
+    fn a_daemon_death_is_kept_until_another_connection_is_at_the_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut journal = Journal::load(dir.path()).unwrap();
+        let source = Path::new("/runtime/g");
+        let dead = Dev { major: 0, minor: 55 };
+        assert!(!journal.daemon_died(source, DaemonDeath { pid: 7, at: SystemTime::UNIX_EPOCH, dev: dead }));
+        journal.sight_source(source, 10, None);
+        let death = DaemonDeath { pid: 7, at: SystemTime::UNIX_EPOCH, dev: dead };
+        assert!(journal.daemon_died(source, death));
+        journal.save().unwrap();
+        let mut journal = Journal::load(dir.path()).unwrap();
+        assert_eq!(journal.deaths().collect::<Vec<_>>(), vec![(source, &death)]);
+        assert!(!journal.settle_death(source, Some(dead)), "the dead mount is still there");
+        assert!(!journal.settle_death(source, None), "nothing mounted: nothing replaced it");
+        assert!(journal.settle_death(source, Some(Dev { major: 0, minor: 56 })));
+        assert_eq!(journal.deaths().count(), 0);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use crate::plan::{self, Assessment};
-use crate::state::{Journal, Owner};
+use crate::state::{DaemonDeath, Journal, Owner};
 use crate::table::{Classified, Dev, Layout, TargetKind};
 
 #[derive(Debug, Serialize)]
@@ -18,6 +18,8 @@ pub struct SourceRow {
     pub layers: usize,
     /// The pod and container serving it, as last confirmed by the kubelet.
     pub owner: Option<Owner>,
+    /// The running supervisor saw the daemon serving this mount die.
+    pub daemon_died: Option<DaemonDeath>,
 }
 
 #[derive(Debug, Serialize)]
@@ -54,6 +56,7 @@ impl Status {
                 peer_group: stack.top().peer_group,
                 layers: stack.layers.len(),
                 owner: journal.source(&stack.path).and_then(|record| record.owner.clone()),
+                daemon_died: journal.source(&stack.path).and_then(|record| record.daemon_died),
             })
             .collect();
         let targets = classified
@@ -62,11 +65,21 @@ impl Status {
             .map(|(path, target)| {
                 let mapping = journal.get(path);
                 let assessment = plan::assess(target, mapping, classified);
+                // Its daemon died and nothing replaced the mount yet: the
+                // table alone would call it healthy.
+                let dead = mapping
+                    .and_then(|mapping| journal.source(&mapping.source))
+                    .and_then(|record| record.daemon_died)
+                    .is_some_and(|death| death.dev == target.stack.top().dev);
+                let state = match assessment {
+                    Assessment::Healthy | Assessment::SourceDown if dead => "degraded",
+                    _ => assessment.name(),
+                };
                 TargetRow {
                     path: path.clone(),
                     pod_uid: target.pod_uid.clone(),
                     kind: target.kind,
-                    state: assessment.name(),
+                    state,
                     source: mapping.map(|m| m.source.clone()),
                     dev: target.stack.top().dev,
                     peer_group: target.stack.top().peer_group,
@@ -93,9 +106,13 @@ impl Status {
         );
         let _ = writeln!(out, "\nSOURCES\n{:<8} {:<6} {:<6} {:<20} PATH  (OWNER)", "DEV", "GROUP", "LAYERS", "TYPE");
         for s in &self.sources {
-            let owner = s.owner.as_ref().map_or(String::new(), |owner| {
+            let mut owner = s.owner.as_ref().map_or(String::new(), |owner| {
                 format!("  ({}/{} container {})", owner.namespace, owner.pod, owner.container)
             });
+            if let Some(death) = s.daemon_died.filter(|death| death.dev == s.dev) {
+                let ago = death.at.elapsed().map_or(String::new(), |ago| format!(" {}s ago", ago.as_secs()));
+                let _ = write!(owner, "  DEGRADED: daemon pid {} died{ago}", death.pid);
+            }
             let _ = writeln!(
                 out,
                 "{:<8} {:<6} {:<6} {:<20} {}{owner}",

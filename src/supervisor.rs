@@ -19,6 +19,7 @@ use fuse_supervisor_sys::{ns, poll::Waker, resolve};
 use tracing::{debug, error, info, info_span, warn};
 
 use crate::confirm::{self, Answer, Asker, Verdict};
+use crate::daemons::{DaemonEvent, DaemonWatch, Daemons};
 use crate::heal::{Executor, Healed, MountExecutor};
 use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
@@ -30,6 +31,8 @@ use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
 use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
+
+mod degraded;
 
 /// How `run` is set up.
 #[derive(Debug, Clone)]
@@ -55,6 +58,8 @@ pub struct Config {
     pub pod_scope: Option<String>,
     /// The serverless Job lifecycle, on its own thread, when enabled.
     pub job: Option<crate::job::JobConfig>,
+    /// How the daemons serving the sources are watched for their death.
+    pub daemons: DaemonWatch,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -90,6 +95,8 @@ pub enum SupervisorError {
     Pods(#[from] crate::pods::PodWatchError),
     #[error(transparent)]
     Job(#[from] crate::job::JobError),
+    #[error(transparent)]
+    Daemons(#[from] crate::daemons::DaemonError),
     #[error("cannot start thread {name}")]
     Thread {
         name: &'static str,
@@ -127,6 +134,7 @@ enum Event {
     Probed(ProbeReport),
     Kubelet(Answer),
     Pods(PodChange),
+    Daemon(DaemonEvent),
     WatchFailed(crate::watch::WatchError),
     Shutdown,
 }
@@ -236,6 +244,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         Ok(Event::Pods(change)) => Some(change),
         _ => None,
     };
+    // Before leaving for the namespace: the discovery thread reads this
+    // process's /proc.
+    let daemon_events = events.clone();
+    let daemons = Daemons::start(&config.daemons, move |event| daemon_events.send(Event::Daemon(event)).is_ok())?;
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
     let open_mountinfo = || {
@@ -248,6 +260,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
+    supervisor.daemons = daemons;
     if let Some(change) = first_pod_scan {
         supervisor.on_pods(change);
     }
@@ -326,6 +339,10 @@ struct Supervisor<E: Executor> {
     /// mapped at the last scan: a new vol_data.json of theirs is worth one.
     unmapped_pods: BTreeSet<String>,
     reporters: Reporters,
+    /// None when daemons are not watched (`--process-watch off`, `heal --once`).
+    daemons: Option<Daemons>,
+    /// Handles on the stale tops of targets whose daemon died.
+    held: BTreeMap<PathBuf, degraded::Held>,
 }
 
 struct Confirmer {
@@ -365,6 +382,8 @@ impl Supervisor<MountExecutor> {
             pods_watched: false,
             unmapped_pods: BTreeSet::new(),
             reporters: config.reporters.clone(),
+            daemons: None,
+            held: BTreeMap::new(),
         })
     }
 }
@@ -392,6 +411,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Probed(report)) => self.on_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
                 Ok(Event::Pods(change)) => self.on_pods(change),
+                Ok(Event::Daemon(event)) => self.on_daemon(event),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;
@@ -413,10 +433,11 @@ impl<E: Executor> Supervisor<E> {
             self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
         let confirmations =
             self.confirmer.iter().flat_map(|confirmer| confirmer.waiting.values().filter_map(|c| c.waiting.due_at()));
-        retries.chain(probes).chain(confirmations).filter(|at| *at > now).min()
+        retries.chain(probes).chain(confirmations).chain(self.degraded_deadline()).filter(|at| *at > now).min()
     }
 
     fn on_deadline(&mut self) {
+        self.on_degraded_deadline();
         for source in self.prober.overdue() {
             if self.reported_overdue.insert(source.clone()) {
                 warn!(source = %source.display(), "source does not answer; its heal waits until it does");
@@ -454,6 +475,7 @@ impl<E: Executor> Supervisor<E> {
             changed |= self.forget_deleted_pods();
         }
         self.update_states(&classified);
+        changed |= self.track_daemons(&classified);
         if changed && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
         }
@@ -482,7 +504,8 @@ impl<E: Executor> Supervisor<E> {
         for path in classified.targets.keys() {
             match self.records.get(path).map(|record| &record.state) {
                 None | Some(TargetState::Healthy | TargetState::Healed { .. }) => counts.healthy += 1,
-                Some(TargetState::Broken { .. }) => counts.broken += 1,
+                // A dead daemon's target is out like a broken one.
+                Some(TargetState::Broken { .. } | TargetState::Degraded { .. }) => counts.broken += 1,
                 Some(TargetState::Healing) => counts.healing += 1,
                 Some(TargetState::Failed { .. }) => counts.failed += 1,
             }
@@ -661,6 +684,14 @@ impl<E: Executor> Supervisor<E> {
         })
     }
 
+    fn forget_held(&mut self) {
+        let journal = &self.journal;
+        let gone: Vec<PathBuf> = self.held.keys().filter(|path| journal.get(path).is_none()).cloned().collect();
+        for path in gone {
+            self.release_held(&path);
+        }
+    }
+
     fn on_pods(&mut self, change: PodChange) {
         let forgot = match &change {
             PodChange::PodRemoved { uid } => self.forget_targets(|pod| pod == &**uid),
@@ -684,6 +715,9 @@ impl<E: Executor> Supervisor<E> {
             _ => false,
         };
         self.pods.apply(change);
+        if forgot {
+            self.forget_held();
+        }
         if forgot && let Err(err) = self.journal.save() {
             error!(%err, "cannot save state");
         }
@@ -757,6 +791,15 @@ impl<E: Executor> Supervisor<E> {
             let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
             let next = match (&record.state, &assessment) {
                 (_, Assessment::Unmanaged) => continue,
+                // The daemon is dead and nothing replaced its mount yet.
+                (TargetState::Degraded { since }, Assessment::Healthy | Assessment::SourceDown) => {
+                    TargetState::Degraded { since: *since }
+                }
+                // A mount over the stale source reached it by propagation.
+                (TargetState::Degraded { since }, Assessment::StaleLayers) => {
+                    TargetState::Healed { outage: since.elapsed().ok() }
+                }
+                (TargetState::Degraded { since }, _) => TargetState::Broken { since: *since },
                 // Healthy again without a heal of ours (propagation is
                 // reported by report_propagated_heals).
                 (TargetState::Broken { since }, Assessment::Healthy | Assessment::StaleLayers) => {
@@ -929,18 +972,19 @@ impl<E: Executor> Supervisor<E> {
             };
             match outcome.result {
                 Ok(how) => {
+                    let outage = record.broken_since.and_then(|since| since.elapsed().ok());
                     info!(
                         target = %outcome.path.display(),
                         pod = %target.pod_uid,
                         how = match how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
                         layers_removed = outcome.layers_removed,
                         latency_us = latency.as_micros() as u64,
+                        outage_ms = outage.map(|outage| outage.as_millis() as u64),
                         "healed"
                     );
                     if let Some(err) = outcome.flatten_error {
                         warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
                     }
-                    let outage = record.broken_since.and_then(|since| since.elapsed().ok());
                     let heal = HealReport { how, latency, outage, layers_removed: outcome.layers_removed };
                     self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
                     record.state = TargetState::Healed { outage };
@@ -948,6 +992,7 @@ impl<E: Executor> Supervisor<E> {
                     record.broken_since = None;
                     healed_any = true;
                     self.dead_targets.remove(&outcome.path);
+                    self.held.remove(&outcome.path);
                     // The target is now on the source's current mount: record
                     // it at once, since the daemon may die again before the
                     // next scan could learn it from the peer groups.

@@ -135,6 +135,14 @@ pub fn mount_tmpfs(target: &Path) -> io::Result<()> {
     Ok(rustix::mount::mount(TMPFS, target, TMPFS, rustix::mount::MountFlags::empty(), None)?)
 }
 
+/// `mount("fusectl", target, "fusectl", 0, NULL)`: the FUSE control
+/// filesystem (`/sys/fs/fuse/connections` on a host), for a namespace that
+/// has none mounted.
+pub fn mount_fusectl(target: &Path) -> io::Result<()> {
+    const FUSECTL: &CStr = c"fusectl";
+    Ok(rustix::mount::mount(FUSECTL, target, FUSECTL, rustix::mount::MountFlags::empty(), None)?)
+}
+
 /// `fsopen("tmpfs")`, `fsconfig(CREATE)`, `fsmount()`: a new private tmpfs
 /// attached nowhere. It disappears when the fd is closed unless it was
 /// attached with [`move_mount`] first.

@@ -78,6 +78,15 @@ impl PidFd {
     }
 }
 
+impl PidFd {
+    /// `pidfd_getfd`: a duplicate, in this process, of the process's open
+    /// file `fd` (the same open file, not a new open). Needs ptrace access
+    /// to the process.
+    pub fn get_fd(&self, fd: i32) -> io::Result<OwnedFd> {
+        Ok(rustix::process::pidfd_getfd(&self.fd, fd, rustix::process::PidfdGetfdFlags::empty())?)
+    }
+}
+
 impl AsFd for PidFd {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()

@@ -1,0 +1,665 @@
+//! The FUSE daemons behind the sources, watched so that a death is seen the
+//! moment it happens: a dead daemon changes nothing in the mount table.
+//!
+//! [`Daemons`] lives on the supervisor loop and keeps what is known of each
+//! source connection. A discovery thread walks `/proc` for the processes
+//! holding a new connection ([`FuseServers`]) and starts watching exactly
+//! those, so the loop never walks `/proc` itself; the process watcher's
+//! thread sends their exits. Exec events reach the loop only while some
+//! connection has no known daemon (the sink drops them otherwise), so a busy
+//! node's execs do not wake an idle supervisor.
+//!
+//! A connection is dead when every process holding it has exited: the
+//! kernel then aborts it and every access answers ENOTCONN. When a serving
+//! process exits but others still hold the connection (a parent keeping the
+//! descriptor, a process it was handed to), requests may hang instead;
+//! `--abort-dead-connections` aborts such a connection once requests wait
+//! and no holder reads the device.
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::process_watch::fuse_server::{FuseServers, MountDevice};
+use crate::process_watch::{
+    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
+    ProcessWatcher,
+};
+use crate::table::Dev;
+
+/// Which process watcher `run` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessWatch {
+    /// The netlink process connector (hostPID, hostNetwork); the pidfd
+    /// backend when it cannot subscribe.
+    Connector,
+    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`).
+    Pidfd,
+    /// No process watching: deaths are seen only when a new mount appears.
+    Off,
+}
+
+/// How daemons are watched.
+#[derive(Debug, Clone)]
+pub struct DaemonWatch {
+    pub mode: ProcessWatch,
+    /// Where pids are processes: the host's `/proc` with hostPID.
+    pub proc_root: PathBuf,
+    /// Abort a connection whose serving process exited while others still
+    /// hold it, once requests wait and nobody reads them.
+    pub abort_dead_connections: bool,
+    /// The FUSE control filesystem (`fusectl`) in the watched namespace.
+    pub fuse_connections: PathBuf,
+}
+
+impl Default for DaemonWatch {
+    fn default() -> Self {
+        DaemonWatch {
+            mode: ProcessWatch::Connector,
+            proc_root: PathBuf::from("/proc"),
+            abort_dead_connections: false,
+            fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot start the {backend} process watcher")]
+    Watcher {
+        backend: &'static str,
+        #[source]
+        source: ProcessWatchError,
+    },
+    #[error("cannot start the daemon discovery thread")]
+    Thread(#[source] io::Error),
+}
+
+/// What the watcher and the discovery thread tell the loop.
+#[derive(Debug)]
+pub enum DaemonEvent {
+    Process(ProcessEvent),
+    Discovered(Vec<Discovered>),
+}
+
+/// The processes found holding one connection, now watched.
+#[derive(Debug)]
+pub struct Discovered {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub result: Result<Vec<ProcessId>, String>,
+}
+
+/// A connection whose holders all exited: its daemon is dead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Death {
+    pub source: PathBuf,
+    pub dev: Dev,
+}
+
+/// A connection whose serving process exited while other processes hold
+/// it; `remaining` are those still watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartialExit {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub remaining: Vec<u32>,
+}
+
+/// A connection aborted through fusectl: requests were waiting on it and
+/// no holder was reading them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Aborted {
+    pub source: PathBuf,
+    pub dev: Dev,
+    /// The serving process whose exit left the connection orphaned.
+    pub pid: u32,
+    pub exited_at: Instant,
+    pub waiting: u64,
+}
+
+/// A process watched because it holds connections of sources.
+#[derive(Debug)]
+struct Holder {
+    process: ProcessId,
+    serves: Vec<(PathBuf, Dev)>,
+}
+
+type Holders = Arc<Mutex<HashMap<u32, Holder>>>;
+
+fn lock(holders: &Mutex<HashMap<u32, Holder>>) -> std::sync::MutexGuard<'_, HashMap<u32, Holder>> {
+    holders.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What is known of one connection at a source path.
+#[derive(Debug)]
+enum Known {
+    /// A discovery is on its way.
+    Asked,
+    /// Holders found and watched.
+    Served,
+    /// Nobody found holding it yet (a descriptor in flight between
+    /// `fusermount` and the daemon, an older kernel's ambiguous match):
+    /// asked again at `retry_at`, then on exec events.
+    Unserved { tries: u32, retry_at: Option<Instant> },
+    /// Every holder exited.
+    Dead,
+}
+
+/// Discoveries that find nobody are repeated this many times, spaced out
+/// from 100 ms, before only exec events ask again.
+const UNSERVED_RETRIES: u32 = 5;
+/// Exec events ask for a discovery at most this often.
+const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
+
+/// A connection with a serving process gone and others holding it.
+#[derive(Debug)]
+struct Orphan {
+    source: PathBuf,
+    pid: u32,
+    exited_at: Instant,
+    attempts: u32,
+    check_at: Instant,
+}
+
+/// The loop's view of the daemons behind its sources.
+pub struct Daemons {
+    options: DaemonWatch,
+    watcher: Arc<dyn ProcessWatcher>,
+    holders: Holders,
+    known: BTreeMap<Dev, (PathBuf, Known)>,
+    want_exec: Arc<AtomicBool>,
+    last_exec_discovery: Option<Instant>,
+    orphans: BTreeMap<Dev, Orphan>,
+    /// None once dropped: closing it ends the discovery thread.
+    requests: Option<Sender<Vec<(PathBuf, Dev)>>>,
+    discovery: Option<JoinHandle<()>>,
+}
+
+impl Daemons {
+    /// Starts the process watcher and the discovery thread; None when
+    /// watching is off. Call before the loop thread leaves for the watched
+    /// namespace: the threads keep this one's `/proc`.
+    pub fn start(
+        options: &DaemonWatch,
+        send: impl Fn(DaemonEvent) -> bool + Send + Clone + 'static,
+    ) -> Result<Option<Daemons>, DaemonError> {
+        let want_exec = Arc::new(AtomicBool::new(false));
+        let sink = {
+            let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
+            move || -> crate::process_watch::EventSink {
+                let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
+                Box::new(move |event| match event {
+                    // Most execs on a node are nobody's business: dropped
+                    // here, on the watcher's thread, unless a connection
+                    // waits for its daemon.
+                    ProcessEvent::Exec { .. } if !want_exec.load(Ordering::Relaxed) => true,
+                    event => send(DaemonEvent::Process(event)),
+                })
+            }
+        };
+        let pidfd = |options: &DaemonWatch| -> Result<Arc<dyn ProcessWatcher>, DaemonError> {
+            let watcher = PidfdWatcher::start(options.proc_root.clone(), sink())
+                .map_err(|source| DaemonError::Watcher { backend: "pidfd", source })?;
+            Ok(Arc::new(watcher))
+        };
+        let watcher: Arc<dyn ProcessWatcher> = match options.mode {
+            ProcessWatch::Off => {
+                info!("process watching is off: daemon deaths are seen only when a new mount appears");
+                return Ok(None);
+            }
+            ProcessWatch::Pidfd => pidfd(options)?,
+            ProcessWatch::Connector => {
+                let connector = ConnectorOptions {
+                    exec: ExecReports::All,
+                    proc_root: options.proc_root.clone(),
+                    ..ConnectorOptions::default()
+                };
+                match ProcConnectorWatcher::start(connector, sink()) {
+                    Ok(watcher) => Arc::new(watcher),
+                    Err(err) => {
+                        warn!(%err, "process connector unavailable; watching daemons with pidfds");
+                        pidfd(options)?
+                    }
+                }
+            }
+        };
+        info!(backend = ?watcher.backend(), "watching FUSE daemons");
+        let holders: Holders = Arc::default();
+        let (requests, queue) = mpsc::channel();
+        let discovery = {
+            let (watcher, holders, proc_root) = (Arc::clone(&watcher), Arc::clone(&holders), options.proc_root.clone());
+            std::thread::Builder::new()
+                .name("discovery".into())
+                .spawn(move || discovery_loop(&queue, &proc_root, &*watcher, &holders, send))
+                .map_err(DaemonError::Thread)?
+        };
+        Ok(Some(Daemons {
+            options: options.clone(),
+            watcher,
+            holders,
+            known: BTreeMap::new(),
+            want_exec,
+            last_exec_discovery: None,
+            orphans: BTreeMap::new(),
+            requests: Some(requests),
+            discovery: Some(discovery),
+        }))
+    }
+
+    pub fn backend(&self) -> crate::process_watch::Backend {
+        self.watcher.backend()
+    }
+
+    fn request(&mut self, wanted: Vec<(PathBuf, Dev)>) {
+        if wanted.is_empty() {
+            return;
+        }
+        for (source, dev) in &wanted {
+            self.known.insert(*dev, (source.clone(), Known::Asked));
+        }
+        if let Some(requests) = &self.requests
+            && requests.send(wanted).is_err()
+        {
+            warn!("daemon discovery thread is gone; new daemons are not watched");
+        }
+    }
+
+    /// After a scan: asks who serves each connection not seen before, and
+    /// stops watching the holders of connections no longer at any source.
+    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) {
+        let current: BTreeMap<Dev, &Path> = sources.map(|(path, dev)| (dev, path)).collect();
+        let new: Vec<(PathBuf, Dev)> = current
+            .iter()
+            .filter(|(dev, _)| !self.known.contains_key(dev))
+            .map(|(dev, path)| (path.to_path_buf(), *dev))
+            .collect();
+        let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
+        for dev in gone {
+            self.known.remove(&dev);
+            self.orphans.remove(&dev);
+            let mut holders = lock(&self.holders);
+            holders.retain(|&pid, holder| {
+                holder.serves.retain(|(_, served)| *served != dev);
+                let keep = !holder.serves.is_empty();
+                if !keep {
+                    self.watcher.unwatch(pid);
+                }
+                keep
+            });
+        }
+        self.request(new);
+        self.update_exec_interest();
+    }
+
+    /// After lost process events: every connection is asked about again.
+    pub fn rediscover_all(&mut self) {
+        let all: Vec<(PathBuf, Dev)> = self
+            .known
+            .iter()
+            .filter(|(_, (_, known))| !matches!(known, Known::Dead))
+            .map(|(dev, (path, _))| (path.clone(), *dev))
+            .collect();
+        self.request(all);
+    }
+
+    /// A process exited: the connections it held, split into those it
+    /// leaves dead and those others still hold.
+    pub fn exited(&mut self, pid: u32) -> (Vec<Death>, Vec<PartialExit>) {
+        let mut holders = lock(&self.holders);
+        let Some(holder) = holders.remove(&pid) else { return (Vec::new(), Vec::new()) };
+        let (mut deaths, mut partial) = (Vec::new(), Vec::new());
+        for (source, dev) in holder.serves {
+            let remaining: Vec<u32> = holders
+                .iter()
+                .filter(|(_, other)| other.serves.iter().any(|(_, served)| *served == dev))
+                .map(|(&pid, _)| pid)
+                .collect();
+            if remaining.is_empty() {
+                if let Some((_, known)) = self.known.get_mut(&dev) {
+                    *known = Known::Dead;
+                }
+                deaths.push(Death { source, dev });
+            } else {
+                partial.push(PartialExit { source, dev, remaining });
+            }
+        }
+        drop(holders);
+        // The rest of a partly exited connection's holders may have changed
+        // (a descriptor handed to a new process): look again.
+        let again = partial.iter().map(|exit| (exit.source.clone(), exit.dev)).collect();
+        self.request(again);
+        self.update_exec_interest();
+        (deaths, partial)
+    }
+
+    /// A discovery's answer.
+    pub fn discovered(&mut self, found: Vec<Discovered>) {
+        let now = Instant::now();
+        for Discovered { source, dev, result } in found {
+            let Some((_, known)) = self.known.get_mut(&dev) else { continue };
+            if matches!(known, Known::Dead) {
+                continue;
+            }
+            let tries = match known {
+                Known::Unserved { tries, .. } => *tries + 1,
+                _ => 1,
+            };
+            match result {
+                Ok(processes) if !processes.is_empty() => {
+                    let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
+                    info!(source = %source.display(), connection = %dev, ?pids, "watching the FUSE daemon");
+                    *known = Known::Served;
+                    continue;
+                }
+                Ok(_) => {
+                    debug!(source = %source.display(), connection = %dev, tries, "no process holds the connection yet")
+                }
+                Err(err) => {
+                    warn!(source = %source.display(), connection = %dev, %err, "cannot tell which process serves the source")
+                }
+            }
+            let retry_at = (tries < UNSERVED_RETRIES).then(|| now + Duration::from_millis(100) * (1 << tries));
+            if retry_at.is_none() {
+                info!(source = %source.display(), connection = %dev, "no daemon found for the source; looking again when a process starts");
+            }
+            *known = Known::Unserved { tries, retry_at };
+        }
+        self.update_exec_interest();
+    }
+
+    /// An exec somewhere: worth a discovery if a connection has no daemon.
+    pub fn exec_seen(&mut self) {
+        let now = Instant::now();
+        let spaced = self.last_exec_discovery.is_none_or(|last| now >= last + EXEC_DISCOVERY_SPACING);
+        for (_, known) in self.known.values_mut() {
+            if let Known::Unserved { retry_at: retry_at @ None, .. } = known {
+                // Too soon after the last one: a deadline asks instead, so
+                // this exec is not lost.
+                *retry_at = (!spaced).then(|| self.last_exec_discovery.unwrap_or(now) + EXEC_DISCOVERY_SPACING);
+            }
+        }
+        if spaced {
+            self.last_exec_discovery = Some(now);
+            self.retry_unserved(now, true);
+        }
+    }
+
+    fn retry_unserved(&mut self, now: Instant, on_exec: bool) {
+        let due: Vec<(PathBuf, Dev)> = self
+            .known
+            .iter()
+            .filter(|(_, (_, known))| match known {
+                Known::Unserved { retry_at: Some(at), .. } => *at <= now,
+                Known::Unserved { retry_at: None, .. } => on_exec,
+                _ => false,
+            })
+            .map(|(dev, (path, _))| (path.clone(), *dev))
+            .collect();
+        // Keep the count of tries across the new request.
+        for (_, dev) in &due {
+            if let Some((_, Known::Unserved { retry_at, .. })) = self.known.get_mut(dev) {
+                *retry_at = None;
+            }
+        }
+        if let Some(requests) = &self.requests
+            && !due.is_empty()
+            && requests.send(due).is_err()
+        {
+            warn!("daemon discovery thread is gone; new daemons are not watched");
+        }
+    }
+
+    fn update_exec_interest(&self) {
+        let unserved = self.known.values().any(|(_, known)| matches!(known, Known::Unserved { retry_at: None, .. }));
+        self.want_exec.store(unserved, Ordering::Relaxed);
+    }
+
+    /// Whether `--abort-dead-connections` is on.
+    pub fn aborts(&self) -> bool {
+        self.options.abort_dead_connections
+    }
+
+    /// Starts checking a partly exited connection for waiting requests
+    /// that nobody reads.
+    pub fn watch_orphan(&mut self, exit: &PartialExit, pid: u32, exited_at: Instant) {
+        let orphan = Orphan { source: exit.source.clone(), pid, exited_at, attempts: 0, check_at: Instant::now() };
+        self.orphans.insert(exit.dev, orphan);
+    }
+
+    /// The earliest discovery retry or orphan check ahead.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let retries = self.known.values().filter_map(|(_, known)| match known {
+            Known::Unserved { retry_at, .. } => *retry_at,
+            _ => None,
+        });
+        retries.chain(self.orphans.values().map(|orphan| orphan.check_at)).min()
+    }
+
+    /// Runs what is due: discovery retries, and orphan checks, returning the
+    /// connections aborted.
+    pub fn on_deadline(&mut self) -> Vec<Aborted> {
+        let now = Instant::now();
+        self.retry_unserved(now, false);
+        self.update_exec_interest();
+        let due: Vec<Dev> =
+            self.orphans.iter().filter(|(_, orphan)| orphan.check_at <= now).map(|(dev, _)| *dev).collect();
+        let mut aborted = Vec::new();
+        for dev in due {
+            if let Some(done) = self.check_orphan(dev, now) {
+                aborted.push(done);
+            }
+        }
+        aborted
+    }
+
+    /// One check of an orphaned connection; the entry goes once decided.
+    fn check_orphan(&mut self, dev: Dev, now: Instant) -> Option<Aborted> {
+        let remaining: Vec<u32> = lock(&self.holders)
+            .iter()
+            .filter(|(_, holder)| holder.serves.iter().any(|(_, served)| *served == dev))
+            .map(|(&pid, _)| pid)
+            .collect();
+        let orphan = self.orphans.get_mut(&dev)?;
+        let source = orphan.source.clone();
+        // Nobody left: the kernel aborted it, the death is reported as such.
+        if remaining.is_empty() {
+            self.orphans.remove(&dev);
+            return None;
+        }
+        if let Some(reader) = remaining.iter().find(|&&pid| reads_fuse_device(&self.options.proc_root, pid)) {
+            info!(source = %source.display(), connection = %dev, pid = reader, "connection is served by another process");
+            self.orphans.remove(&dev);
+            return None;
+        }
+        let control = connection_dir(&self.options.fuse_connections, dev);
+        let waiting = match read_waiting(&control) {
+            Ok(waiting) => waiting,
+            Err(err) => {
+                warn!(dir = %control.display(), %err, "cannot read the FUSE connection's waiting count; not aborting it");
+                self.orphans.remove(&dev);
+                return None;
+            }
+        };
+        if waiting == 0 {
+            orphan.attempts += 1;
+            orphan.check_at = now + orphan_recheck_delay(orphan.attempts);
+            return None;
+        }
+        let orphan = self.orphans.remove(&dev)?;
+        if let Err(err) = fs::write(control.join("abort"), b"1") {
+            warn!(dir = %control.display(), %err, "cannot abort the FUSE connection");
+            return None;
+        }
+        Some(Aborted { source, dev, pid: orphan.pid, exited_at: orphan.exited_at, waiting })
+    }
+}
+
+impl Drop for Daemons {
+    fn drop(&mut self) {
+        // Closing the queue ends the discovery thread after its scan.
+        self.requests = None;
+        if self.discovery.take().is_some_and(|thread| thread.join().is_err()) {
+            warn!("daemon discovery thread panicked");
+        }
+    }
+}
+
+/// Checks of an orphaned connection: soon at first, then every 2 s while
+/// it stays held and unread.
+fn orphan_recheck_delay(attempts: u32) -> Duration {
+    (Duration::from_millis(50) * (1 << attempts.min(6))).min(Duration::from_secs(2))
+}
+
+/// `<fusectl>/<connection>`: the control directory of a FUSE connection.
+pub fn connection_dir(fuse_connections: &Path, dev: Dev) -> PathBuf {
+    let device = MountDevice { major: dev.major, minor: dev.minor };
+    fuse_connections.join(device.connection().to_string())
+}
+
+/// Requests of the connection not yet answered.
+pub fn read_waiting(connection_dir: &Path) -> io::Result<u64> {
+    let text = fs::read_to_string(connection_dir.join("waiting"))?;
+    text.trim().parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("waiting: {text:?}")))
+}
+
+/// Whether a thread of `pid` sleeps reading a FUSE device (the kernel's
+/// `fuse_dev_do_read`): the process serves requests.
+fn reads_fuse_device(proc_root: &Path, pid: u32) -> bool {
+    let Ok(tasks) = fs::read_dir(proc_root.join(pid.to_string()).join("task")) else { return false };
+    tasks
+        .filter_map(Result::ok)
+        .any(|task| fs::read_to_string(task.path().join("wchan")).is_ok_and(|wchan| wchan.trim() == "fuse_dev_do_read"))
+}
+
+/// The discovery thread: one `/proc` scan for every batch of requests
+/// queued meanwhile.
+fn discovery_loop(
+    queue: &Receiver<Vec<(PathBuf, Dev)>>,
+    proc_root: &Path,
+    watcher: &dyn ProcessWatcher,
+    holders: &Mutex<HashMap<u32, Holder>>,
+    send: impl Fn(DaemonEvent) -> bool,
+) {
+    while let Ok(mut wanted) = queue.recv() {
+        while let Ok(more) = queue.try_recv() {
+            wanted.extend(more);
+        }
+        wanted.sort_by_key(|(_, dev)| *dev);
+        wanted.dedup_by_key(|(_, dev)| *dev);
+        let found = discover(proc_root, watcher, holders, wanted);
+        if !send(DaemonEvent::Discovered(found)) {
+            return;
+        }
+    }
+}
+
+/// Finds and watches the holders of each wanted connection. A holder is
+/// entered in `holders` before it is watched, so its exit, however soon,
+/// finds it there.
+fn discover(
+    proc_root: &Path,
+    watcher: &dyn ProcessWatcher,
+    holders: &Mutex<HashMap<u32, Holder>>,
+    wanted: Vec<(PathBuf, Dev)>,
+) -> Vec<Discovered> {
+    let servers = match FuseServers::scan(proc_root) {
+        Ok(servers) => servers,
+        Err(err) => {
+            let err = err.to_string();
+            return wanted
+                .into_iter()
+                .map(|(source, dev)| Discovered { source, dev, result: Err(err.clone()) })
+                .collect();
+        }
+    };
+    wanted
+        .into_iter()
+        .map(|(source, dev)| {
+            let serving = servers.serving(MountDevice { major: dev.major, minor: dev.minor });
+            let result = serving.map_err(|err| err.to_string()).map(|serving| {
+                serving
+                    .processes
+                    .into_iter()
+                    .filter(|&process| {
+                        add_holder(holders, process, &source, dev);
+                        match watcher.watch(process) {
+                            Ok(()) => true,
+                            Err(err) => {
+                                debug!(pid = process.pid, %err, "holder gone before it could be watched");
+                                remove_holder(holders, process, dev);
+                                false
+                            }
+                        }
+                    })
+                    .collect()
+            });
+            if result.as_ref().is_ok_and(Vec::is_empty) {
+                let seen: Vec<u32> = servers.connections().map(|(id, _)| id).collect();
+                debug!(connection = %dev, ?seen, "connections held on the node");
+            }
+            Discovered { source, dev, result }
+        })
+        .collect()
+}
+
+fn add_holder(holders: &Mutex<HashMap<u32, Holder>>, process: ProcessId, source: &Path, dev: Dev) {
+    let mut holders = lock(holders);
+    let holder = holders.entry(process.pid).or_insert_with(|| Holder { process, serves: Vec::new() });
+    if holder.process != process {
+        // The pid was reused since: the old process's entry is stale.
+        *holder = Holder { process, serves: Vec::new() };
+    }
+    if !holder.serves.iter().any(|(_, served)| *served == dev) {
+        holder.serves.push((source.to_path_buf(), dev));
+    }
+}
+
+fn remove_holder(holders: &Mutex<HashMap<u32, Holder>>, process: ProcessId, dev: Dev) {
+    let mut holders = lock(holders);
+    if let Some(holder) = holders.get_mut(&process.pid).filter(|holder| holder.process == process) {
+        holder.serves.retain(|(_, served)| *served != dev);
+        if holder.serves.is_empty() {
+            holders.remove(&process.pid);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_directory_is_named_by_the_kernel_device_number() {
+        let dir = connection_dir(Path::new("/sys/fs/fuse/connections"), Dev { major: 0, minor: 52 });
+        assert_eq!(dir, Path::new("/sys/fs/fuse/connections/52"));
+    }
+
+    #[test]
+    fn waiting_count_is_read_from_the_control_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("waiting"), "3\n").unwrap();
+        assert_eq!(read_waiting(dir.path()).unwrap(), 3);
+        fs::write(dir.path().join("waiting"), "x\n").unwrap();
+        assert!(read_waiting(dir.path()).is_err());
+    }
+
+    #[test]
+    fn orphan_checks_space_out_to_two_seconds() {
+        assert_eq!(orphan_recheck_delay(0), Duration::from_millis(50));
+        assert_eq!(orphan_recheck_delay(1), Duration::from_millis(100));
+        assert_eq!(orphan_recheck_delay(10), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn this_process_does_not_read_a_fuse_device() {
+        assert!(!reads_fuse_device(Path::new("/proc"), std::process::id()));
+    }
+}

@@ -1,0 +1,271 @@
+//! Daemon deaths in the loop: targets of a dead daemon's connection are
+//! marked Degraded at once (the outage starts at the death, not when a new
+//! mount appears), and the stale layer under each is held by an `O_PATH`
+//! descriptor so that a new mount stacked over the stale source (which
+//! covers it on every root-level target) does not leave it unreachable.
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{debug, error, info, warn};
+
+use super::{Supervisor, TargetRecord};
+use crate::daemons::{Aborted, DaemonEvent};
+use crate::heal::{Executor, Healed};
+use crate::plan::{self, Assessment, TargetHeal};
+use crate::process_watch::{Detection, ProcessEvent};
+use crate::report::{HealReport, Report, TargetEvent};
+use crate::state::{DaemonDeath, TargetState};
+use crate::table::{Classified, Dev};
+
+/// How long the stale layers of a dead daemon's targets are held. A held
+/// layer cannot be unmounted (the kubelet's unmount of a deleted pod's
+/// volume fails with EBUSY while it is held), so this bounds how long a
+/// pod deletion can be held up; a daemon restarted by its pod comes back
+/// well within it.
+const HOLD_STALE_FOR: Duration = Duration::from_secs(30);
+
+/// A handle on a target's stale top, taken when its daemon died.
+#[derive(Debug)]
+pub(super) struct Held {
+    fd: OwnedFd,
+    mount_id: u32,
+    until: Instant,
+}
+
+/// `at` (a monotonic instant in the past) on the wall clock.
+fn wall_clock(at: Instant) -> SystemTime {
+    SystemTime::now().checked_sub(at.elapsed()).unwrap_or_else(SystemTime::now)
+}
+
+impl<E: Executor> Supervisor<E> {
+    pub(super) fn on_daemon(&mut self, event: DaemonEvent) {
+        let Some(daemons) = &mut self.daemons else { return };
+        match event {
+            DaemonEvent::Process(ProcessEvent::Exited { pid, status, at, detection }) => {
+                let (deaths, partial) = daemons.exited(pid);
+                for exit in &partial {
+                    info!(
+                        source = %exit.source.display(),
+                        connection = %exit.dev,
+                        pid,
+                        ?status,
+                        remaining = ?exit.remaining,
+                        "a process serving the source exited; other processes still hold its connection"
+                    );
+                    if daemons.aborts() {
+                        daemons.watch_orphan(exit, pid, at);
+                    }
+                }
+                let detection = match detection {
+                    Detection::Event => "event",
+                    Detection::Resync => "resync",
+                };
+                for death in deaths {
+                    self.daemon_died(&death.source, death.dev, pid, at, &format!("{status:?}"), detection);
+                }
+                if !partial.is_empty() {
+                    self.on_degraded_deadline();
+                }
+            }
+            DaemonEvent::Process(ProcessEvent::Exec { .. }) => daemons.exec_seen(),
+            DaemonEvent::Process(ProcessEvent::Lost) => {
+                warn!("process events were lost; looking for every daemon again");
+                daemons.rediscover_all();
+            }
+            DaemonEvent::Process(ProcessEvent::Failed(err)) => {
+                error!(%err, "process watcher stopped; daemon deaths are now seen only when a new mount appears");
+                self.daemons = None;
+            }
+            DaemonEvent::Discovered(found) => daemons.discovered(found),
+        }
+    }
+
+    /// Every target on the dead connection becomes Degraded, with the
+    /// death as the start of its outage.
+    fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
+        let since = wall_clock(at);
+        let mut targets: Vec<PathBuf> = self
+            .journal
+            .mappings()
+            .iter()
+            .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
+            .map(|(path, _)| path.clone())
+            .collect();
+        targets.sort_unstable();
+        for path in &targets {
+            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            // A target already broken, healing or failing is in an outage
+            // that began earlier: it keeps its start.
+            if !matches!(record.state, TargetState::Healthy | TargetState::Healed { .. }) {
+                continue;
+            }
+            let Some(mapping) = self.journal.get(path) else { continue };
+            info!(target = %path.display(), pod = %mapping.pod_uid, from = record.state.name(), to = "degraded", "target state");
+            record.state = TargetState::Degraded { since };
+            record.broken_since = Some(since);
+            self.reporters.report(&Report::TargetBroken(&TargetEvent {
+                target: path,
+                pod_uid: &mapping.pod_uid,
+                source,
+                broken_since: Some(since),
+            }));
+        }
+        // First, before a new mount can cover them.
+        self.hold_stale_layers(&targets, dev);
+        info!(
+            source = %source.display(),
+            connection = %dev,
+            pid,
+            status,
+            detection,
+            targets = targets.len(),
+            marked_after_us = at.elapsed().as_micros() as u64,
+            "daemon died; its targets are degraded"
+        );
+        self.reporters.report(&Report::DaemonDied { source, pid, at: since, targets: &targets });
+        if self.journal.daemon_died(source, DaemonDeath { pid, at: since, dev })
+            && let Err(err) = self.journal.save()
+        {
+            error!(%err, "cannot save state");
+        }
+    }
+
+    /// Takes a handle on each target's top while it is still the dead
+    /// connection's mount: a new mount over the stale source will cover it.
+    fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) {
+        if targets.is_empty() {
+            return;
+        }
+        let Some(classified) = self.read_table() else { return };
+        let until = Instant::now() + HOLD_STALE_FOR;
+        for path in targets {
+            let Some(target) = classified.targets.get(path) else { continue };
+            let top = target.stack.top();
+            if top.dev != dev {
+                debug!(target = %path.display(), "target no longer on the dead connection; not held");
+                continue;
+            }
+            match self.executor.open_target(path) {
+                Ok((fd, id)) if id == top.mount_id => {
+                    self.held.insert(path.clone(), Held { fd, mount_id: id, until });
+                }
+                Ok(_) => debug!(target = %path.display(), "target covered before it could be held"),
+                Err(err) => warn!(target = %path.display(), %err, "cannot hold the stale layer of a target"),
+            }
+        }
+        debug!(held = self.held.len(), "stale layers held");
+    }
+
+    /// After a scan: asks who serves new connections, forgets deaths of
+    /// replaced sources, removes stale layers that a mount over the stale
+    /// source covered, and lets go of handles no longer needed. Returns
+    /// whether the journal changed.
+    pub(super) fn track_daemons(&mut self, classified: &Classified) -> bool {
+        if let Some(daemons) = &mut self.daemons {
+            daemons.sources_seen(classified.sources.iter().map(|(path, stack)| (path.as_path(), stack.top().dev)));
+        }
+        let settled: Vec<(PathBuf, Dev)> = self
+            .journal
+            .deaths()
+            .filter_map(|(path, _)| Some((path.to_path_buf(), classified.sources.get(path)?.top().dev)))
+            .collect();
+        let mut changed = false;
+        for (path, dev) in settled {
+            changed |= self.journal.settle_death(&path, Some(dev));
+        }
+        self.flatten_covered(classified);
+        let now = Instant::now();
+        let records = &self.records;
+        self.held.retain(|path, held| {
+            let Some(target) = classified.targets.get(path) else { return false };
+            let present = target.stack.layers.iter().any(|layer| layer.mount_id == held.mount_id);
+            let outage = records.get(path).is_some_and(|record| {
+                matches!(
+                    record.state,
+                    TargetState::Degraded { .. }
+                        | TargetState::Broken { .. }
+                        | TargetState::Healing
+                        | TargetState::Failed { .. }
+                )
+            });
+            present && outage && held.until > now
+        });
+        changed
+    }
+
+    /// Targets healed by propagation over a held stale layer: the layer is
+    /// removed through its handle.
+    fn flatten_covered(&mut self, classified: &Classified) {
+        let covered: Vec<(TargetHeal, PathBuf)> = self
+            .held
+            .iter()
+            .filter_map(|(path, held)| {
+                let target = classified.targets.get(path)?;
+                let mapping = self.journal.get(path)?;
+                let covered = target.stack.top().mount_id != held.mount_id
+                    && target.stack.layers.iter().any(|layer| layer.mount_id == held.mount_id);
+                (covered && plan::assess(target, Some(mapping), classified) == Assessment::StaleLayers)
+                    .then(|| (TargetHeal::of(path, target, mapping), mapping.source.clone()))
+            })
+            .collect();
+        for (heal, source) in covered {
+            let Some(held) = self.held.remove(&heal.path) else { continue };
+            let result = self.executor.flatten_covered(&heal, held.fd);
+            let record =
+                self.records.entry(heal.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            let outage = record.broken_since.and_then(|since| since.elapsed().ok());
+            let layers_removed = match result {
+                Ok(removed) => {
+                    info!(
+                        target = %heal.path.display(),
+                        pod = %heal.pod_uid,
+                        layers_removed = removed,
+                        outage_ms = outage.map(|outage| outage.as_millis() as u64),
+                        "covered stale layer removed"
+                    );
+                    removed
+                }
+                Err(err) => {
+                    warn!(target = %heal.path.display(), %err, "healed by propagation, but the covered stale layer remains");
+                    0
+                }
+            };
+            let event = TargetEvent {
+                target: &heal.path,
+                pod_uid: &heal.pod_uid,
+                source: &source,
+                broken_since: record.broken_since,
+            };
+            let report =
+                HealReport { how: Healed::Propagated, latency: self.woke_at.elapsed(), outage, layers_removed };
+            self.reporters.report(&Report::TargetHealed { target: &event, heal: &report });
+            record.broken_since = None;
+        }
+    }
+
+    /// Discovery retries, orphan checks and the release of held layers.
+    pub(super) fn degraded_deadline(&self) -> Option<Instant> {
+        let daemons = self.daemons.as_ref().and_then(|daemons| daemons.next_deadline());
+        daemons.into_iter().chain(self.held.values().map(|held| held.until)).min()
+    }
+
+    pub(super) fn on_degraded_deadline(&mut self) {
+        let Some(daemons) = &mut self.daemons else { return };
+        for Aborted { source, dev, pid, exited_at, waiting } in daemons.on_deadline() {
+            warn!(
+                source = %source.display(),
+                connection = %dev,
+                pid,
+                waiting,
+                "connection held but not served, with requests waiting: aborted so that readers get an error"
+            );
+            self.daemon_died(&source, dev, pid, exited_at, "aborted", "abort");
+        }
+    }
+
+    /// Drops the handle on a target (healed, or its pod gone).
+    pub(super) fn release_held(&mut self, target: &Path) {
+        self.held.remove(target);
+    }
+}

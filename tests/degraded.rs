@@ -1,0 +1,201 @@
+//! Daemon deaths seen by `fuse-supervisor run`: a SIGKILLed FUSE daemon's
+//! targets are Degraded (logged, and shown by `status`) before it comes
+//! back, with both process watchers; the heal then reports the outage from
+//! the death; a connection kept open by another process is aborted so that
+//! a hung reader gets an error. Real daemons in private mount namespaces;
+//! needs root and /dev/fuse.
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_sys::mount;
+use fuse_supervisor_sys::pidfd::PidFd;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn binary() -> &'static Path {
+    Path::new(BINARY)
+}
+
+/// One source bound into one pod with a reader; the supervisor runs with
+/// `args` once [`World::supervise`] is called.
+struct World {
+    reader: ContainerReader,
+    supervisor: Option<SupervisorProcess>,
+    source: FuseSource,
+    target: PathBuf,
+    state_dir: PathBuf,
+    sandbox: Sandbox,
+}
+
+impl World {
+    fn new(daemon: Daemon) -> World {
+        let sandbox = Sandbox::new().expect("sandbox");
+        let source = FuseSource::start(&sandbox, binary(), daemon, "shared-data").expect("start daemon");
+        let target = source.bind_volume(&sandbox, "pod-0000", "data").expect("bind volume");
+        let reader =
+            ContainerReader::spawn(&sandbox, binary(), "pod-0000", &target, Path::new(DATA_FILE)).expect("reader");
+        let state_dir = sandbox.root().join("state");
+        World { reader, supervisor: None, source, target, state_dir, sandbox }
+    }
+
+    /// Starts the supervisor and waits until it watches the daemon.
+    fn supervise(&mut self, args: &[&str]) {
+        let mut all = vec!["--kubelet", "none"];
+        all.extend(args);
+        let supervisor =
+            SupervisorProcess::start_with(&self.sandbox, binary(), &self.state_dir, all).expect("supervisor");
+        supervisor.wait_for_log(TIMEOUT, |line| line.contains("watching the FUSE daemon")).expect("daemon watched");
+        self.supervisor = Some(supervisor);
+    }
+
+    fn supervisor(&self) -> &SupervisorProcess {
+        self.supervisor.as_ref().expect("supervisor running")
+    }
+
+    fn reads_current(&self) {
+        let expected = self.source.expected_content();
+        self.reader.wait_until(TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("reader reads the source");
+    }
+
+    /// `fuse-supervisor status` in the sandbox, against the same state dir.
+    fn status(&self) -> String {
+        let mut command = std::process::Command::new(binary());
+        command
+            .arg("status")
+            .arg("--kubelet-root")
+            .arg(self.sandbox.kubelet_root())
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["--mount-namespace", "/proc/self/ns/mnt"])
+            .stdout(std::process::Stdio::piped());
+        let mut child = self.sandbox.spawn(command).expect("status");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut child.take_stdout().expect("stdout"), &mut out).expect("read status");
+        assert!(child.wait().expect("wait status").success(), "{out}");
+        out
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(supervisor) = &self.supervisor {
+                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
+            }
+            eprintln!("mount table:\n{}", self.sandbox.mountinfo());
+        }
+    }
+}
+
+/// A field of a JSON log line (tracing puts them under `fields`).
+fn field(line: &str, name: &str) -> serde_json::Value {
+    let value: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+    value["fields"][name].clone()
+}
+
+fn message_is(message: &'static str) -> impl Fn(&str) -> bool {
+    move |line| line.contains(&format!("\"message\":\"{message}\""))
+}
+
+fn sigkill_marks_degraded_before_the_restart(backend: &str) {
+    let mut world = World::new(Daemon::Bindfs);
+    world.reads_current();
+    world.supervise(&["--process-watch", backend]);
+    let pid = world.source.pid().expect("daemon running");
+
+    world.source.crash().unwrap();
+    let killed = Instant::now();
+    let died = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded"))
+        .expect("the death is logged");
+    assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
+    assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    let target = world.target.display().to_string();
+    world
+        .supervisor()
+        .wait_for_log(TIMEOUT, |line| line.contains(&target) && line.contains("\"to\":\"degraded\""))
+        .expect("the target is degraded");
+    let status = world.status();
+    let row = status.lines().find(|line| line.contains(&target)).expect("the target in status");
+    assert!(row.starts_with("degraded "), "{status}");
+    assert!(status.contains(&format!("DEGRADED: daemon pid {pid} died")), "{status}");
+    world.reader.wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
+
+    // The outage the heal reports runs from the death, not from the new mount.
+    std::thread::sleep(Duration::from_millis(300));
+    world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
+    world.reads_current();
+    let healed = world.supervisor().wait_for_log(TIMEOUT, message_is("healed")).expect("healed");
+    let outage_ms = field(&healed, "outage_ms").as_u64().expect("outage in the heal line");
+    let latency_us = field(&healed, "latency_us").as_u64().expect("latency in the heal line");
+    assert!(outage_ms >= 300, "outage {outage_ms} ms should start at the death: {healed}");
+    assert!(u128::from(outage_ms) <= killed.elapsed().as_millis(), "{healed}");
+    assert!(latency_us < outage_ms * 1000, "latency runs from the new mount: {healed}");
+    assert!(!world.status().contains("DEGRADED"), "a replaced source is no longer degraded");
+}
+
+#[test]
+fn sigkill_marks_degraded_before_the_restart_with_the_process_connector() {
+    sigkill_marks_degraded_before_the_restart("connector");
+}
+
+#[test]
+fn sigkill_marks_degraded_before_the_restart_with_pidfds() {
+    sigkill_marks_degraded_before_the_restart("pidfd");
+}
+
+/// A duplicate of the daemon's `/dev/fuse` descriptor (the same open file):
+/// while this process holds it, the connection outlives the daemon.
+fn keep_connection(pid: u32) -> OwnedFd {
+    let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let number = std::fs::read_dir(&fd_dir)
+        .expect("daemon fds")
+        .filter_map(Result::ok)
+        .find(|entry| std::fs::read_link(entry.path()).is_ok_and(|target| target == Path::new("/dev/fuse")))
+        .and_then(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+        .expect("the daemon holds /dev/fuse");
+    PidFd::open(pid).expect("pidfd").get_fd(number).expect("pidfd_getfd")
+}
+
+#[test]
+fn a_connection_kept_open_without_its_daemon_is_aborted_for_a_hung_reader() {
+    let mut world = World::new(Daemon::DemoFs);
+    world.reads_current();
+    let fusectl = world.sandbox.root().join("fusectl");
+    let at = fusectl.clone();
+    world
+        .sandbox
+        .run(move || std::fs::create_dir_all(&at).and_then(|()| mount::mount_fusectl(&at)))
+        .expect("mount fusectl in the sandbox");
+    let daemon = world.source.pid().expect("daemon running");
+    let keeper = keep_connection(daemon);
+    world.supervise(&["--abort-dead-connections", "--fuse-connections-dir", fusectl.to_str().unwrap()]);
+    let watched = world.supervisor().wait_for_log(TIMEOUT, message_is("watching the FUSE daemon")).unwrap();
+    let pids = field(&watched, "pids").as_str().unwrap_or_default().to_owned();
+    assert!(pids.contains(&std::process::id().to_string()), "the keeper is a holder too: {watched}");
+
+    world.source.crash().unwrap();
+    world
+        .supervisor()
+        .wait_for_log(
+            TIMEOUT,
+            message_is("a process serving the source exited; other processes still hold its connection"),
+        )
+        .expect("the partial exit is seen");
+    let aborted = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, |line| line.contains("aborted so that readers get an error"))
+        .expect("the connection is aborted");
+    assert!(field(&aborted, "waiting").as_u64().is_some_and(|waiting| waiting >= 1), "{aborted}");
+    assert_eq!(field(&aborted, "pid"), serde_json::json!(daemon), "{aborted}");
+    // The reader was hung in a read; the abort ends it with an error.
+    let failed = world.reader.wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("reader fails");
+    assert!(matches!(failed.error(), Some("ECONNABORTED" | "ENOTCONN")), "{failed:?}");
+    world.supervisor().wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded")).unwrap();
+    drop(keeper);
+}
