@@ -29,7 +29,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
+use crate::watch::{MountWatcher, MountinfoWatcher, Rearm, Wake};
 
 /// How `run` is set up.
 #[derive(Debug, Clone)]
@@ -228,8 +228,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
     let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
-    let pending = Arc::new(AtomicBool::new(false));
-    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
+    let table_watch = watcher.rearm_handle();
+    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone())?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -238,7 +238,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     }
     supervisor.rescan();
     info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
-    supervisor.serve(&inbox, &pending, shutdown);
+    supervisor.serve(&inbox, &*table_watch, shutdown);
     shutdown.request();
     if let Err(err) = pod_watcher.stop() {
         error!(%err, "pod-directory watcher failed");
@@ -249,24 +249,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     Ok(())
 }
 
-fn spawn_watcher(
-    mut watcher: Box<dyn MountWatcher>,
-    events: Sender<Event>,
-    pending: Arc<AtomicBool>,
-) -> Result<JoinHandle<()>, SupervisorError> {
+fn spawn_watcher(mut watcher: Box<dyn MountWatcher>, events: Sender<Event>) -> Result<JoinHandle<()>, SupervisorError> {
     std::thread::Builder::new()
         .name("watcher".into())
         .spawn(move || {
             loop {
+                // A burst of changes becomes one rescan: the watcher stays
+                // disarmed from its report until the loop reads the table.
                 let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => {
-                        // A burst of changes becomes one rescan: only the
-                        // first change after the loop's last read is sent.
-                        if pending.swap(true, Ordering::SeqCst) {
-                            continue;
-                        }
-                        Event::TableChanged
-                    }
+                    Ok(Wake::TableChanged) => Event::TableChanged,
                     Ok(Wake::Shutdown) => Event::Shutdown,
                     Err(err) => Event::WatchFailed(err),
                 };
@@ -354,7 +345,7 @@ impl Supervisor<MountExecutor> {
 }
 
 impl<E: Executor> Supervisor<E> {
-    fn serve(&mut self, inbox: &Receiver<Event>, pending: &AtomicBool, shutdown: &Shutdown) {
+    fn serve(&mut self, inbox: &Receiver<Event>, table_watch: &dyn Rearm, shutdown: &Shutdown) {
         while !shutdown.requested() {
             // A scan of a large table frees megabytes scattered between
             // long-lived allocations: give them back before sleeping.
@@ -368,10 +359,18 @@ impl<E: Executor> Supervisor<E> {
             };
             match event {
                 Ok(Event::TableChanged) => {
-                    pending.store(false, Ordering::SeqCst);
-                    self.woke_at = Instant::now();
+                    if let Err(err) = table_watch.rearm() {
+                        error!(?err, "mount-table watcher stopped");
+                        return;
+                    }
                     self.reporters.report(&Report::TableChanged);
-                    self.rescan();
+                    // A change the loop made itself (a heal) was read by the
+                    // scan that followed it: nothing new to see then. A
+                    // failed check rescans.
+                    if self.reader.changed_since_read().unwrap_or(true) {
+                        self.woke_at = Instant::now();
+                        self.rescan();
+                    }
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
