@@ -286,6 +286,12 @@ struct Supervisor<E: Executor> {
     probing_targets: BTreeSet<PathBuf>,
     /// Targets on an unrecorded connection that a probe found dead.
     dead_targets: BTreeSet<PathBuf>,
+    /// Table reads so far; a batch planned at read N is current while no
+    /// other read happened and the table did not change since.
+    table_reads: u64,
+    /// The batch each running source probe was started for, and the read it
+    /// was planned from: healed as it is if the table has not moved on.
+    probed_batches: BTreeMap<PathBuf, (u64, HealBatch)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
     /// Whether the first scan is done: mounts seen in it were there before
@@ -333,6 +339,8 @@ impl Supervisor<MountExecutor> {
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
             dead_targets: BTreeSet::new(),
+            table_reads: 0,
+            probed_batches: BTreeMap::new(),
             confirmer: None,
             scanned_once: false,
             layouts: config.layouts.clone(),
@@ -411,6 +419,7 @@ impl<E: Executor> Supervisor<E> {
     /// Reads and classifies the table; returns None (state kept) when the
     /// table cannot be read or parsed.
     fn read_table(&mut self) -> Option<Classified> {
+        self.table_reads += 1;
         let table = match self.reader.read() {
             Ok(table) => table,
             Err(err) => {
@@ -452,8 +461,8 @@ impl<E: Executor> Supervisor<E> {
             confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
         }
         for batch in batches {
-            if self.confirmed(&batch) {
-                self.start_probe(&batch);
+            if self.confirmed(&batch) && self.start_probe(&batch) {
+                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch));
             }
         }
         self.reporters.report(&Report::Scanned(&self.counts(&classified)));
@@ -786,11 +795,12 @@ impl<E: Executor> Supervisor<E> {
         matches!(self.records.get(target), Some(TargetRecord { state: TargetState::Failed { retry_at, .. }, .. }) if *retry_at > Instant::now())
     }
 
-    fn start_probe(&mut self, batch: &HealBatch) {
+    /// Whether a probe of the batch's source was started.
+    fn start_probe(&mut self, batch: &HealBatch) -> bool {
         let source = &batch.source.path;
         if self.prober.in_flight(source) || batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
             debug!(source = %source.display(), in_flight = self.prober.in_flight(source), "not probing");
-            return;
+            return false;
         }
         let expected = batch.source.top().mount_id;
         let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
@@ -798,11 +808,11 @@ impl<E: Executor> Supervisor<E> {
             Ok((id, fd)) if id == expected => fd,
             Ok((id, _)) => {
                 debug!(source = %source.display(), id, expected, "source changed while planning");
-                return;
+                return false;
             }
             Err(err) => {
                 warn!(source = %source.display(), ?err, "cannot open source");
-                return;
+                return false;
             }
         };
         let subdirs: BTreeSet<PathBuf> = batch
@@ -816,7 +826,9 @@ impl<E: Executor> Supervisor<E> {
             self.prober.start(source, expected, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
             error!(source = %source.display(), ?err, "cannot start probe");
+            return false;
         }
+        true
     }
 
     /// A target on neither its source's connection nor the recorded one
@@ -869,6 +881,7 @@ impl<E: Executor> Supervisor<E> {
         }
         debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
         self.prober.finished(&report.source);
+        let planned = self.probed_batches.remove(&report.source);
         self.reported_overdue.remove(&report.source);
         let handles = match report.outcome {
             ProbeOutcome::Live(handles) => handles,
@@ -877,15 +890,30 @@ impl<E: Executor> Supervisor<E> {
                 return;
             }
         };
-        // The table may have moved on while the probe ran: plan afresh.
-        let Some(classified) = self.read_table() else { return };
-        let Some(mut batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
-            .into_iter()
-            .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
-        else {
-            return self.rescan();
+        let mut batch = match planned {
+            // Nothing read or changed since the scan that planned it: a
+            // re-read would plan the same (and costs most of a small heal).
+            Some((read, batch))
+                if read == self.table_reads
+                    && batch.source.top().mount_id == report.mount_id
+                    && !self.reader.changed_since_read().unwrap_or(true) =>
+            {
+                batch
+            }
+            // The table may have moved on while the probe ran: plan afresh.
+            _ => {
+                let Some(classified) = self.read_table() else { return };
+                let Some(batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
+                    .into_iter()
+                    .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
+                else {
+                    return self.rescan();
+                };
+                batch
+            }
         };
-        batch.targets.retain(|target| !self.in_back_off(&target.path));
+        // The pod of a target may have been deleted since it was planned.
+        batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
         self.heal(&batch, &handles);
         self.rescan();
     }
