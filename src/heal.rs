@@ -16,6 +16,7 @@ use tracing::{debug, warn};
 
 use crate::plan::{HealBatch, TargetHeal};
 use crate::probe::SourceHandles;
+use crate::table::Dev;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealError {
@@ -166,12 +167,25 @@ impl MountExecutor {
 
     /// Stacks the new source onto the target unless an earlier stack of the
     /// batch reached it by propagation; either way returns a handle on the
-    /// target's new top, for flattening.
-    fn stack(&self, target: &TargetHeal, source: &SourceHandles) -> Result<(Healed, OwnedFd), HealError> {
+    /// target's new top, for flattening. `source_dev` is the device of the
+    /// source's new mount.
+    fn stack(
+        &self,
+        target: &TargetHeal,
+        source: &SourceHandles,
+        source_dev: Dev,
+    ) -> Result<(Healed, OwnedFd), HealError> {
         let (fd, top) = self.resolve_target(&target.path)?;
         if top != target.top_mount_id {
-            // An earlier stack of this batch propagated onto it; `fd` was
-            // resolved onto the copy.
+            // An earlier stack of this batch propagated onto it if the new top
+            // is on the source's connection; anything else was mounted there
+            // by someone else: changed under the heal, like a failed check.
+            let found = resolve::device_of(fd.as_fd())
+                .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
+            if found != (source_dev.major, source_dev.minor) {
+                return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+            }
+            // `fd` was resolved onto the copy.
             return Ok((Healed::Propagated, fd));
         }
         let from = source.for_root(&target.root_in_source).ok_or_else(|| HealError::NoSourceRoot {
@@ -274,6 +288,7 @@ impl Executor for MountExecutor {
 
     fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {
         let this = &*self;
+        let source_dev = batch.source.top().dev;
         let helpers = batch.targets.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).clamp(1, FLATTEN_THREADS) - 1;
         let (jobs, queue) = mpsc::channel();
         let queue = Mutex::new(queue);
@@ -312,7 +327,7 @@ impl Executor for MountExecutor {
             let mut outcomes = Vec::with_capacity(opened.len());
             let mut flattens = Vec::with_capacity(opened.len());
             for (index, (target, opened)) in batch.targets.iter().zip(opened).enumerate() {
-                let stacked = opened.and_then(|stale| Ok((stale, this.stack(target, source)?)));
+                let stacked = opened.and_then(|stale| Ok((stale, this.stack(target, source, source_dev)?)));
                 let result = match stacked {
                     Ok((stale, (how, new_top))) => {
                         flattens.push(FlattenJob { index, stale, new_top });

@@ -30,7 +30,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
+use crate::watch::{MountWatcher, MountinfoWatcher, Rearm, Wake};
 
 mod degraded;
 
@@ -255,8 +255,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
     let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
-    let pending = Arc::new(AtomicBool::new(false));
-    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
+    let table_watch = watcher.rearm_handle();
+    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone())?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -266,7 +266,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     }
     supervisor.rescan();
     info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
-    supervisor.serve(&inbox, &pending, shutdown);
+    supervisor.serve(&inbox, &*table_watch, shutdown);
     shutdown.request();
     drop(job);
     if let Err(err) = pod_watcher.stop() {
@@ -278,24 +278,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     Ok(())
 }
 
-fn spawn_watcher(
-    mut watcher: Box<dyn MountWatcher>,
-    events: Sender<Event>,
-    pending: Arc<AtomicBool>,
-) -> Result<JoinHandle<()>, SupervisorError> {
+fn spawn_watcher(mut watcher: Box<dyn MountWatcher>, events: Sender<Event>) -> Result<JoinHandle<()>, SupervisorError> {
     std::thread::Builder::new()
         .name("watcher".into())
         .spawn(move || {
             loop {
+                // A burst of changes becomes one rescan: the watcher stays
+                // disarmed from its report until the loop reads the table.
                 let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => {
-                        // A burst of changes becomes one rescan: only the
-                        // first change after the loop's last read is sent.
-                        if pending.swap(true, Ordering::SeqCst) {
-                            continue;
-                        }
-                        Event::TableChanged
-                    }
+                    Ok(Wake::TableChanged) => Event::TableChanged,
                     Ok(Wake::Shutdown) => Event::Shutdown,
                     Err(err) => Event::WatchFailed(err),
                 };
@@ -324,6 +315,12 @@ struct Supervisor<E: Executor> {
     probing_targets: BTreeSet<PathBuf>,
     /// Targets on an unrecorded connection that a probe found dead.
     dead_targets: BTreeSet<PathBuf>,
+    /// Table reads so far; a batch planned at read N is current while no
+    /// other read happened and the table did not change since.
+    table_reads: u64,
+    /// The batch each running source probe was started for, and the read it
+    /// was planned from: healed as it is if the table has not moved on.
+    probed_batches: BTreeMap<PathBuf, (u64, HealBatch)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
     /// Whether the first scan is done: mounts seen in it were there before
@@ -375,6 +372,8 @@ impl Supervisor<MountExecutor> {
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
             dead_targets: BTreeSet::new(),
+            table_reads: 0,
+            probed_batches: BTreeMap::new(),
             confirmer: None,
             scanned_once: false,
             layouts: config.layouts.clone(),
@@ -389,7 +388,7 @@ impl Supervisor<MountExecutor> {
 }
 
 impl<E: Executor> Supervisor<E> {
-    fn serve(&mut self, inbox: &Receiver<Event>, pending: &AtomicBool, shutdown: &Shutdown) {
+    fn serve(&mut self, inbox: &Receiver<Event>, table_watch: &dyn Rearm, shutdown: &Shutdown) {
         while !shutdown.requested() {
             // A scan of a large table frees megabytes scattered between
             // long-lived allocations: give them back before sleeping.
@@ -403,10 +402,18 @@ impl<E: Executor> Supervisor<E> {
             };
             match event {
                 Ok(Event::TableChanged) => {
-                    pending.store(false, Ordering::SeqCst);
-                    self.woke_at = Instant::now();
+                    if let Err(err) = table_watch.rearm() {
+                        error!(?err, "mount-table watcher stopped");
+                        return;
+                    }
                     self.reporters.report(&Report::TableChanged);
-                    self.rescan();
+                    // A change the loop made itself (a heal) was read by the
+                    // scan that followed it: nothing new to see then. A
+                    // failed check rescans.
+                    if self.reader.changed_since_read().unwrap_or(true) {
+                        self.woke_at = Instant::now();
+                        self.rescan();
+                    }
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
@@ -449,6 +456,7 @@ impl<E: Executor> Supervisor<E> {
     /// Reads and classifies the table; returns None (state kept) when the
     /// table cannot be read or parsed.
     fn read_table(&mut self) -> Option<Classified> {
+        self.table_reads += 1;
         let table = match self.reader.read() {
             Ok(table) => table,
             Err(err) => {
@@ -491,8 +499,8 @@ impl<E: Executor> Supervisor<E> {
             confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
         }
         for batch in batches {
-            if self.confirmed(&batch) {
-                self.start_probe(&batch);
+            if self.confirmed(&batch) && self.start_probe(&batch) {
+                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch));
             }
         }
         self.reporters.report(&Report::Scanned(&self.counts(&classified)));
@@ -846,11 +854,12 @@ impl<E: Executor> Supervisor<E> {
         matches!(self.records.get(target), Some(TargetRecord { state: TargetState::Failed { retry_at, .. }, .. }) if *retry_at > Instant::now())
     }
 
-    fn start_probe(&mut self, batch: &HealBatch) {
+    /// Whether a probe of the batch's source was started.
+    fn start_probe(&mut self, batch: &HealBatch) -> bool {
         let source = &batch.source.path;
         if self.prober.in_flight(source) || batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
             debug!(source = %source.display(), in_flight = self.prober.in_flight(source), "not probing");
-            return;
+            return false;
         }
         let expected = batch.source.top().mount_id;
         let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
@@ -858,11 +867,11 @@ impl<E: Executor> Supervisor<E> {
             Ok((id, fd)) if id == expected => fd,
             Ok((id, _)) => {
                 debug!(source = %source.display(), id, expected, "source changed while planning");
-                return;
+                return false;
             }
             Err(err) => {
                 warn!(source = %source.display(), ?err, "cannot open source");
-                return;
+                return false;
             }
         };
         let subdirs: BTreeSet<PathBuf> = batch
@@ -876,7 +885,9 @@ impl<E: Executor> Supervisor<E> {
             self.prober.start(source, expected, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
             error!(source = %source.display(), ?err, "cannot start probe");
+            return false;
         }
+        true
     }
 
     /// A target on neither its source's connection nor the recorded one
@@ -929,6 +940,7 @@ impl<E: Executor> Supervisor<E> {
         }
         debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
         self.prober.finished(&report.source);
+        let planned = self.probed_batches.remove(&report.source);
         self.reported_overdue.remove(&report.source);
         let handles = match report.outcome {
             ProbeOutcome::Live(handles) => handles,
@@ -937,15 +949,30 @@ impl<E: Executor> Supervisor<E> {
                 return;
             }
         };
-        // The table may have moved on while the probe ran: plan afresh.
-        let Some(classified) = self.read_table() else { return };
-        let Some(mut batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
-            .into_iter()
-            .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
-        else {
-            return self.rescan();
+        let mut batch = match planned {
+            // Nothing read or changed since the scan that planned it: a
+            // re-read would plan the same (and costs most of a small heal).
+            Some((read, batch))
+                if read == self.table_reads
+                    && batch.source.top().mount_id == report.mount_id
+                    && !self.reader.changed_since_read().unwrap_or(true) =>
+            {
+                batch
+            }
+            // The table may have moved on while the probe ran: plan afresh.
+            _ => {
+                let Some(classified) = self.read_table() else { return };
+                let Some(batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
+                    .into_iter()
+                    .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
+                else {
+                    return self.rescan();
+                };
+                batch
+            }
         };
-        batch.targets.retain(|target| !self.in_back_off(&target.path));
+        // The pod of a target may have been deleted since it was planned.
+        batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
         self.heal(&batch, &handles);
         self.rescan();
     }

@@ -4,6 +4,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
+use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use fuse_supervisor_sys::poll::{Poller, Waker};
 
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +17,8 @@ pub enum WatchError {
     },
     #[error("waiting for mount-table events failed")]
     Wait(#[source] io::Error),
+    #[error("cannot re-arm the mount-table watcher")]
+    Rearm(#[source] io::Error),
 }
 
 /// What a watcher woke up for.
@@ -27,9 +30,24 @@ pub enum Wake {
 
 /// A source of mount-table change notifications. A fanotify/statmount
 /// backend will implement this beside the mountinfo one.
+///
+/// After reporting [`Wake::TableChanged`] a watcher reports no other change
+/// until its [`Rearm`] handle is called: a heal makes hundreds of changes,
+/// and a watcher thread woken for each would compete for the CPU with it.
 pub trait MountWatcher: Send {
-    /// Blocks until the table changed or shutdown was asked for.
+    /// Blocks until the table changed (and the watcher is armed) or shutdown
+    /// was asked for.
     fn wait(&mut self) -> Result<Wake, WatchError>;
+
+    /// The handle that arms the watcher again, for the thread that reads the table.
+    fn rearm_handle(&self) -> Arc<dyn Rearm>;
+}
+
+/// Arms a watcher again after it reported a change.
+pub trait Rearm: Send + Sync {
+    /// Call after taking a change report and before reading the table: a
+    /// change before this call is in that read; one after it is reported.
+    fn rearm(&self) -> Result<(), WatchError>;
 }
 
 const TABLE: u64 = 1;
@@ -37,13 +55,20 @@ const SHUTDOWN: u64 = 2;
 
 /// `EPOLLPRI` on a mountinfo file: the kernel flags it once per change of
 /// the namespace. No timer: the thread sleeps until the kernel wakes it.
+/// Registered one-shot: disarmed from each report until [`Rearm::rearm`].
 pub struct MountinfoWatcher {
-    poller: Poller,
-    // Kept open: the registration lives as long as the file.
-    _mountinfo: File,
+    table: Arc<MountinfoArm>,
     // The registration lives as long as the eventfd.
     _waker: Arc<Waker>,
     events: Vec<u64>,
+}
+
+/// The mountinfo file and the epoll instance it is registered with, shared
+/// by the watcher thread (which waits) and the loop (which re-arms).
+struct MountinfoArm {
+    poller: Poller,
+    // Kept open: the registration lives as long as the file.
+    mountinfo: File,
 }
 
 impl MountinfoWatcher {
@@ -54,20 +79,37 @@ impl MountinfoWatcher {
             move |source| WatchError::Setup { what, source }
         };
         let poller = Poller::new().map_err(setup("epoll"))?;
-        poller.add_priority(mountinfo.as_fd(), TABLE).map_err(setup("mountinfo"))?;
+        poller.add_priority_oneshot(mountinfo.as_fd(), TABLE).map_err(setup("mountinfo"))?;
         poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(setup("waker"))?;
-        Ok(MountinfoWatcher { poller, _mountinfo: mountinfo, _waker: waker, events: Vec::with_capacity(2) })
+        Ok(MountinfoWatcher {
+            table: Arc::new(MountinfoArm { poller, mountinfo }),
+            _waker: waker,
+            events: Vec::with_capacity(2),
+        })
     }
 }
 
 impl MountWatcher for MountinfoWatcher {
     fn wait(&mut self) -> Result<Wake, WatchError> {
         self.events.clear();
-        self.poller.wait(&mut self.events, None).map_err(WatchError::Wait)?;
+        self.table.poller.wait(&mut self.events, None).map_err(WatchError::Wait)?;
         if self.events.contains(&SHUTDOWN) {
             // Leave the waker set: every other waiter must see it too.
             return Ok(Wake::Shutdown);
         }
         Ok(Wake::TableChanged)
+    }
+
+    fn rearm_handle(&self) -> Arc<dyn Rearm> {
+        self.table.clone()
+    }
+}
+
+impl Rearm for MountinfoArm {
+    fn rearm(&self) -> Result<(), WatchError> {
+        // The changes made while disarmed are in the read that follows:
+        // consume their notification, or re-arming would report them at once.
+        priority_pending(self.mountinfo.as_fd()).map_err(WatchError::Rearm)?;
+        self.poller.rearm_priority(self.mountinfo.as_fd(), TABLE).map_err(WatchError::Rearm)
     }
 }

@@ -8,7 +8,7 @@ use fuse_supervisor::plan::{HealBatch, TargetHeal};
 use fuse_supervisor::probe::SourceHandles;
 use fuse_supervisor::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, layers_at};
+use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, fuse_mount_ids_at, layers_at};
 use fuse_supervisor_sys::resolve;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -64,4 +64,56 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
     assert_eq!(layers_at(&sandbox, &outside.join("mount")), 1, "something was mounted outside the kubelet root");
     let after = Snapshot::parse(sandbox.mountinfo().as_bytes()).unwrap();
     assert_eq!(after.fuse_mounts, snapshot.fuse_mounts, "the FUSE mounts changed");
+}
+
+/// A target whose top changed during a batch counts as healed by
+/// propagation only if the new top is on the source's device. Here the stack
+/// on the first target carries another FUSE filesystem (handles the test
+/// mixes up on purpose), which propagates onto its peer: the peer is
+/// reported changed under the heal, and its layers are left alone.
+#[test]
+fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
+    let sandbox = Sandbox::new().unwrap();
+    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "data").unwrap();
+    let other = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "other").unwrap();
+    let first = source.bind_volume(&sandbox, "pod-a", "pv").unwrap();
+    let peer = source.bind_volume(&sandbox, "pod-b", "pv").unwrap();
+    source.restart(&sandbox, Restart::UnmountThenMount).unwrap();
+
+    let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).unwrap();
+    let classified = Classified::new(&snapshot, &Layout::new(&sandbox.kubelet_root()));
+    let heal_of = |path: &Path, pod: &str| {
+        let top = classified.targets[path].stack.top().mount_id;
+        TargetHeal {
+            path: path.to_path_buf(),
+            pod_uid: pod.into(),
+            kind: TargetKind::Volume,
+            root_in_source: Default::default(),
+            top_mount_id: top,
+            layer_ids: vec![top],
+        }
+    };
+    let batch = HealBatch {
+        source: classified.sources[&source.path].clone(),
+        targets: vec![heal_of(&first, "pod-a"), heal_of(&peer, "pod-b")],
+    };
+    let stale_peer = batch.targets[1].top_mount_id;
+    let (kubelet_root, staging, other_path) =
+        (sandbox.kubelet_root(), sandbox.root().join("staging"), other.path.clone());
+    let outcomes = sandbox.run(move || {
+        let mut executor = MountExecutor::new(&kubelet_root, &staging).unwrap();
+        let handles = SourceHandles { root: resolve::open_path(&other_path).unwrap(), subdirs: Default::default() };
+        executor.heal(&batch, &handles)
+    });
+
+    assert!(outcomes[0].result.is_ok(), "{:?}", outcomes[0].result);
+    assert!(
+        matches!(&outcomes[1].result, Err(HealError::Changed { path, planned, .. }) if *path == peer && *planned == stale_peer),
+        "{:?}",
+        outcomes[1].result
+    );
+    assert_eq!(outcomes[1].layers_removed, 0);
+    let at_peer = fuse_mount_ids_at(&sandbox, &peer);
+    assert_eq!(at_peer.len(), 2, "the peer keeps its stale layer under the foreign copy");
+    assert!(at_peer.contains(&stale_peer));
 }

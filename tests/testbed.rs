@@ -479,3 +479,62 @@ fn sandbox_run_resumes_panics_in_the_caller() {
         "the sandbox thread must be in a namespace of its own"
     );
 }
+
+/// The mount-table watcher reports the first of a burst of changes and then
+/// stays quiet until re-armed; re-arming does not report the changes made
+/// while it was disarmed (they are in the read that follows), and a change
+/// after re-arming is reported again. The reader tells a change since its
+/// last read without reading.
+#[test]
+fn the_table_watcher_reports_once_per_burst_and_again_after_a_rearm() {
+    use fuse_supervisor::mountinfo::MountInfoReader;
+    use fuse_supervisor::watch::{MountWatcher, MountinfoWatcher, Wake};
+    use fuse_supervisor_sys::poll::Waker;
+
+    require_root();
+    let sandbox = Sandbox::new().unwrap();
+    let open = || sandbox.run(|| fs::File::open("/proc/thread-self/mountinfo")).unwrap();
+    let mut reader = MountInfoReader::from_file(open());
+    let shutdown = Arc::new(Waker::new().unwrap());
+    let mut watcher = MountinfoWatcher::new(open(), Arc::clone(&shutdown)).unwrap();
+    let rearm = watcher.rearm_handle();
+    let (sender, wakes) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        loop {
+            let wake = watcher.wait().unwrap();
+            sender.send(wake).unwrap();
+            if wake == Wake::Shutdown {
+                return;
+            }
+        }
+    });
+    let mount_tmpfs = |name: &str| {
+        let dir = sandbox.root().join(name);
+        sandbox.run(move || {
+            fs::create_dir_all(&dir).unwrap();
+            mount::mount_tmpfs(&dir).unwrap();
+        })
+    };
+    reader.read().unwrap();
+    assert!(!reader.changed_since_read().unwrap());
+
+    mount_tmpfs("burst-0");
+    assert_eq!(wakes.recv_timeout(WAIT), Ok(Wake::TableChanged));
+    for index in 1..50 {
+        mount_tmpfs(&format!("burst-{index}"));
+    }
+    assert!(reader.changed_since_read().unwrap());
+    assert!(reader.changed_since_read().unwrap(), "a change stays known until the next read");
+    rearm.rearm().unwrap();
+    let table = reader.read().unwrap().to_vec();
+    assert!(String::from_utf8_lossy(&table).contains("burst-49"));
+    assert!(!reader.changed_since_read().unwrap());
+
+    mount_tmpfs("after-rearm");
+    assert_eq!(wakes.recv_timeout(WAIT), Ok(Wake::TableChanged));
+    assert!(reader.changed_since_read().unwrap());
+    shutdown.wake().unwrap();
+    // Anything but Shutdown here is a report the burst or the rearm should not have made.
+    assert_eq!(wakes.recv_timeout(WAIT), Ok(Wake::Shutdown));
+    thread.join().unwrap();
+}

@@ -23,6 +23,8 @@ pub struct MountInfoReader {
     last_read_count: usize,
     /// Length of the last read, to size a released buffer anew.
     last_len: usize,
+    /// The table changed since the last read (a consumed notification said so).
+    changed: bool,
 }
 
 /// A buffer up to this size is kept between reads; a larger one (a table
@@ -35,7 +37,7 @@ impl MountInfoReader {
     }
 
     pub fn from_file(file: File) -> Self {
-        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0, last_len: 0 }
+        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0, last_len: 0, changed: false }
     }
 
     /// Reads from offset 0 to EOF; then, if the file reports POLLPRI again
@@ -47,6 +49,7 @@ impl MountInfoReader {
         // A change before this read is in the text this read gets; drop its
         // notification so that it does not cause a needless reread.
         priority_pending(self.file.as_fd())?;
+        self.changed = false;
         self.last_read_count = 0;
         loop {
             self.read_once()?;
@@ -55,6 +58,15 @@ impl MountInfoReader {
                 return Ok(&self.buffer);
             }
         }
+    }
+
+    /// Whether the table changed since the last `read` finished, without
+    /// reading it: one zero-timeout poll. Stays true until the next `read`.
+    pub fn changed_since_read(&mut self) -> io::Result<bool> {
+        if !self.changed {
+            self.changed = priority_pending(self.file.as_fd())?;
+        }
+        Ok(self.changed)
     }
 
     /// What the last `read` returned.

@@ -31,6 +31,22 @@ impl Poller {
         Ok(epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), epoll::EventFlags::PRI)?)
     }
 
+    /// Like [`Poller::add_priority`], with `EPOLLONESHOT`: after `fd` is
+    /// reported once, it stays silent until [`Poller::rearm_priority`].
+    pub fn add_priority_oneshot(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        let flags = epoll::EventFlags::PRI | epoll::EventFlags::ONESHOT;
+        Ok(epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?)
+    }
+
+    /// Enables a registration of [`Poller::add_priority_oneshot`] again. The
+    /// kernel polls `fd` during this call: an event it has pending now (for
+    /// mountinfo: a change since the file was last polled) is reported at once.
+    /// Safe to call from another thread while one waits.
+    pub fn rearm_priority(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        let flags = epoll::EventFlags::PRI | epoll::EventFlags::ONESHOT;
+        Ok(epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?)
+    }
+
     /// Registers `fd` for `EPOLLIN` (level-triggered), reported as `token`.
     pub fn add_readable(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
         Ok(epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), epoll::EventFlags::IN)?)

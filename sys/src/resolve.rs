@@ -68,6 +68,17 @@ pub fn mount_id_of(fd: BorrowedFd<'_>) -> io::Result<u32> {
     }
 }
 
+/// The device (`major`, `minor`) of the filesystem `fd` is on, as mountinfo's
+/// third field shows it.
+///
+/// The same `statx` call as [`mount_id_of`]: FUSE fills the device from its
+/// superblock without asking the daemon.
+pub fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    let stat = rustix::fs::statx(fd, c"", flags, StatxFlags::empty())?;
+    Ok((stat.stx_dev_major, stat.stx_dev_minor))
+}
+
 /// The `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the kernel
 /// fills from the fd's `struct path` alone.
 fn mount_id_from_fdinfo(fd: BorrowedFd<'_>) -> io::Result<u32> {
@@ -99,6 +110,16 @@ mod tests {
         for path in ["/", "/proc", "/proc/self", "/dev", "/sys"] {
             let fd = open_path(Path::new(path)).unwrap();
             assert_eq!(mount_id_of(fd.as_fd()).unwrap(), mount_id_from_fdinfo(fd.as_fd()).unwrap(), "{path}");
+        }
+    }
+
+    #[test]
+    fn device_of_matches_stat() {
+        use std::os::unix::fs::MetadataExt;
+        for path in ["/", "/proc", "/dev"] {
+            let fd = open_path(Path::new(path)).unwrap();
+            let dev = fs::metadata(path).unwrap().dev();
+            assert_eq!(device_of(fd.as_fd()).unwrap(), (libc::major(dev), libc::minor(dev)), "{path}");
         }
     }
 
