@@ -20,6 +20,7 @@ use tracing::{debug, error, info, info_span, warn};
 
 use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::heal::{Executor, Healed, MountExecutor};
+use crate::health::{Health, Pong};
 use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
 use crate::mountinfo::MountInfoReader;
@@ -29,7 +30,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{MountWatcher, MountinfoWatcher, Wake};
+use crate::watch::{MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 
 /// How `run` is set up.
 #[derive(Debug, Clone)]
@@ -51,6 +52,10 @@ pub struct Config {
     pub layouts: SourceLayouts,
     /// Who hears about breaks, heals and kubelet calls (events, metrics).
     pub reporters: Reporters,
+    /// Kernel notifications, or a full scan on a timer.
+    pub watch: WatchMode,
+    /// Answers liveness pings and says when the first scan is done.
+    pub health: Arc<Health>,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -122,6 +127,8 @@ enum Event {
     Kubelet(Answer),
     Pods(PodChange),
     WatchFailed(crate::watch::WatchError),
+    /// A liveness check (`/healthz`): answered at once.
+    Ping(Pong),
     Shutdown,
 }
 
@@ -194,6 +201,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         debug!("allocator keeps its own mmap threshold");
     }
     let (events, inbox) = mpsc::channel();
+    // Pings queue up until the loop serves, so a slow start reads as not alive.
+    let pings = events.clone();
+    config.health.attach(move |pong| pings.send(Event::Ping(pong)).is_ok());
     // The kubelet thread starts before this one leaves for the watched
     // namespace, so it keeps ours: the token and CA files are this
     // container's, not the host's.
@@ -227,9 +237,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
-    let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
+    let watcher: Box<dyn MountWatcher> = match config.watch {
+        WatchMode::Events => Box::new(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+        WatchMode::Poll { period } => Box::new(PollWatcher::new(period, shutdown.waker.clone())?),
+    };
     let pending = Arc::new(AtomicBool::new(false));
-    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone(), pending.clone())?;
+    let watcher_thread = spawn_watcher(watcher, events.clone(), pending.clone())?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -237,8 +250,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         supervisor.on_pods(change);
     }
     supervisor.rescan();
-    info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
+    config.health.set_ready();
+    info!(
+        kubelet_root = %config.kubelet_root.display(),
+        namespace = %config.mount_namespace.display(),
+        mode = %config.watch,
+        "supervising"
+    );
     supervisor.serve(&inbox, &pending, shutdown);
+    config.health.detach();
     shutdown.request();
     if let Err(err) = pod_watcher.stop() {
         error!(%err, "pod-directory watcher failed");
@@ -376,6 +396,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Probed(report)) => self.on_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
                 Ok(Event::Pods(change)) => self.on_pods(change),
+                Ok(Event::Ping(pong)) => pong.answer(),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;
