@@ -516,3 +516,28 @@ fn read_namespace_table(namespace: &Path) -> anyhow::Result<Vec<u8>> {
     .join()
     .map_err(|_| anyhow::anyhow!("namespace reader panicked"))?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_addr_is_an_address_or_off() {
+        assert_eq!(parse_listen("0.0.0.0:9809").unwrap().0, Some("0.0.0.0:9809".parse().unwrap()));
+        assert_eq!(parse_listen("[::]:9809").unwrap().0, Some("[::]:9809".parse().unwrap()));
+        assert_eq!(parse_listen("off").unwrap().0, None);
+        assert!(parse_listen("9809").unwrap_err().contains("ADDRESS:PORT"));
+    }
+
+    #[test]
+    fn run_takes_the_mode_and_a_poll_period_above_zero() {
+        let cli = Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "200ms"]).unwrap();
+        let Command::Run { watch, serve, .. } = cli.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Poll { period: Duration::from_millis(200) });
+        assert_eq!(serve.metrics_addr.0, Some("0.0.0.0:9809".parse().unwrap()));
+        let defaults = Cli::try_parse_from(["fuse-supervisor", "run"]).unwrap();
+        let Command::Run { watch, .. } = defaults.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Events);
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "0s"]).is_err());
+    }
+}
