@@ -10,9 +10,15 @@
 //! and the supervisor's own `latency_us` (its loop's wake-up to the heal) is
 //! collected from its log. A benchmark, not a test: it prints numbers.
 //!
+//! `--modes event,poll` runs every size in both of the supervisor's modes,
+//! one after the other, and prints them side by side: `event` wakes on the
+//! kernel's mount-table notification, `poll` scans every `--poll-period`
+//! (5s, like Fluid's default) as polling healers do.
+//!
 //! ```text
 //! cargo bench --bench heal_latency [-- --sizes 1,100,1000 --cycles 20 --large-cycles 8
-//!     --daemons demofs,bindfs --sampled-readers 20 --reader-interval-ms 2]
+//!     --daemons demofs,bindfs --modes event,poll --poll-period 5s --sampled-readers 20
+//!     --reader-interval-ms 2]
 //! ```
 //!
 //! Every flag is also an environment variable (`HEAL_BENCH_SIZES`, ...).
@@ -44,6 +50,9 @@ struct Options {
     cycles: usize,
     large_cycles: usize,
     daemons: Vec<Daemon>,
+    modes: Vec<Mode>,
+    /// `--poll-period` of the supervisor in poll mode.
+    poll_period: String,
     /// Up to this many targets, one reader per target; above, readers are
     /// sampled: a reader per target would swamp the machine and measure the
     /// scheduler instead of the heal.
@@ -78,6 +87,12 @@ impl Options {
             cycles: flags.number("cycles", "20"),
             large_cycles: flags.number("large-cycles", "8"),
             daemons: flags.list("daemons", "demofs,bindfs", daemon),
+            modes: flags.list("modes", "event", |name| match name {
+                "event" => Some(Mode::Event),
+                "poll" => Some(Mode::Poll),
+                _ => None,
+            }),
+            poll_period: flags.text("poll-period", "5s"),
             all_readers_up_to: flags.number("all-readers-up-to", "100"),
             sampled_readers: flags.number("sampled-readers", "20"),
             watch_duty_percent: flags.number::<u32>("watch-duty-percent", "10").clamp(1, 100),
@@ -106,6 +121,37 @@ impl Options {
             1 => vec![0],
             sampled => (0..sampled).map(|i| i * (targets - 1) / (sampled - 1)).collect(),
         }
+    }
+}
+
+/// How the supervisor learns of the new global mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Its mount-table notification (the default).
+    Event,
+    /// Its next full scan on the timer.
+    Poll,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Event => "event",
+            Mode::Poll => "poll",
+        }
+    }
+
+    fn args(self, options: &Options) -> Vec<String> {
+        let mut args = vec!["--kubelet".to_owned(), "none".to_owned()];
+        if self == Mode::Poll {
+            args.extend([
+                "--mode".to_owned(),
+                "poll".to_owned(),
+                "--poll-period".to_owned(),
+                options.poll_period.clone(),
+            ]);
+        }
+        args
     }
 }
 
@@ -318,6 +364,7 @@ struct Cycle {
 
 struct SizeResult {
     undisturbed: bool,
+    mode: Mode,
     daemon: Daemon,
     targets: usize,
     readers: usize,
@@ -372,10 +419,10 @@ fn reads_new(expected: &str) -> impl Fn(&fuse_supervisor::testbed::Observation) 
     move |observation| observation.content() == Some(expected)
 }
 
-fn run_size(options: &Options, daemon: Daemon, targets: usize) -> SizeResult {
+fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> SizeResult {
     let binary = Path::new(BINARY);
     let cycles = options.cycles_for(targets);
-    eprintln!("# {} with {targets} target(s): setting up", daemon.name());
+    eprintln!("# {} with {targets} target(s), {} mode: setting up", daemon.name(), mode.name());
     // Dropped in reverse order: watcher, readers, supervisor, source, sandbox.
     let sandbox = Sandbox::new().expect("sandbox");
     let mut source = FuseSource::start(&sandbox, binary, daemon, "shared-data").expect("start the FUSE daemon");
@@ -402,8 +449,8 @@ fn run_size(options: &Options, daemon: Daemon, targets: usize) -> SizeResult {
     for reader in &readers {
         reader.wait_until(HEAL_TIMEOUT, reads_new(&source.expected_content())).expect("reader reads the source");
     }
-    let supervisor =
-        SupervisorProcess::start(&sandbox, binary, &sandbox.root().join("state")).expect("start the supervisor");
+    let supervisor = SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), mode.args(options))
+        .expect("start the supervisor");
     let watch = options.table_watch.then(|| TableWatch::start(&sandbox, options.watch_duty_percent));
     let baseline = sandbox.count_mounts_under(sandbox.root());
 
@@ -509,6 +556,7 @@ fn run_size(options: &Options, daemon: Daemon, targets: usize) -> SizeResult {
     }
     SizeResult {
         undisturbed: !options.table_watch && readers_started == 0,
+        mode,
         daemon,
         targets,
         readers: readers_started,
@@ -536,8 +584,9 @@ fn row(measure: &str, result: &SizeResult, mut values: Vec<u64>, missing: usize,
     };
     let missing = if missing > 0 { format!(" ({missing} missing)") } else { String::new() };
     println!(
-        "{:<7} {:>5}  {:<38} {:>6}{missing}  {:>9}  {:>9}  {:>9}  {target}",
+        "{:<7} {:<5} {:>5}  {:<38} {:>6}{missing}  {:>9}  {:>9}  {:>9}  {target}",
         result.daemon.name(),
+        result.mode.name(),
         result.targets,
         measure,
         values.len(),
@@ -560,11 +609,18 @@ fn report(results: &[SizeResult], options: &Options) {
     println!("(b): container readers poll every {:?}; their own timestamps.", options.reader_interval);
     println!("supervisor: its logged latency_us (loop wake-up for the table change -> heal done), max per cycle;");
     println!("  \"undisturbed\" rows are a second run without readers and without the watcher.");
+    if options.modes.contains(&Mode::Poll) {
+        println!(
+            "mode poll: the supervisor scans every {} instead of waking on the table change, so (a) and (b)",
+            options.poll_period
+        );
+        println!("  include the wait for the next scan, and its latency_us runs from that scan's timer wake-up.");
+    }
     println!("percentiles are nearest-rank over the n samples (p99 of 20 samples is the max).");
     println!();
     println!(
-        "{:<7} {:>5}  {:<38} {:>6}  {:>9}  {:>9}  {:>9}  target",
-        "daemon", "N", "measure", "n", "p50", "p99", "max"
+        "{:<7} {:<5} {:>5}  {:<38} {:>6}  {:>9}  {:>9}  {:>9}  target",
+        "daemon", "mode", "N", "measure", "n", "p50", "p99", "max"
     );
     for result in results {
         let cycles = &result.cycles;
@@ -573,7 +629,8 @@ fn report(results: &[SizeResult], options: &Options) {
             let missing = cycles.len() - values.len();
             (values, missing)
         };
-        let heal_target = if result.targets == 100 { "100 targets healed: p99 < 10 ms" } else { "" };
+        let heal_target =
+            if result.targets == 100 && result.mode == Mode::Event { "100 targets healed: p99 < 10 ms" } else { "" };
         if result.undisturbed {
             let (values, missing) = collect(|c| c.supervisor_us);
             row("supervisor latency_us, undisturbed", result, values, missing, heal_target);
@@ -599,7 +656,13 @@ fn report(results: &[SizeResult], options: &Options) {
     for result in results {
         let lines: Vec<usize> = result.cycles.iter().map(|c| c.healed_lines).collect();
         let run = if result.undisturbed { "undisturbed" } else { "measured" };
-        println!("{} N={} ({run}): \"healed\" log lines per cycle {:?}", result.daemon.name(), result.targets, lines);
+        println!(
+            "{} {} N={} ({run}): \"healed\" log lines per cycle {:?}",
+            result.daemon.name(),
+            result.mode.name(),
+            result.targets,
+            lines
+        );
         if !result.undisturbed {
             let wakes: Vec<u64> = result.cycles.iter().map(|c| c.table_wakes).collect();
             let pause = result.cycles.iter().map(|c| c.watch_pause_us).max().unwrap_or(0);
@@ -625,9 +688,11 @@ fn main() {
     let mut results = Vec::new();
     for &daemon in &options.daemons {
         for &targets in &options.sizes {
-            results.push(run_size(&options, daemon, targets));
-            if options.clean_pass && (options.table_watch || !options.reader_indices(targets).is_empty()) {
-                results.push(run_size(&options.undisturbed(), daemon, targets));
+            for &mode in &options.modes {
+                results.push(run_size(&options, mode, daemon, targets));
+                if options.clean_pass && (options.table_watch || !options.reader_indices(targets).is_empty()) {
+                    results.push(run_size(&options.undisturbed(), mode, daemon, targets));
+                }
             }
         }
     }

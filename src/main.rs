@@ -1,7 +1,9 @@
 //! The `fuse-supervisor` command line.
 use std::fs;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -12,6 +14,7 @@ use fuse_supervisor::demofs::{self, DemoFsOptions};
 use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
+use fuse_supervisor::metrics::{Metrics, MetricsServer};
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
@@ -19,6 +22,7 @@ use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
+use fuse_supervisor::watch::WatchMode;
 
 /// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
 /// them restarts, reaching containers that are still running.
@@ -29,7 +33,7 @@ struct Cli {
     command: Command,
 }
 
-// Parsed once at start: the size of the `run` variant costs nothing.
+// Parsed once at start and matched once: the size of a variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -45,6 +49,10 @@ enum Command {
         job: Box<JobArgs>,
         #[command(flatten)]
         daemons: DaemonArgs,
+        #[command(flatten)]
+        watch: WatchArgs,
+        #[command(flatten)]
+        serve: ServeArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -148,6 +156,8 @@ impl NodeArgs {
             pod_scope: None,
             job: None,
             daemons: DaemonWatch::default(),
+            watch: WatchMode::Events,
+            health: Arc::default(),
         })
     }
 }
@@ -374,6 +384,56 @@ impl DaemonArgs {
     }
 }
 
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Watching")]
+struct WatchArgs {
+    /// `event`: wake on the kernel's mount-table notifications (no timer).
+    /// `poll`: scan the whole table every --poll-period, as polling healers
+    /// do (for comparison, or where notifications do not work).
+    #[arg(long, value_enum, default_value = "event", env = "FUSE_SUPERVISOR_MODE")]
+    mode: Mode,
+    /// How often poll mode scans.
+    #[arg(long, default_value = "5s", value_parser = parse_period, env = "FUSE_SUPERVISOR_POLL_PERIOD")]
+    poll_period: Duration,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Mode {
+    Event,
+    Poll,
+}
+
+impl WatchArgs {
+    fn mode(&self) -> WatchMode {
+        match self.mode {
+            Mode::Event => WatchMode::Events,
+            Mode::Poll => WatchMode::Poll { period: self.poll_period },
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Metrics and health")]
+struct ServeArgs {
+    /// Where to serve /metrics (Prometheus, OpenMetrics text), /healthz (the
+    /// loop is alive) and /readyz (the first scan is done), or `off`.
+    #[arg(long, value_name = "ADDR:PORT|off", default_value = "0.0.0.0:9809", value_parser = parse_listen, env = "FUSE_SUPERVISOR_METRICS_ADDR")]
+    metrics_addr: Listen,
+}
+
+/// `--metrics-addr`: an address, or `off`.
+#[derive(Debug, Clone, Copy)]
+struct Listen(Option<SocketAddr>);
+
+fn parse_listen(text: &str) -> Result<Listen, String> {
+    if text == "off" {
+        return Ok(Listen(None));
+    }
+    text.parse()
+        .map(|addr| Listen(Some(addr)))
+        .map_err(|_| format!("`{text}` is not ADDRESS:PORT (e.g. 0.0.0.0:9809, [::]:9809) or off"))
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Json,
@@ -438,19 +498,27 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// A poll period: a duration above zero (zero would spin).
+fn parse_period(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err(format!("`{text}`: the poll period must be above zero")),
+        period => Ok(period),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, kubelet, job, daemons, log } => {
+        Command::Run { node, kubelet, job, daemons, watch, serve, log } => {
             log.init();
             node.config()
                 .and_then(|config| {
                     let kubelet = kubelet.confirmation()?;
                     let pod_scope = job.sidecar.sidecar.then(|| job.sidecar.pod_uid.clone()).flatten();
                     let job = job.config(kubelet.as_ref(), &config)?;
-                    Ok(Config { kubelet, pod_scope, job, daemons: daemons.watch(), ..config })
+                    Ok(Config { kubelet, pod_scope, job, daemons: daemons.watch(), watch: watch.mode(), ..config })
                 })
-                .and_then(|c| run(&c))
+                .and_then(|config| run(config, serve.metrics_addr))
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {
@@ -492,7 +560,22 @@ fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Re
     Ok(())
 }
 
-fn run(config: &Config) -> anyhow::Result<()> {
+fn run(mut config: Config, metrics_addr: Listen) -> anyhow::Result<()> {
+    // Started before the loop, so that probes get an answer (not alive, not
+    // ready) rather than a refused connection while it starts.
+    let server = match metrics_addr.0 {
+        Some(addr) => {
+            let metrics = Arc::new(Metrics::new());
+            config.reporters.push(metrics.clone());
+            let server = MetricsServer::start(addr, metrics, config.health.clone())?;
+            tracing::info!(addr = %server.local_addr(), "serving metrics");
+            Some(server)
+        }
+        None => {
+            tracing::info!("metrics and health endpoints are off");
+            None
+        }
+    };
     let shutdown = Shutdown::new().context("cannot create the shutdown eventfd")?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .context("cannot install signal handlers")?;
@@ -504,10 +587,13 @@ fn run(config: &Config) -> anyhow::Result<()> {
         }
     })?;
     // The loop thread moves into the watched namespace; main stays put.
-    let config = config.clone();
     let supervisor =
         std::thread::Builder::new().name("supervisor".into()).spawn(move || supervisor::run(&config, &shutdown))?;
-    supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"))??;
+    let result = supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"));
+    if let Some(server) = server {
+        server.stop();
+    }
+    result??;
     Ok(())
 }
 
@@ -559,4 +645,29 @@ fn read_namespace_table(namespace: &Path) -> anyhow::Result<Vec<u8>> {
     })
     .join()
     .map_err(|_| anyhow::anyhow!("namespace reader panicked"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_addr_is_an_address_or_off() {
+        assert_eq!(parse_listen("0.0.0.0:9809").unwrap().0, Some("0.0.0.0:9809".parse().unwrap()));
+        assert_eq!(parse_listen("[::]:9809").unwrap().0, Some("[::]:9809".parse().unwrap()));
+        assert_eq!(parse_listen("off").unwrap().0, None);
+        assert!(parse_listen("9809").unwrap_err().contains("ADDRESS:PORT"));
+    }
+
+    #[test]
+    fn run_takes_the_mode_and_a_poll_period_above_zero() {
+        let cli = Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "200ms"]).unwrap();
+        let Command::Run { watch, serve, .. } = cli.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Poll { period: Duration::from_millis(200) });
+        assert_eq!(serve.metrics_addr.0, Some("0.0.0.0:9809".parse().unwrap()));
+        let defaults = Cli::try_parse_from(["fuse-supervisor", "run"]).unwrap();
+        let Command::Run { watch, .. } = defaults.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Events);
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "0s"]).is_err());
+    }
 }

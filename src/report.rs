@@ -31,6 +31,10 @@ pub enum Report<'a> {
     /// watcher saw it); `targets` were on its connection and are Degraded
     /// until a new mount appears at the source and they are healed.
     DaemonDied { source: &'a Path, pid: u32, at: SystemTime, targets: &'a [PathBuf] },
+    /// The process watcher reported an event of a watched daemon:
+    /// `exited`, `exec` (a search for a missing daemon), `lost` (events
+    /// dropped, all daemons searched again) or `failed`.
+    ProcessEvent { kind: &'static str },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

@@ -21,6 +21,7 @@ use tracing::{debug, error, info, info_span, warn};
 use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::daemons::{DaemonEvent, DaemonWatch, Daemons};
 use crate::heal::{Executor, Healed, MountExecutor};
+use crate::health::{Health, Pong};
 use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
 use crate::mountinfo::MountInfoReader;
@@ -30,7 +31,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{MountWatcher, MountinfoWatcher, Rearm, Wake};
+use crate::watch::{MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
 
@@ -60,6 +61,10 @@ pub struct Config {
     pub job: Option<crate::job::JobConfig>,
     /// How the daemons serving the sources are watched for their death.
     pub daemons: DaemonWatch,
+    /// Kernel notifications, or a full scan on a timer.
+    pub watch: WatchMode,
+    /// Answers liveness pings and says when the first scan is done.
+    pub health: Arc<Health>,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -136,6 +141,8 @@ enum Event {
     Pods(PodChange),
     Daemon(DaemonEvent),
     WatchFailed(crate::watch::WatchError),
+    /// A liveness check (`/healthz`): answered at once.
+    Ping(Pong),
     Shutdown,
 }
 
@@ -208,6 +215,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         debug!("allocator keeps its own mmap threshold");
     }
     let (events, inbox) = mpsc::channel();
+    // Pings queue up until the loop serves, so a slow start reads as not alive.
+    let pings = events.clone();
+    config.health.attach(move |pong| pings.send(Event::Ping(pong)).is_ok());
     // The kubelet thread starts before this one leaves for the watched
     // namespace, so it keeps ours: the token and CA files are this
     // container's, not the host's.
@@ -254,9 +264,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
-    let watcher = MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?;
+    let watcher: Box<dyn MountWatcher> = match config.watch {
+        WatchMode::Events => Box::new(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+        WatchMode::Poll { period } => Box::new(PollWatcher::new(period, shutdown.waker.clone())?),
+    };
     let table_watch = watcher.rearm_handle();
-    let watcher_thread = spawn_watcher(Box::new(watcher), events.clone())?;
+    let watcher_thread = spawn_watcher(watcher, events.clone())?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -265,8 +278,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         supervisor.on_pods(change);
     }
     supervisor.rescan();
-    info!(kubelet_root = %config.kubelet_root.display(), namespace = %config.mount_namespace.display(), "supervising");
+    config.health.set_ready();
+    info!(
+        kubelet_root = %config.kubelet_root.display(),
+        namespace = %config.mount_namespace.display(),
+        mode = %config.watch,
+        "supervising"
+    );
     supervisor.serve(&inbox, &*table_watch, shutdown);
+    config.health.detach();
     shutdown.request();
     drop(job);
     if let Err(err) = pod_watcher.stop() {
@@ -336,6 +356,8 @@ struct Supervisor<E: Executor> {
     /// mapped at the last scan: a new vol_data.json of theirs is worth one.
     unmapped_pods: BTreeSet<String>,
     reporters: Reporters,
+    /// Poll mode: every wake-up is a full scan, changed table or not.
+    polling: bool,
     /// None when daemons are not watched (`--process-watch off`, `heal --once`).
     daemons: Option<Daemons>,
     /// Handles on the stale tops of targets whose daemon died.
@@ -381,6 +403,7 @@ impl Supervisor<MountExecutor> {
             pods_watched: false,
             unmapped_pods: BTreeSet::new(),
             reporters: config.reporters.clone(),
+            polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             held: BTreeMap::new(),
         })
@@ -410,7 +433,8 @@ impl<E: Executor> Supervisor<E> {
                     // A change the loop made itself (a heal) was read by the
                     // scan that followed it: nothing new to see then. A
                     // failed check rescans.
-                    if self.reader.changed_since_read().unwrap_or(true) {
+                    // Poll mode scans on every tick, as polling healers do.
+                    if self.polling || self.reader.changed_since_read().unwrap_or(true) {
                         self.woke_at = Instant::now();
                         self.rescan();
                     }
@@ -419,6 +443,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
                 Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::Daemon(event)) => self.on_daemon(event),
+                Ok(Event::Ping(pong)) => pong.answer(),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;

@@ -130,6 +130,11 @@ fn url(kubelet: &KubeletStandIn) -> String {
     format!("https://127.0.0.1:{}", kubelet.port())
 }
 
+/// A series of the supervisor's `/metrics`, 0 when it is not exposed yet.
+fn metric(node: &Node, series: &str) -> f64 {
+    node.supervisor().metric(series).expect("scrape /metrics").unwrap_or(0.0)
+}
+
 fn still_broken(observation: Option<Observation>) -> bool {
     observation.is_some_and(|observation| observation.error().is_some())
 }
@@ -146,6 +151,8 @@ fn a_restart_the_kubelet_confirms_is_healed_and_its_owner_recorded() {
     assert!(confirmed.contains(OWNER), "{confirmed}");
     node.logged("healed");
     assert!(node.kubelet.requests() >= 1);
+    assert_eq!(metric(&node, "fuse_supervisor_daemon_restarts_total"), 1.0);
+    assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="200"}"#) >= 1.0);
     let state_file = node.sandbox.root().join("state/state.json");
     let state = node.sandbox.run(move || std::fs::read_to_string(state_file)).expect("state file");
     assert!(state.contains(OWNER) && state.contains("containerd://"), "owner not recorded:\n{state}");
@@ -203,6 +210,8 @@ fn a_failing_kubelet_is_retried_and_a_later_answer_confirms() {
     node.kubelet.set_fault(None);
     node.reads_again();
     node.logged("kubelet confirms the owner restarted");
+    assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="500"}"#) >= 1.0);
+    assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="200"}"#) >= 1.0);
 }
 
 #[test]
@@ -215,6 +224,8 @@ fn a_forbidden_kubelet_heals_at_once_and_names_the_rbac_rule() {
     node.reads_again();
     let line = node.logged("kubelet cannot confirm; healing on mount evidence alone");
     assert!(line.contains("nodes/pods"), "{line}");
+    assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="403"}"#) >= 1.0);
+    assert_eq!(metric(&node, "fuse_supervisor_daemon_restarts_total"), 0.0);
 }
 
 #[test]
@@ -229,6 +240,7 @@ fn a_wrong_ca_is_refused_at_the_handshake_and_heals_on_mount_evidence() {
     let line = node.logged("kubelet cannot confirm; healing on mount evidence alone");
     assert!(line.contains("certificate"), "{line}");
     assert_eq!(other.requests(), 0, "a request went to an unverified kubelet");
+    assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="none"}"#) >= 1.0);
 }
 
 #[test]

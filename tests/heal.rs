@@ -11,6 +11,9 @@ use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
+/// `run` arguments of a supervisor that scans on a timer instead of
+/// waking on mount-table notifications.
+const POLL_MODE: [&str; 6] = ["--kubelet", "none", "--mode", "poll", "--poll-period", "200ms"];
 
 fn binary() -> &'static Path {
     Path::new(BINARY)
@@ -63,7 +66,12 @@ impl Node {
     }
 
     fn start_supervisor(&mut self) {
-        self.supervisor = Some(SupervisorProcess::start(&self.sandbox, binary(), &self.state_dir).expect("supervisor"));
+        self.start_supervisor_with(&["--kubelet", "none"]);
+    }
+
+    fn start_supervisor_with(&mut self, args: &[&str]) {
+        let supervisor = SupervisorProcess::start_with(&self.sandbox, binary(), &self.state_dir, args);
+        self.supervisor = Some(supervisor.expect("supervisor"));
     }
 
     fn supervisor(&self) -> &SupervisorProcess {
@@ -103,10 +111,10 @@ impl Drop for Node {
 }
 
 /// One pod: crash, restart, and the reader in the pod reads again.
-fn one_pod_heals(daemon: Daemon) {
+fn one_pod_heals(daemon: Daemon, args: &[&str]) {
     let mut node = Node::new(daemon, 1);
     node.all_read(&node.source.expected_content());
-    node.start_supervisor();
+    node.start_supervisor_with(args);
     let baseline = node.mounts();
 
     node.source.crash().unwrap();
@@ -120,12 +128,17 @@ fn one_pod_heals(daemon: Daemon) {
 
 #[test]
 fn one_demofs_pod_is_healed_after_unmount_then_mount() {
-    one_pod_heals(Daemon::DemoFs);
+    one_pod_heals(Daemon::DemoFs, &["--kubelet", "none"]);
 }
 
 #[test]
 fn one_bindfs_pod_is_healed_after_unmount_then_mount() {
-    one_pod_heals(Daemon::Bindfs);
+    one_pod_heals(Daemon::Bindfs, &["--kubelet", "none"]);
+}
+
+#[test]
+fn one_bindfs_pod_is_healed_in_poll_mode() {
+    one_pod_heals(Daemon::Bindfs, &POLL_MODE);
 }
 
 #[test]
@@ -159,9 +172,22 @@ fn subpath_reads_only_its_directory(reader: &ContainerReader) {
 
 #[test]
 fn subpath_container_sees_only_its_subdirectory_after_the_heal() {
+    subpath_heals(&["--kubelet", "none"]);
+}
+
+#[test]
+fn subpath_container_is_healed_in_poll_mode() {
+    let node = subpath_heals(&POLL_MODE);
+    let started = node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("\"supervising\"")).unwrap();
+    assert!(started.contains("poll every 200ms"), "not in poll mode: {started}");
+}
+
+/// A pod volume and a subPath of it: both heal, the subPath container
+/// sees only its directory, and the mounts settle to the baseline.
+fn subpath_heals(args: &[&str]) -> Node {
     let (mut node, subpath) = node_with_subpath(Daemon::Bindfs);
     subpath_reads_only_its_directory(&node.readers[1]);
-    node.start_supervisor();
+    node.start_supervisor_with(args);
     let baseline = node.mounts();
 
     node.source.crash().unwrap();
@@ -172,6 +198,7 @@ fn subpath_container_sees_only_its_subdirectory_after_the_heal() {
     node.readers[1].wait_until(HEAL_TIMEOUT, |o| o.content().is_some()).unwrap();
     subpath_reads_only_its_directory(&node.readers[1]);
     node.settles_to(baseline, &[&node.targets[0], &subpath]);
+    node
 }
 
 #[test]
@@ -244,10 +271,19 @@ fn a_stopped_daemon_does_not_hold_up_the_heal_of_another_source() {
 
 #[test]
 fn mount_over_stale_is_healed_by_propagation_and_leaves_one_layer_per_target() {
+    mount_over_stale_heals(&["--kubelet", "none"]);
+}
+
+#[test]
+fn mount_over_stale_is_healed_in_poll_mode() {
+    mount_over_stale_heals(&POLL_MODE);
+}
+
+fn mount_over_stale_heals(args: &[&str]) {
     let (mut node, subpath) = node_with_subpath(Daemon::DemoFs);
     let second = node.source.bind_volume(&node.sandbox, "pod-0001", "data").unwrap();
     node.targets.push(second);
-    node.start_supervisor();
+    node.start_supervisor_with(args);
     node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("watching the FUSE daemon")).unwrap();
     let kubelet_root = node.sandbox.kubelet_root();
     let baseline = node.sandbox.count_mounts_under(&kubelet_root);

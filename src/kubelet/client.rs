@@ -234,6 +234,29 @@ impl KubeletError {
             | Self::Token { .. } => false,
         }
     }
+
+    /// The HTTP status the kubelet answered with, if it answered: a body
+    /// that is not a PodList came with 200. None when no status line came
+    /// (no connection, TLS, a timeout, a broken response) or nothing was sent.
+    pub fn status_code(&self) -> Option<u16> {
+        match self {
+            Self::Unauthorized { .. } => Some(401),
+            Self::Forbidden { .. } => Some(403),
+            Self::Status { code, .. } => Some(*code),
+            Self::Body { .. } => Some(200),
+            Self::ReadTrust { .. }
+            | Self::NoCa { .. }
+            | Self::TlsSetup(_)
+            | Self::BadHost { .. }
+            | Self::Resolve { .. }
+            | Self::Connect { .. }
+            | Self::Timeout { .. }
+            | Self::Tls { .. }
+            | Self::Protocol { .. }
+            | Self::Read { .. }
+            | Self::Token { .. } => None,
+        }
+    }
 }
 
 /// A client for one kubelet; cheap to call repeatedly, one connection per call.

@@ -41,6 +41,15 @@ fn wall_clock(at: Instant) -> SystemTime {
 impl<E: Executor> Supervisor<E> {
     pub(super) fn on_daemon(&mut self, event: DaemonEvent) {
         let Some(daemons) = &mut self.daemons else { return };
+        if let DaemonEvent::Process(process) = &event {
+            let kind = match process {
+                ProcessEvent::Exited { .. } => "exited",
+                ProcessEvent::Exec { .. } => "exec",
+                ProcessEvent::Lost => "lost",
+                ProcessEvent::Failed(_) => "failed",
+            };
+            self.reporters.report(&Report::ProcessEvent { kind });
+        }
         match event {
             DaemonEvent::Process(ProcessEvent::Exited { pid, status, at, detection }) => {
                 let (deaths, partial) = daemons.exited(pid);

@@ -3,8 +3,10 @@
 //! supervisor as a separate process. Shared by the heal tests, the demo and
 //! the latency harness.
 use std::collections::HashSet;
+use std::ffi::OsString;
 use std::fs;
-use std::io::{self, BufRead, BufReader};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -240,6 +242,19 @@ pub fn layers_at(sandbox: &Sandbox, path: &Path) -> usize {
     fuse_mount_ids_at(sandbox, path).len()
 }
 
+/// One HTTP/1.1 GET with `Connection: close`: the status and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let malformed = || io::Error::new(io::ErrorKind::InvalidData, format!("not an HTTP response: {response:?}"));
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(malformed)?;
+    let status = head.split(' ').nth(1).and_then(|code| code.parse().ok()).ok_or_else(malformed)?;
+    Ok((status, body.to_owned()))
+}
+
 /// Polls `done` every few milliseconds; test-side only, never in the supervisor.
 pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -> Result<(), ScenarioError> {
     let deadline = Instant::now() + timeout;
@@ -256,6 +271,8 @@ pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -
 pub struct SupervisorProcess {
     process: SandboxChild,
     log: Arc<(Mutex<Vec<String>>, Condvar)>,
+    /// Where its metrics and health endpoints listen, unless turned off.
+    metrics_addr: Option<SocketAddr>,
 }
 
 impl SupervisorProcess {
@@ -264,12 +281,18 @@ impl SupervisorProcess {
         Self::start_with(sandbox, binary, state_dir, ["--kubelet", "none"])
     }
 
-    /// Starts it with extra `run` arguments.
+    /// Starts it with extra `run` arguments. Unless they say otherwise,
+    /// metrics listen on a free port of 127.0.0.1 (the sandbox shares the
+    /// host's network, and tests run side by side), found in the log.
     pub fn start_with<I, S>(sandbox: &Sandbox, binary: &Path, state_dir: &Path, args: I) -> Result<Self, ScenarioError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
+        let mut args: Vec<OsString> = args.into_iter().map(|arg| arg.as_ref().to_owned()).collect();
+        if !args.iter().any(|arg| arg.to_string_lossy().starts_with("--metrics-addr")) {
+            args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+        }
         let mut command = Command::new(binary);
         command
             .arg("run")
@@ -302,9 +325,41 @@ impl SupervisorProcess {
                 }
             })
             .map_err(io_step("start the supervisor log thread"))?;
-        let supervisor = SupervisorProcess { process, log };
+        let mut supervisor = SupervisorProcess { process, log, metrics_addr: None };
         supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
+        // Logged before the loop starts, so before "supervising".
+        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            let fields = value.get("fields")?;
+            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
+        });
         Ok(supervisor)
+    }
+
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// `GET path` from its metrics server: the status and the body.
+    pub fn http_get(&self, path: &str) -> Result<(u16, String), ScenarioError> {
+        let addr = self.metrics_addr.ok_or_else(|| ScenarioError::Io {
+            step: format!("GET {path}"),
+            source: io::Error::other("the supervisor serves no metrics (--metrics-addr off?)"),
+        })?;
+        http_get(addr, path).map_err(io_step(format!("GET http://{addr}{path}")))
+    }
+
+    /// The value of one series in its `/metrics`, e.g.
+    /// `fuse_supervisor_heals_total{result="stacked"}`; None if absent.
+    pub fn metric(&self, series: &str) -> Result<Option<f64>, ScenarioError> {
+        let (status, body) = self.http_get("/metrics")?;
+        if status != 200 {
+            return Err(ScenarioError::Io {
+                step: "GET /metrics".into(),
+                source: io::Error::other(format!("HTTP {status}: {body}")),
+            });
+        }
+        Ok(crate::metrics::series_value(&body, series))
     }
 
     pub fn pid(&self) -> u32 {

@@ -1,0 +1,119 @@
+//! The metrics and health endpoints of a real `fuse-supervisor run`,
+//! scraped over HTTP while a FUSE daemon crashes and comes back in a
+//! private mount namespace. Needs root, /dev/fuse and bindfs.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fuse_supervisor::testbed::scenario::{
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess, layers_at,
+};
+use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn binary() -> &'static Path {
+    Path::new(BINARY)
+}
+
+/// Prints the supervisor's log and metrics when a test fails.
+struct DumpOnPanic<'a>(&'a SupervisorProcess);
+
+impl Drop for DumpOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("supervisor log:\n{}", self.0.log().join("\n"));
+            if let Ok((_, metrics)) = self.0.http_get("/metrics") {
+                eprintln!("metrics:\n{metrics}");
+            }
+        }
+    }
+}
+
+fn metric(supervisor: &SupervisorProcess, series: &str) -> f64 {
+    supervisor.metric(series).expect("scrape").unwrap_or_else(|| panic!("{series} is not exposed"))
+}
+
+#[test]
+fn a_real_heal_shows_in_the_metrics_and_the_endpoints_answer() {
+    // Dropped in reverse: readers, supervisor, source, sandbox.
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mut source = FuseSource::start(&sandbox, binary(), Daemon::Bindfs, "shared-data").expect("start bindfs");
+    let mut targets: Vec<(PathBuf, &Path)> = (0..2)
+        .map(|pod| (source.bind_volume(&sandbox, &format!("pod-{pod}"), "data").unwrap(), Path::new(DATA_FILE)))
+        .collect();
+    targets.push((source.bind_subpath(&sandbox, "pod-sub", "data").unwrap(), Path::new(SUBDIR_FILE)));
+    let supervisor = SupervisorProcess::start(&sandbox, binary(), &sandbox.root().join("state")).expect("supervisor");
+    let _dump = DumpOnPanic(&supervisor);
+    let readers: Vec<ContainerReader> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, (target, read))| {
+            ContainerReader::spawn(&sandbox, binary(), &format!("reader-{i}"), target, read).expect("reader")
+        })
+        .collect();
+    for reader in &readers {
+        reader.wait_until(HEAL_TIMEOUT, |o| o.content().is_some()).expect("reader reads the source");
+    }
+
+    assert_eq!(supervisor.http_get("/healthz").unwrap(), (200, "ok\n".to_owned()));
+    assert_eq!(supervisor.http_get("/readyz").unwrap(), (200, "ok\n".to_owned()));
+    assert_eq!(supervisor.http_get("/nothing").unwrap().0, 404);
+    assert_eq!(metric(&supervisor, r#"fuse_supervisor_targets{state="healthy"}"#), 3.0);
+    assert_eq!(metric(&supervisor, "fuse_supervisor_sources"), 1.0);
+    assert_eq!(metric(&supervisor, r#"fuse_supervisor_heals_total{result="stacked"}"#), 0.0);
+    let (_, text) = supervisor.http_get("/metrics").unwrap();
+    assert!(text.ends_with("# EOF\n"), "not an OpenMetrics exposition:\n{text}");
+    let baseline = sandbox.count_mounts_under(sandbox.root());
+
+    source.crash().unwrap();
+    readers[0].wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
+    source.restart(&sandbox, Restart::UnmountThenMount).unwrap();
+    let expected = source.expected_content();
+    readers[0].wait_until(HEAL_TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("heals");
+    for (target, _) in &targets {
+        scenario::wait_for("one layer", HEAL_TIMEOUT, || layers_at(&sandbox, target) == 1).unwrap();
+    }
+    scenario::wait_for("the baseline mount count", HEAL_TIMEOUT, || {
+        sandbox.count_mounts_under(sandbox.root()) == baseline
+    })
+    .unwrap();
+    let healed = |supervisor: &SupervisorProcess| {
+        metric(supervisor, r#"fuse_supervisor_heals_total{result="stacked"}"#)
+            + metric(supervisor, r#"fuse_supervisor_heals_total{result="propagated"}"#)
+    };
+    // The flatten is done; the report follows it on the loop thread.
+    scenario::wait_for("three heals counted", HEAL_TIMEOUT, || healed(&supervisor) == 3.0).unwrap();
+    assert!(metric(&supervisor, r#"fuse_supervisor_heals_total{result="stacked"}"#) >= 1.0);
+    assert_eq!(metric(&supervisor, r#"fuse_supervisor_heals_total{result="failed"}"#), 0.0);
+    assert_eq!(metric(&supervisor, "fuse_supervisor_targets_broken_total"), 3.0);
+    assert_eq!(metric(&supervisor, "fuse_supervisor_heal_latency_seconds_count"), 3.0);
+    assert!(metric(&supervisor, "fuse_supervisor_heal_latency_seconds_sum") > 0.0);
+    assert_eq!(metric(&supervisor, "fuse_supervisor_heal_outage_seconds_count"), 3.0);
+    // Each target had one stale layer under it; none is left.
+    assert_eq!(metric(&supervisor, "fuse_supervisor_stale_layers_removed_total"), 3.0);
+    scenario::wait_for("every target healthy again", HEAL_TIMEOUT, || {
+        metric(&supervisor, r#"fuse_supervisor_targets{state="healthy"}"#) == 3.0
+    })
+    .unwrap();
+    for state in ["broken", "healing", "failed"] {
+        assert_eq!(metric(&supervisor, &format!("fuse_supervisor_targets{{state=\"{state}\"}}")), 0.0, "{state}");
+    }
+    assert!(metric(&supervisor, "fuse_supervisor_mount_table_events_total") >= 2.0, "unmount and mount unseen");
+    assert!(metric(&supervisor, "fuse_supervisor_scans_total") >= 2.0);
+    assert_eq!(supervisor.http_get("/healthz").unwrap(), (200, "ok\n".to_owned()));
+}
+
+#[test]
+fn metrics_off_serves_nothing() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let supervisor = SupervisorProcess::start_with(
+        &sandbox,
+        binary(),
+        &sandbox.root().join("state"),
+        ["--kubelet", "none", "--metrics-addr", "off"],
+    )
+    .expect("supervisor");
+    assert_eq!(supervisor.metrics_addr(), None);
+    supervisor.wait_for_log(HEAL_TIMEOUT, |line| line.contains("metrics and health endpoints are off")).unwrap();
+}
