@@ -5,6 +5,7 @@
 pub mod confirm;
 pub mod demo;
 pub mod demofs;
+pub mod events;
 pub mod heal;
 pub mod kubelet;
 pub mod layout;
