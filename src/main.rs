@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
+use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
 use fuse_supervisor::report::Reporters;
@@ -33,8 +34,11 @@ enum Command {
     Run {
         #[command(flatten)]
         node: NodeArgs,
+        // Boxed: the largest variant by far.
         #[command(flatten)]
-        kubelet: KubeletArgs,
+        kubelet: Box<KubeletArgs>,
+        #[command(flatten)]
+        events: EventsArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -247,6 +251,64 @@ fn parse_kubelet_url(url: &str) -> anyhow::Result<(String, u16)> {
     Ok((host.to_owned(), port))
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Kubernetes events")]
+struct EventsArgs {
+    /// Publish events.k8s.io Events about broken, healed and unhealable
+    /// mounts and confirmed daemon restarts; `off` for nodes without API
+    /// server access.
+    #[arg(long, value_enum, default_value = "on", env = "FUSE_SUPERVISOR_EVENTS")]
+    events: OnOff,
+    /// Reach the API server through this kubeconfig instead of the
+    /// in-cluster service account configuration.
+    #[arg(long, value_name = "FILE", env = "FUSE_SUPERVISOR_EVENTS_KUBECONFIG")]
+    events_kubeconfig: Option<PathBuf>,
+}
+
+impl EventsArgs {
+    /// The publisher, or None when events are off or cannot be published.
+    /// Events are best effort and healing must not wait for the API server:
+    /// a missing in-cluster configuration (a run outside a cluster, the
+    /// demo) is a warning. A kubeconfig given explicitly that cannot be
+    /// used is an error: the operator asked for exactly that.
+    fn start(
+        &self,
+        kubelet: &KubeletArgs,
+        confirmation: Option<&KubeletConfirmation>,
+    ) -> anyhow::Result<Option<Events>> {
+        if self.events == OnOff::Off {
+            tracing::info!("Kubernetes events are off");
+            return Ok(None);
+        }
+        let api_server = match &self.events_kubeconfig {
+            Some(path) => ApiServer::Kubeconfig(path.clone()),
+            None => ApiServer::InCluster,
+        };
+        let node_name = kubelet.node_name.clone().unwrap_or_else(|| {
+            fs::read_to_string("/proc/sys/kernel/hostname").map(|name| name.trim().to_owned()).unwrap_or_default()
+        });
+        let config = EventsConfig {
+            kubelet: confirmation.map(|confirmation| confirmation.client.clone()),
+            ..EventsConfig::new(api_server, node_name)
+        };
+        match Events::start(&config) {
+            Ok(events) => Ok(Some(events)),
+            Err(err @ EventsError::InCluster(_)) => {
+                let err = format!("{:#}", anyhow::Error::from(err));
+                tracing::warn!(err, "running without Kubernetes events (set --events off to silence this warning)");
+                Ok(None)
+            }
+            Err(err) => Err(anyhow::Error::from(err).context("--events on")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Json,
@@ -314,11 +376,24 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, kubelet, log } => {
+        Command::Run { node, kubelet, events, log } => {
             log.init();
-            node.config()
-                .and_then(|config| Ok(Config { kubelet: kubelet.confirmation()?, ..config }))
-                .and_then(|c| run(&c))
+            node.config().and_then(|config| Ok(Config { kubelet: kubelet.confirmation()?, ..config })).and_then(
+                |mut config| {
+                    // Started here, before any thread joins the host's mount
+                    // namespace: it reads this container's service account files.
+                    let events = events.start(&kubelet, config.kubelet.as_ref())?;
+                    if let Some(events) = &events {
+                        config.reporters.push(events.reporter());
+                    }
+                    let result = run(&config);
+                    drop(config);
+                    if let Some(events) = events {
+                        events.stop();
+                    }
+                    result
+                },
+            )
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {

@@ -170,12 +170,21 @@ pub fn human(duration: Duration) -> String {
     if micros < 1_000 {
         format!("{micros}µs")
     } else if micros < 1_000_000 {
-        format!("{:.1}ms", micros as f64 / 1e3)
+        format!("{}ms", one_decimal(micros as f64 / 1e3))
     } else if micros < 60_000_000 {
-        format!("{:.1}s", micros as f64 / 1e6)
+        format!("{}s", one_decimal(micros as f64 / 1e6))
     } else {
         let secs = duration.as_secs();
         format!("{}m{}s", secs / 60, secs % 60)
+    }
+}
+
+/// `2.7`, and `400` rather than `400.0`.
+fn one_decimal(value: f64) -> String {
+    let text = format!("{value:.1}");
+    match text.strip_suffix(".0") {
+        Some(whole) => whole.to_owned(),
+        None => text,
     }
 }
 
@@ -256,7 +265,12 @@ mod tests {
 
     #[test]
     fn durations_read_at_their_scale() {
-        let cases = [(Duration::from_micros(850), "850µs"), (Duration::from_secs(192), "3m12s")];
+        let cases = [
+            (Duration::from_micros(850), "850µs"),
+            (Duration::from_millis(400), "400ms"),
+            (Duration::from_secs(1), "1s"),
+            (Duration::from_secs(192), "3m12s"),
+        ];
         for (duration, text) in cases {
             assert_eq!(human(duration), text);
         }
