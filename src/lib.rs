@@ -6,6 +6,7 @@ pub mod confirm;
 pub mod daemons;
 pub mod demo;
 pub mod demofs;
+pub mod events;
 pub mod heal;
 pub mod health;
 pub mod job;

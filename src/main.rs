@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions};
+use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
@@ -53,6 +54,8 @@ enum Command {
         watch: WatchArgs,
         #[command(flatten)]
         serve: ServeArgs,
+        #[command(flatten)]
+        events: EventsArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -434,6 +437,64 @@ fn parse_listen(text: &str) -> Result<Listen, String> {
         .map_err(|_| format!("`{text}` is not ADDRESS:PORT (e.g. 0.0.0.0:9809, [::]:9809) or off"))
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Kubernetes events")]
+struct EventsArgs {
+    /// Publish events.k8s.io Events about broken, healed and unhealable
+    /// mounts and confirmed daemon restarts; `off` for nodes without API
+    /// server access.
+    #[arg(long, value_enum, default_value = "on", env = "FUSE_SUPERVISOR_EVENTS")]
+    events: OnOff,
+    /// Reach the API server through this kubeconfig instead of the
+    /// in-cluster service account configuration.
+    #[arg(long, value_name = "FILE", env = "FUSE_SUPERVISOR_EVENTS_KUBECONFIG")]
+    events_kubeconfig: Option<PathBuf>,
+}
+
+impl EventsArgs {
+    /// The publisher, or None when events are off or cannot be published.
+    /// Events are best effort and healing must not wait for the API server:
+    /// a missing in-cluster configuration (a run outside a cluster, the
+    /// demo) is a warning. A kubeconfig given explicitly that cannot be
+    /// used is an error: the operator asked for exactly that.
+    fn start(
+        &self,
+        kubelet: &KubeletArgs,
+        confirmation: Option<&KubeletConfirmation>,
+    ) -> anyhow::Result<Option<Events>> {
+        if self.events == OnOff::Off {
+            tracing::info!("Kubernetes events are off");
+            return Ok(None);
+        }
+        let api_server = match &self.events_kubeconfig {
+            Some(path) => ApiServer::Kubeconfig(path.clone()),
+            None => ApiServer::InCluster,
+        };
+        let node_name = kubelet.node_name.clone().unwrap_or_else(|| {
+            fs::read_to_string("/proc/sys/kernel/hostname").map(|name| name.trim().to_owned()).unwrap_or_default()
+        });
+        let config = EventsConfig {
+            kubelet: confirmation.map(|confirmation| confirmation.client.clone()),
+            ..EventsConfig::new(api_server, node_name)
+        };
+        match Events::start(&config) {
+            Ok(events) => Ok(Some(events)),
+            Err(err @ EventsError::InCluster(_)) => {
+                let err = format!("{:#}", anyhow::Error::from(err));
+                tracing::warn!(err, "running without Kubernetes events (set --events off to silence this warning)");
+                Ok(None)
+            }
+            Err(err) => Err(anyhow::Error::from(err).context("--events on")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Json,
@@ -509,16 +570,28 @@ fn parse_period(text: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run { node, kubelet, job, daemons, watch, serve, log } => {
+        Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             log.init();
             node.config()
                 .and_then(|config| {
-                    let kubelet = kubelet.confirmation()?;
+                    let confirmation = kubelet.confirmation()?;
                     let pod_scope = job.sidecar.sidecar.then(|| job.sidecar.pod_uid.clone()).flatten();
-                    let job = job.config(kubelet.as_ref(), &config)?;
-                    Ok(Config { kubelet, pod_scope, job, daemons: daemons.watch(), watch: watch.mode(), ..config })
+                    let job = job.config(confirmation.as_ref(), &config)?;
+                    Ok(Config {
+                        kubelet: confirmation,
+                        pod_scope,
+                        job,
+                        daemons: daemons.watch(),
+                        watch: watch.mode(),
+                        ..config
+                    })
                 })
-                .and_then(|config| run(config, serve.metrics_addr))
+                .and_then(|config| {
+                    // Started here, before any thread joins the host's mount
+                    // namespace: it reads this container's service account files.
+                    let events = events.start(&kubelet, config.kubelet.as_ref())?;
+                    run(config, serve.metrics_addr, events)
+                })
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {
@@ -560,12 +633,19 @@ fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Re
     Ok(())
 }
 
-fn run(mut config: Config, metrics_addr: Listen) -> anyhow::Result<()> {
+fn run(mut config: Config, metrics_addr: Listen, events: Option<Events>) -> anyhow::Result<()> {
+    if let Some(events) = &events {
+        config.reporters.push(events.reporter());
+    }
     // Started before the loop, so that probes get an answer (not alive, not
     // ready) rather than a refused connection while it starts.
     let server = match metrics_addr.0 {
         Some(addr) => {
             let metrics = Arc::new(Metrics::new());
+            if let Some(events) = &events {
+                let counters = events.counters();
+                metrics.follow_kube_events_dropped(move || counters.dropped());
+            }
             config.reporters.push(metrics.clone());
             let server = MetricsServer::start(addr, metrics, config.health.clone())?;
             tracing::info!(addr = %server.local_addr(), "serving metrics");
@@ -592,6 +672,9 @@ fn run(mut config: Config, metrics_addr: Listen) -> anyhow::Result<()> {
     let result = supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"));
     if let Some(server) = server {
         server.stop();
+    }
+    if let Some(events) = events {
+        events.stop();
     }
     result??;
     Ok(())

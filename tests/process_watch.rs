@@ -210,16 +210,23 @@ fn lost_events_resync_reports_a_daemon_killed_during_a_burst() {
     }
     release.send(()).unwrap();
 
-    let (pid, status, _, detection) = next_exit(&inbox);
+    let (pid, status, _, gate_detection) = next_exit(&inbox);
     assert_eq!(pid, gate_id.pid);
-    assert_eq!(status, Some(SIGKILL));
+    // On a busy machine the minimal buffer may overflow before the gate's
+    // own exit is read: then the resync reports it, without a status.
+    match gate_detection {
+        Detection::Event => assert_eq!(status, Some(SIGKILL)),
+        Detection::Resync => assert_eq!(status, None),
+    }
+    // Events up to the Lost that ends the resync reporting the daemon (an
+    // earlier overflow may have had a resync of its own).
+    let daemon_exit = |event: &ProcessEvent| matches!(event, ProcessEvent::Exited { pid, .. } if *pid == daemon.pid);
     let mut seen = Vec::new();
     let deadline = Instant::now() + EVENT_TIMEOUT;
-    while !seen.iter().any(|event| matches!(event, ProcessEvent::Lost)) {
+    while !seen.iter().skip_while(|event| !daemon_exit(event)).any(|event| matches!(event, ProcessEvent::Lost)) {
         let left = deadline.saturating_duration_since(Instant::now());
         seen.push(inbox.recv_timeout(left).unwrap_or_else(|_| panic!("no Lost report; events: {seen:?}")));
     }
-    assert_eq!(detection, Detection::Event);
     assert!(
         seen.iter().any(|event| matches!(
             event,

@@ -5,6 +5,8 @@
 //! Every metric is a public field of [`Metrics`], registered by one line
 //! of the table below: a publisher outside the loop (the Kubernetes event
 //! queue, the process watcher) feeds its own through an `Arc<Metrics>`.
+use std::sync::OnceLock;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -68,6 +70,15 @@ pub struct EventLabel {
 /// Declares [`Metrics`] and registers each field: one line per metric,
 /// `field: Type = initial value, "name" [in Unit], "help";` (counters get
 /// `_total` and units their suffix when encoded).
+/// Where `kube_events_dropped` is counted: the Events publisher.
+struct DroppedSource(Box<dyn Fn() -> u64 + Send + Sync>);
+
+impl std::fmt::Debug for DroppedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DroppedSource")
+    }
+}
+
 macro_rules! metrics {
     (@register $registry:ident, $field:ident, $name:literal, $help:literal) => {
         $registry.register($name, $help, $field.clone())
@@ -80,6 +91,7 @@ macro_rules! metrics {
         #[derive(Debug)]
         pub struct Metrics {
             registry: Registry,
+            kube_events_dropped_source: OnceLock<DroppedSource>,
             $( $(#[$doc])* pub $field: $ty, )*
         }
 
@@ -91,7 +103,7 @@ macro_rules! metrics {
                     let $field: $ty = $init;
                     metrics!(@register registry, $field, $name, $help $(, $unit)?);
                 )*
-                Metrics { registry, $( $field ),* }
+                Metrics { registry, kube_events_dropped_source: OnceLock::new(), $( $field ),* }
             }
         }
     };
@@ -111,7 +123,7 @@ metrics! {
     heal_latency: Histogram = Histogram::new(LATENCY_BUCKETS), "heal_latency" in Seconds,
         "From the wake-up on the new global mount to the target healed";
     heal_outage: Histogram = Histogram::new(OUTAGE_BUCKETS), "heal_outage" in Seconds,
-        "From the target first seen broken to healed";
+        "From the start of the outage (the daemon's death when it was seen, else the target first seen broken) to healed";
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
         "Stale mount layers removed from under healed targets";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
@@ -154,8 +166,20 @@ impl Metrics {
         metrics
     }
 
+    /// Makes `kube_events_dropped` follow a count kept by the Events
+    /// publisher, read at each scrape. Only the first call counts.
+    pub fn follow_kube_events_dropped(&self, dropped: impl Fn() -> u64 + Send + Sync + 'static) {
+        let _ = self.kube_events_dropped_source.set(DroppedSource(Box::new(dropped)));
+    }
+
     /// The OpenMetrics text exposition, `# EOF` included.
     pub fn encode(&self) -> Result<String, MetricsError> {
+        if let Some(DroppedSource(dropped)) = self.kube_events_dropped_source.get() {
+            let (now, shown) = (dropped(), self.kube_events_dropped.get());
+            if now > shown {
+                self.kube_events_dropped.inc_by(now - shown);
+            }
+        }
         let mut text = String::with_capacity(4096);
         prometheus_client::encoding::text::encode(&mut text, &self.registry).map_err(MetricsError::Encode)?;
         Ok(text)
@@ -239,8 +263,10 @@ pub fn series_value(exposition: &str, series: &str) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-    use std::time::Duration;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, SystemTime};
 
     use super::*;
     use crate::kubelet::{KubeletAuthz, KubeletError};
@@ -361,11 +387,34 @@ mod tests {
     }
 
     #[test]
-    fn publishers_outside_the_loop_feed_their_own_fields() {
+    fn process_events_and_daemon_deaths_are_counted_from_reports() {
         let metrics = Metrics::new();
-        metrics.kube_events_dropped.inc();
-        metrics.process_events.get_or_create(&EventLabel { event: "exited" }).inc();
-        assert_eq!(value(&metrics, "fuse_supervisor_kube_events_dropped_total"), Some(1.0));
-        assert_eq!(value(&metrics, r#"fuse_supervisor_process_events_total{event="exited"}"#), Some(1.0));
+        for kind in ["exited", "exited", "lost"] {
+            metrics.report(&Report::ProcessEvent { kind });
+        }
+        let targets = [PathBuf::from("/pods/a")];
+        metrics.report(&Report::DaemonDied {
+            source: Path::new("/src"),
+            pid: 7,
+            at: SystemTime::now(),
+            targets: &targets,
+        });
+        assert_eq!(value(&metrics, r#"fuse_supervisor_process_events_total{event="exited"}"#), Some(2.0));
+        assert_eq!(value(&metrics, r#"fuse_supervisor_process_events_total{event="lost"}"#), Some(1.0));
+        assert_eq!(value(&metrics, "fuse_supervisor_daemon_deaths_total"), Some(1.0));
+    }
+
+    #[test]
+    fn dropped_kubernetes_events_follow_the_publishers_count_at_each_scrape() {
+        let metrics = Metrics::new();
+        let dropped = Arc::new(AtomicU64::new(0));
+        let source = dropped.clone();
+        metrics.follow_kube_events_dropped(move || source.load(Ordering::Relaxed));
+        assert_eq!(value(&metrics, "fuse_supervisor_kube_events_dropped_total"), Some(0.0));
+        dropped.store(5, Ordering::Relaxed);
+        assert_eq!(value(&metrics, "fuse_supervisor_kube_events_dropped_total"), Some(5.0));
+        assert_eq!(value(&metrics, "fuse_supervisor_kube_events_dropped_total"), Some(5.0), "read again, not added");
+        dropped.store(8, Ordering::Relaxed);
+        assert_eq!(value(&metrics, "fuse_supervisor_kube_events_dropped_total"), Some(8.0));
     }
 }

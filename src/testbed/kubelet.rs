@@ -408,6 +408,16 @@ pub fn fuse_owner_pod(name: &str, uid: &str, host_path: &str, instance: u32, sta
     pod
 }
 
+/// An application pod shaped like the fixture's `web-*` pod, under this
+/// name, namespace and UID.
+pub fn app_pod(namespace: &str, name: &str, uid: &str) -> Value {
+    let mut pod = fixture_pod(&fixture_pods(), "web-");
+    pod["metadata"]["namespace"] = Value::from(namespace);
+    pod["metadata"]["name"] = Value::from(name);
+    pod["metadata"]["uid"] = Value::from(uid);
+    pod
+}
+
 /// Low bits of a container ID, so that pods with different UIDs differ.
 fn uid_bits(uid: &str) -> u128 {
     uid.bytes().fold(0u64, |hash, byte| hash.wrapping_mul(31).wrapping_add(u64::from(byte))).into()

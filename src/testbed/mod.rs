@@ -5,7 +5,9 @@
 //! (shared tmpfs, `kubelet/pods`, `runtime`); a [`ContainerReader`] is a
 //! process made like a runc container (see [`container`]) that reads one
 //! volume in a loop and reports what it sees. A [`kubelet::KubeletStandIn`]
-//! answers `/pods` over HTTPS like a node's kubelet.
+//! answers `/pods` over HTTPS like a node's kubelet; an
+//! [`apiserver::ApiServerStandIn`] takes Events like the API server.
+pub mod apiserver;
 pub mod cgroup;
 pub mod container;
 pub mod kubelet;

@@ -304,6 +304,9 @@ impl SupervisorProcess {
             .arg(sandbox.root().join("staging"))
             // The sandbox thread's namespace is the child's own.
             .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json", "--log", "debug"])
+            // Tests never talk to a cluster, even when run inside one (CI in a
+            // pod has an in-cluster configuration); `--events on` overrides.
+            .env("FUSE_SUPERVISOR_EVENTS", "off")
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

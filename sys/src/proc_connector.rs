@@ -211,9 +211,6 @@ impl ProcConnector {
             Some(rustix::net::netlink::CONNECTOR),
         )
         .map_err(|errno| SubscribeError::Socket(errno.into()))?;
-        if let Some(bytes) = options.receive_buffer {
-            set_receive_buffer(socket.as_fd(), bytes).map_err(SubscribeError::ReceiveBuffer)?;
-        }
         // Port 0: the kernel picks a free port id.
         rustix::net::bind(&socket, &SocketAddrNetlink::new(0, CN_IDX_PROC))
             .map_err(|errno| SubscribeError::Bind(errno.into()))?;
@@ -236,6 +233,11 @@ impl ProcConnector {
             // Filtered out like every other PROC_EVENT_NONE: no ack to wait for.
             connector.send_control(nonce.wrapping_add(4), &proc_input(PROC_CN_MCAST_LISTEN, types.mask()))?;
             connector.filtered = true;
+        }
+        // Sized only now: until the filter is in place every event on the
+        // machine arrives, and a small buffer would lose the acks among them.
+        if let Some(bytes) = options.receive_buffer {
+            set_receive_buffer(connector.socket.as_fd(), bytes).map_err(SubscribeError::ReceiveBuffer)?;
         }
         Ok(connector)
     }

@@ -1,0 +1,130 @@
+//! Events end to end: a real FUSE daemon crashes and comes back in a private
+//! mount namespace while `fuse-supervisor run` heals, confirms the restart
+//! with a kubelet stand-in and publishes Events to an API server stand-in
+//! reached through `--events-kubeconfig`. Needs root and /dev/fuse.
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use fuse_supervisor::testbed::apiserver::{ApiRequest, ApiServerStandIn};
+use fuse_supervisor::testbed::kubelet::{KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(20);
+const TOKEN: &str = "supervisor-token";
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces";
+
+fn reason(request: &ApiRequest, reason: &str) -> bool {
+    request.method == "POST" && request.body["reason"] == reason
+}
+
+#[test]
+fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
+    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
+    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+    let reads = |expected: String| {
+        reader
+            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
+            .expect("the container reads the source")
+    };
+    reads(source.expected_content());
+
+    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+    kubelet.set_token(Some(TOKEN));
+    let host_path = sandbox.runtime_root().display().to_string();
+    let started = SystemTime::now() - Duration::from_secs(3600);
+    let pods = |instance, started| {
+        pod_list_body([
+            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
+            app_pod("apps", "web-0", "app-pod-uid"),
+        ])
+    };
+    kubelet.set_pods(pods(0, started));
+    let api = ApiServerStandIn::start().expect("API server stand-in");
+
+    // Written from the sandbox: its tmpfs hides the host's directory.
+    let files = sandbox.root().join("credentials");
+    let (ca, token, kubeconfig) = (files.join("ca.pem"), files.join("token"), files.join("kubeconfig"));
+    let writes = (files, ca.clone(), kubelet.ca_pem().to_owned(), token.clone(), kubeconfig.clone(), api.kubeconfig());
+    sandbox
+        .run(move || {
+            let (files, ca, pem, token, kubeconfig, config) = writes;
+            std::fs::create_dir_all(files)?;
+            std::fs::write(ca, pem)?;
+            std::fs::write(token, TOKEN)?;
+            std::fs::write(kubeconfig, config)
+        })
+        .expect("write credentials");
+    let args = [
+        "--kubelet".to_owned(),
+        format!("https://127.0.0.1:{}", kubelet.port()),
+        "--kubelet-ca-file".to_owned(),
+        ca.display().to_string(),
+        "--kubelet-token-file".to_owned(),
+        token.display().to_string(),
+        "--events".to_owned(),
+        "on".to_owned(),
+        "--events-kubeconfig".to_owned(),
+        kubeconfig.display().to_string(),
+        "--node-name".to_owned(),
+        "node-1".to_owned(),
+    ];
+    let supervisor =
+        SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), args).expect("supervisor");
+    let on_failure = Dump(&supervisor, &api);
+
+    source.crash().expect("crash");
+    reader.wait_until(TIMEOUT, |observation| observation.error().is_some()).expect("reader sees the crash");
+    source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
+    kubelet.set_pods(pods(1, SystemTime::now()));
+    reads(source.expected_content());
+
+    let healed = api.wait_for(TIMEOUT, |request| reason(request, "FuseMountHealed")).expect("FuseMountHealed");
+    assert_eq!(healed.path, format!("{EVENTS}/apps/events"));
+    let body = &healed.body;
+    assert_eq!(body["regarding"]["name"], "web-0");
+    assert_eq!(body["regarding"]["uid"], "app-pod-uid");
+    assert_eq!((body["type"].as_str(), body["action"].as_str()), (Some("Normal"), Some("Heal")));
+    assert_eq!(body["reportingInstance"], "fuse-supervisor-node-1");
+    let note = body["note"].as_str().unwrap();
+    assert!(note.starts_with("FUSE volume mount volumes/"), "{note}");
+    for part in ["healed from", "outage ", "heal latency ", "stale layer"] {
+        assert!(note.contains(part), "{part:?} not in {note:?}");
+    }
+
+    // The outage was published first, as a warning on the same pod.
+    let broken = api.wait_for(TIMEOUT, |request| reason(request, "FuseMountBroken")).expect("FuseMountBroken");
+    assert_eq!((broken.path.as_str(), broken.body["type"].as_str()), (healed.path.as_str(), Some("Warning")));
+    assert_eq!(broken.body["regarding"], healed.body["regarding"]);
+    let order: Vec<String> = api.requests().iter().map(|request| request.body["reason"].to_string()).collect();
+    let position = |reason: &str| order.iter().position(|seen| seen.trim_matches('"') == reason);
+    assert!(position("FuseMountBroken") < position("FuseMountHealed"), "{order:?}");
+
+    let restarted =
+        api.wait_for(TIMEOUT, |request| reason(request, "FuseDaemonRestarted")).expect("FuseDaemonRestarted");
+    assert_eq!(restarted.body["regarding"]["name"], "fuse-owner");
+    assert_eq!(restarted.body["regarding"]["uid"], "owner-uid");
+    assert!(restarted.path.starts_with(EVENTS));
+
+    drop(on_failure);
+    supervisor.stop().expect("stop the supervisor");
+}
+
+/// On a failed assertion, prints what the supervisor logged and the API
+/// server saw.
+struct Dump<'a>(&'a SupervisorProcess, &'a ApiServerStandIn);
+
+impl Drop for Dump<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("supervisor log:\n{}", self.0.log().join("\n"));
+            for request in self.1.requests() {
+                eprintln!("API server saw: {} {} {}", request.method, request.path, request.body);
+            }
+        }
+    }
+}
