@@ -160,7 +160,7 @@ fn make_pod(pods_dir: &Path, n: usize) -> String {
     }
     fs::create_dir_all(pod.join("volumes/kubernetes.io~projected/kube-api-access-x7k2q")).unwrap();
     fs::create_dir_all(pod.join("containers/app")).unwrap();
-    if n % 3 == 0 {
+    if n.is_multiple_of(3) {
         fs::create_dir_all(pod.join("volume-subpaths/data/app/0")).unwrap();
     }
     uid

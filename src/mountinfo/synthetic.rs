@@ -296,7 +296,7 @@ impl Node {
             &source,
             super_options,
         );
-        if index % 3 == 0 {
+        if index.is_multiple_of(3) {
             // The JuiceFS CSI driver also stages the volume per node.
             let staging =
                 format!("/var/lib/kubelet/plugins/kubernetes.io/csi/csi.juicefs.com/{}/globalmount", self.hex(64));
