@@ -6,6 +6,7 @@
 //! process made like a runc container (see [`container`]) that reads one
 //! volume in a loop and reports what it sees. A [`kubelet::KubeletStandIn`]
 //! answers `/pods` over HTTPS like a node's kubelet.
+pub mod admission;
 pub mod container;
 pub mod kubelet;
 mod reader;
