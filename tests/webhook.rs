@@ -53,11 +53,13 @@ fn answer(fixture_name: &str, selection: &Selection, cache: &VolumeCache) -> (we
     (reviewed, paths)
 }
 
-/// The JSONPatch of a response: Go's `[]byte`, as bytes or base64.
+/// The JSONPatch of a response: Go's `[]byte`, so base64 in JSON.
 fn decode_patch(response: &Value) -> Option<Vec<Value>> {
     let patch = response.get("patch")?;
     assert_eq!(response["patchType"], "JSONPatch");
-    let bytes: Vec<u8> = serde_json::from_value(patch.clone()).expect("the patch is a byte array");
+    assert!(patch.is_string(), "the patch is a base64 string, not {patch}");
+    let bytes: k8s_openapi::ByteString = serde_json::from_value(patch.clone()).expect("the patch is base64");
+    let bytes = bytes.0;
     Some(serde_json::from_slice(&bytes).expect("the patch is a JSON list"))
 }
 
