@@ -78,6 +78,10 @@ pub fn feed_cache(client: &kube::Client, cache: &Arc<VolumeCache>, metrics: &Arc
     ]
 }
 
+/// How long the webhook keeps serving after SIGTERM, not ready (the
+/// Deployment's grace period must be longer).
+const UNREADY_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs the webhook until SIGTERM or SIGINT.
 pub fn run(config: WebhookConfig) -> Result<(), WebhookError> {
     if config.selection.is_empty() {
@@ -121,6 +125,11 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         _ = terminate.recv() => tracing::info!("SIGTERM; shutting down"),
         _ = interrupt.recv() => tracing::info!("SIGINT; shutting down"),
     }
+    // Endpoints drop a terminating pod only after a moment: keep answering
+    // meanwhile, or the API server would meet a closed port and admit pods
+    // unchanged during every rollout.
+    server.unready();
+    tokio::time::sleep(UNREADY_GRACE).await;
     server.shutdown().await;
     drop(watch);
     for feed in feeds {

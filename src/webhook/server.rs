@@ -103,10 +103,16 @@ impl Server {
         self.metrics_addr
     }
 
+    /// `/readyz` fails from now on, so the Service stops routing reviews
+    /// here while the server still answers the ones already on the way.
+    pub fn unready(&self) {
+        self.state.stopping.store(true, Ordering::Relaxed);
+    }
+
     /// Stops accepting, lets open connections finish (a bounded time) and
     /// returns once both listeners are closed.
     pub async fn shutdown(self) {
-        self.state.stopping.store(true, Ordering::Relaxed);
+        self.unready();
         // The receivers live as long as the accept loops; a send error
         // means they ended already.
         let _ = self.stop.send(true);
