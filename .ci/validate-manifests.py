@@ -6,8 +6,10 @@ unknown field is an error) for each Kubernetes version asked for; a kind with
 no schema is an error too (the tool itself only warns, so a misspelt kind or
 apiVersion would pass). The API server also enforces rules that no OpenAPI
 schema states: the ones a manifest here could break are checked below. The
-kustomization is rendered with `kubectl kustomize` where kubectl is installed
-and its output validated the same way.
+kustomizations (deploy/ and the opt-in deploy/webhook/) are rendered with
+`kubectl kustomize` where kubectl is installed and their output validated the
+same way. cert-manager objects, which no Kubernetes schema covers, are
+validated against the strict schemas in .ci/schemas/cert-manager.yaml.
 
 Before all that, known-broken objects are fed through the same checks and each
 must be refused, so a checker that accepts everything fails loudly.
@@ -22,12 +24,32 @@ import shutil
 import subprocess
 import sys
 
+import jsonschema
 import yaml
 from kubernetes_validate import utils as schemas
 
 # Directories under deploy/ that are opt-in on purpose: validated, but not
-# expected in the kustomization.
-OPT_IN_DIRS = ("examples", "optional")
+# expected in the kustomization. An opt-in directory with a kustomization of
+# its own (webhook/) must list every manifest in it there instead.
+OPT_IN_DIRS = ("examples", "optional", "webhook")
+
+# Schemas of custom resources (apiVersion, kind) -> JSON schema.
+CRD_SCHEMA_FILE = pathlib.Path(__file__).parent / "schemas" / "cert-manager.yaml"
+
+
+def crd_schemas():
+    document = yaml.safe_load(CRD_SCHEMA_FILE.read_text())
+    definitions = document.pop("definitions")
+    return {("cert-manager.io/v1", kind): dict(schema, definitions=definitions) for kind, schema in document.items()}
+
+
+CRD_SCHEMAS = crd_schemas()
+
+# The webhook's safety rules (issue 6): never block a pod, never the
+# control plane's or the supervisor's own namespace, answer well within
+# the API server's own timeout.
+PROTECTED_NAMESPACES = ("kube-system", "fuse-supervisor")
+WEBHOOK_MAX_TIMEOUT = 10
 
 CAPABILITIES = {
     "AUDIT_CONTROL", "AUDIT_READ", "AUDIT_WRITE", "BLOCK_SUSPEND", "BPF", "CHECKPOINT_RESTORE", "CHOWN",
@@ -73,6 +95,8 @@ def api_server_rules(obj):
     errors = []
     if not (obj.get("metadata") or {}).get("name"):
         errors.append("metadata.name: missing")
+    if obj.get("kind") == "MutatingWebhookConfiguration":
+        errors += webhook_rules(obj)
     selector = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     for where, pod, template_labels in pod_specs(obj):
         if template_labels is not None and obj.get("kind") != "Job":
@@ -130,6 +154,64 @@ def container_rules(at, container, volumes):
     return errors
 
 
+def webhook_rules(obj):
+    """The API server's rules for a webhook configuration, and the project's
+    safety rules on top."""
+    errors = []
+    for index, hook in enumerate(obj.get("webhooks") or []):
+        at = f"webhooks[{index}]"
+        if len((hook.get("name") or "").split(".")) < 3:
+            errors.append(f"{at}.name: must be fully qualified, e.g. name.example.com")
+        if "v1" not in (hook.get("admissionReviewVersions") or []):
+            errors.append(f"{at}.admissionReviewVersions: must include v1 (the only version served)")
+        if hook.get("sideEffects") not in ("None", "NoneOnDryRun"):
+            errors.append(f"{at}.sideEffects: must be None or NoneOnDryRun")
+        timeout = hook.get("timeoutSeconds", 10)
+        if not 1 <= timeout <= 30:
+            errors.append(f"{at}.timeoutSeconds: must be between 1 and 30")
+        elif timeout > WEBHOOK_MAX_TIMEOUT:
+            errors.append(f"{at}.timeoutSeconds: {timeout} is not well under the API server's 10")
+        if hook.get("failurePolicy") != "Ignore":
+            errors.append(f"{at}.failurePolicy: must be Ignore, a webhook outage must never block pods")
+        service = (hook.get("clientConfig") or {}).get("service") or {}
+        if service and not (service.get("path") or "/").startswith("/"):
+            errors.append(f"{at}.clientConfig.service.path: must start with /")
+        excluded = set()
+        for expression in (hook.get("namespaceSelector") or {}).get("matchExpressions") or []:
+            if expression.get("key") == "kubernetes.io/metadata.name" and expression.get("operator") == "NotIn":
+                excluded |= set(expression.get("values") or [])
+        for namespace in PROTECTED_NAMESPACES:
+            if namespace not in excluded:
+                errors.append(f"{at}.namespaceSelector: does not exclude namespace {namespace}")
+    return errors
+
+
+def reference_rules(objects):
+    """References between objects: webhook services and CA injection sources exist."""
+    errors = []
+    by_kind = {}
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        by_kind.setdefault(obj.get("kind"), {})[(meta.get("namespace"), meta.get("name"))] = obj
+    for (_, name), obj in (by_kind.get("MutatingWebhookConfiguration") or {}).items():
+        inject = ((obj.get("metadata") or {}).get("annotations") or {}).get("cert-manager.io/inject-ca-from")
+        if inject and tuple(inject.split("/", 1)) not in (by_kind.get("Certificate") or {}):
+            errors.append(f"MutatingWebhookConfiguration/{name}: inject-ca-from {inject}: no such Certificate")
+        for hook in obj.get("webhooks") or []:
+            service = (hook.get("clientConfig") or {}).get("service")
+            if not service:
+                continue
+            target = (by_kind.get("Service") or {}).get((service.get("namespace"), service.get("name")))
+            ports = [port.get("port") for port in ((target or {}).get("spec") or {}).get("ports") or []]
+            if target is None:
+                errors.append(f"MutatingWebhookConfiguration/{name}: no Service {service.get('namespace')}/"
+                              f"{service.get('name')}")
+            elif service.get("port", 443) not in ports:
+                errors.append(f"MutatingWebhookConfiguration/{name}: Service {service.get('name')} has no port "
+                              f"{service.get('port', 443)}")
+    return errors
+
+
 def profile_rules(at, context):
     errors = []
     for profile in ("seccompProfile", "appArmorProfile"):
@@ -142,6 +224,12 @@ def profile_rules(at, context):
 def check(obj, versions):
     """Every complaint about one object, schema and API-server rules."""
     errors = []
+    crd = CRD_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+    if crd is not None:
+        for error in jsonschema.Draft7Validator(crd).iter_errors(obj):
+            path = ".".join(str(part) for part in error.path)
+            errors.append(f"cert-manager schema: {path}: {error.message}")
+        return errors + api_server_rules(obj)
     for version in versions:
         try:
             schemas.validate(obj, version, strict=True)
@@ -186,10 +274,33 @@ def self_test(versions, good):
         "a selector the template lacks": broken(
             lambda obj: obj["spec"]["selector"]["matchLabels"].update(extra="label")),
     }
+    webhook = next((obj for obj in good if obj.get("kind") == "MutatingWebhookConfiguration"), None)
+    certificate = next((obj for obj in good if obj.get("kind") == "Certificate"), None)
+    if webhook is None or certificate is None:
+        raise SystemExit("error self-test: no MutatingWebhookConfiguration or Certificate under deploy/ to break")
+
+    def broken_copy(template, change):
+        obj = copy.deepcopy(template)
+        change(obj)
+        return obj
+
+    hook = lambda obj: obj["webhooks"][0]  # noqa: E731
+    cases.update({
+        "webhook failurePolicy Fail": broken_copy(webhook, lambda obj: hook(obj).update(failurePolicy="Fail")),
+        "webhook sent kube-system": broken_copy(
+            webhook, lambda obj: hook(obj)["namespaceSelector"]["matchExpressions"][0].update(values=["other"])),
+        "webhook timeout of 31 s": broken_copy(webhook, lambda obj: hook(obj).update(timeoutSeconds=31)),
+        "Certificate with a misspelt field": broken_copy(
+            certificate, lambda obj: obj["spec"].update(dnsName=["x"])),
+    })
     for what, obj in cases.items():
         if not check(obj, versions):
-            raise SystemExit(f"error self-test: a DaemonSet with {what} was accepted")
-    print(f"self-test: {len(cases)} broken objects refused")
+            raise SystemExit(f"error self-test: an object with {what} was accepted")
+    others = [obj for obj in good if obj is not webhook]
+    if not reference_rules(others + [broken_copy(webhook, lambda obj: hook(obj)["clientConfig"]["service"].update(
+            name="missing"))]):
+        raise SystemExit("error self-test: a webhook calling a missing Service was accepted")
+    print(f"self-test: {len(cases) + 1} broken objects refused")
 
 
 def main():
@@ -200,6 +311,7 @@ def main():
 
     files = sorted(path for path in args.deploy.rglob("*") if path.suffix in (".yaml", ".yml"))
     kustomization = args.deploy / "kustomization.yaml"
+    kustomizations = [path for path in files if path.name == "kustomization.yaml"]
     listed = set()
     objects = []  # (origin, object)
     failures = []
@@ -215,21 +327,30 @@ def main():
                 objects.append((path, doc))
     for path in files:
         relative = path.relative_to(args.deploy)
-        if path != kustomization and relative.parts[0] not in OPT_IN_DIRS and path.resolve() not in listed:
+        if path in kustomizations or path.resolve() in listed:
+            continue
+        own = args.deploy / relative.parts[0] / "kustomization.yaml"
+        if len(relative.parts) > 1 and own in kustomizations:
+            failures.append(f"{path}: not in {own}")
+        elif relative.parts[0] not in OPT_IN_DIRS:
             opt_in = " or ".join(f"{directory}/" for directory in OPT_IN_DIRS)
             failures.append(f"{path}: neither in {kustomization} nor under {opt_in}")
 
     self_test(args.versions, [obj for _, obj in objects])
 
+    failures += reference_rules([obj for _, obj in objects])
+
     kubectl = shutil.which("kubectl")
-    if kubectl and kustomization.is_file():
-        rendered = subprocess.run([kubectl, "kustomize", str(args.deploy)], capture_output=True, text=True)
+    for path in kustomizations:
+        directory = path.parent
+        if not kubectl:
+            print(f"WARNING: kubectl not found; {path} was not rendered (its resources were checked to exist)")
+            continue
+        rendered = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True)
         if rendered.returncode != 0:
-            failures.append(f"kubectl kustomize {args.deploy}: {rendered.stderr.strip()}")
+            failures.append(f"kubectl kustomize {directory}: {rendered.stderr.strip()}")
         else:
-            objects += [(f"kubectl kustomize {args.deploy}", obj) for obj in documents(rendered.stdout, "kustomize")]
-    elif kustomization.is_file():
-        print(f"WARNING: kubectl not found; {kustomization} was not rendered (its resources were checked to exist)")
+            objects += [(f"kubectl kustomize {directory}", obj) for obj in documents(rendered.stdout, "kustomize")]
 
     passed = 0
     for origin, obj in objects:

@@ -25,3 +25,4 @@ pub mod supervisor;
 pub mod table;
 pub mod testbed;
 pub mod watch;
+pub mod webhook;

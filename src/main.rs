@@ -24,6 +24,7 @@ use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
 use fuse_supervisor::watch::WatchMode;
+use fuse_supervisor::webhook::{self, Selection, WebhookConfig};
 
 /// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
 /// them restarts, reaching containers that are still running.
@@ -80,6 +81,15 @@ enum Command {
         dry_run: bool,
         #[command(flatten)]
         node: NodeArgs,
+        #[command(flatten)]
+        log: LogArgs,
+    },
+    /// The mutating admission webhook (a Deployment, not the node agent):
+    /// gives the volume mounts of selected FUSE volumes
+    /// `mountPropagation: HostToContainer`, so heals reach running containers.
+    Webhook {
+        #[command(flatten)]
+        webhook: WebhookArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -495,6 +505,51 @@ impl EventsArgs {
     }
 }
 
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Webhook")]
+struct WebhookArgs {
+    /// CSI driver names whose volumes get HostToContainer (comma-separated
+    /// or repeated): PVCs bound to their PVs, and inline CSI volumes.
+    #[arg(long = "driver", value_name = "NAME", value_delimiter = ',', env = "FUSE_SUPERVISOR_WEBHOOK_DRIVERS")]
+    drivers: Vec<String>,
+    /// StorageClass names whose volumes get HostToContainer (comma-separated
+    /// or repeated).
+    #[arg(
+        long = "storage-class",
+        value_name = "NAME",
+        value_delimiter = ',',
+        env = "FUSE_SUPERVISOR_WEBHOOK_STORAGE_CLASSES"
+    )]
+    storage_classes: Vec<String>,
+    /// A pod with this annotation set to "true" is admitted unchanged.
+    #[arg(long, default_value = webhook::DEFAULT_OPT_OUT_ANNOTATION, env = "FUSE_SUPERVISOR_WEBHOOK_OPT_OUT_ANNOTATION")]
+    opt_out_annotation: String,
+    /// Where /mutate is served over HTTPS.
+    #[arg(long, default_value = "0.0.0.0:8443", env = "FUSE_SUPERVISOR_WEBHOOK_LISTEN")]
+    listen: SocketAddr,
+    /// Where /metrics, /healthz and /readyz are served over plain HTTP.
+    #[arg(long, default_value = "0.0.0.0:9810", env = "FUSE_SUPERVISOR_WEBHOOK_METRICS_ADDR")]
+    metrics_addr: SocketAddr,
+    /// The serving certificate chain (PEM), reloaded when it changes.
+    #[arg(long, default_value = "/etc/fuse-supervisor/tls/tls.crt", env = "FUSE_SUPERVISOR_WEBHOOK_TLS_CERT_FILE")]
+    tls_cert_file: PathBuf,
+    /// Its private key (PEM), reloaded with it.
+    #[arg(long, default_value = "/etc/fuse-supervisor/tls/tls.key", env = "FUSE_SUPERVISOR_WEBHOOK_TLS_KEY_FILE")]
+    tls_key_file: PathBuf,
+}
+
+impl WebhookArgs {
+    fn config(self) -> WebhookConfig {
+        WebhookConfig {
+            listen: self.listen,
+            metrics_listen: self.metrics_addr,
+            cert_file: self.tls_cert_file,
+            key_file: self.tls_key_file,
+            selection: Selection::new(self.drivers, self.storage_classes, self.opt_out_annotation),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Json,
@@ -597,6 +652,10 @@ fn main() -> ExitCode {
         Command::Heal { node, log, dry_run, .. } => {
             log.init();
             node.config().and_then(|config| heal_once(&config, dry_run))
+        }
+        Command::Webhook { webhook, log } => {
+            log.init();
+            webhook::run(webhook.config()).map_err(Into::into)
         }
         Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
         Command::Internal(Internal::Demofs { backing, mountpoint, name }) => {

@@ -7,6 +7,7 @@
 //! volume in a loop and reports what it sees. A [`kubelet::KubeletStandIn`]
 //! answers `/pods` over HTTPS like a node's kubelet; an
 //! [`apiserver::ApiServerStandIn`] takes Events like the API server.
+pub mod admission;
 pub mod apiserver;
 pub mod cgroup;
 pub mod container;

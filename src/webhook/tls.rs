@@ -1,0 +1,221 @@
+//! The serving certificate: read from PEM files and re-read when they
+//! change, without a timer.
+//!
+//! cert-manager (through a Secret volume) and the kubelet replace a Secret's
+//! files by swapping the `..data` symlink of the volume's directory, and a
+//! manual rotation usually renames or rewrites the files; inotify on the
+//! directories holding the two files sees all of these. Every handshake asks
+//! [`CertStore`] for the pair current at that moment, so a new pair serves
+//! the next connection without a restart. A pair that fails to load (a key
+//! written before its certificate, a typo) is logged and the old pair kept.
+use std::io;
+use std::ops::ControlFlow;
+use std::os::fd::AsFd as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use fuse_supervisor_sys::inotify::{EventReader, Inotify, WatchFlags};
+use fuse_supervisor_sys::poll::{Poller, Waker};
+use rustls::ServerConfig;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the certificate chain {}", path.display())]
+    Certificates {
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("no certificate in {}", path.display())]
+    NoCertificate { path: PathBuf },
+    #[error("cannot read the private key {}", path.display())]
+    Key {
+        path: PathBuf,
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("cannot use the key {} with the certificate {}", key.display(), cert.display())]
+    Mismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        #[source]
+        source: Box<rustls::Error>,
+    },
+    #[error("cannot build the TLS server configuration")]
+    Config(#[source] Box<rustls::Error>),
+    #[error("cannot watch {} for certificate changes", dir.display())]
+    Watch {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The current certificate and key, and where they come from.
+#[derive(Debug)]
+pub struct CertStore {
+    cert_file: PathBuf,
+    key_file: PathBuf,
+    provider: Arc<CryptoProvider>,
+    current: RwLock<Arc<CertifiedKey>>,
+}
+
+impl CertStore {
+    /// Loads the pair once; fails if it cannot.
+    pub fn load(cert_file: impl Into<PathBuf>, key_file: impl Into<PathBuf>) -> Result<Arc<Self>, TlsError> {
+        let (cert_file, key_file) = (cert_file.into(), key_file.into());
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let current = read_pair(&cert_file, &key_file, &provider)?;
+        Ok(Arc::new(CertStore { cert_file, key_file, provider, current: RwLock::new(Arc::new(current)) }))
+    }
+
+    /// Re-reads both files. Ok(false) when they hold the pair served already.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let fresh = read_pair(&self.cert_file, &self.key_file, &self.provider)?;
+        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+        if current.cert == fresh.cert {
+            return Ok(false);
+        }
+        *current = Arc::new(fresh);
+        Ok(true)
+    }
+
+    /// The certificate served now (its chain, leaf first).
+    pub fn chain(&self) -> Vec<CertificateDer<'static>> {
+        self.current().cert.clone()
+    }
+
+    fn current(&self) -> Arc<CertifiedKey> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// A server configuration that asks this store at every handshake,
+    /// offering HTTP/2 and HTTP/1.1.
+    pub fn server_config(self: &Arc<Self>) -> Result<Arc<ServerConfig>, TlsError> {
+        let mut config = ServerConfig::builder_with_provider(self.provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|err| TlsError::Config(Box::new(err)))?
+            .with_no_client_auth()
+            .with_cert_resolver(self.clone());
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// Watches the directories of both files from a thread of its own
+    /// and reloads on every change until the returned handle is dropped.
+    /// `reloaded` is told of each attempt (`Ok(false)`: nothing new).
+    pub fn watch(
+        self: &Arc<Self>,
+        reloaded: impl Fn(&Result<bool, TlsError>) + Send + 'static,
+    ) -> Result<CertWatch, TlsError> {
+        let dir = watched_dir(&self.cert_file);
+        let setup = |source| TlsError::Watch { dir: dir.clone(), source };
+        let inotify = Inotify::new().map_err(setup)?;
+        // CLOSE_WRITE: rewritten in place; MOVED_TO: renamed over (also the
+        // `..data` swap of a Secret volume); CREATE: a new file or symlink.
+        let mask = WatchFlags::CLOSE_WRITE | WatchFlags::MOVED_TO | WatchFlags::CREATE;
+        for file in [&self.cert_file, &self.key_file] {
+            let dir = watched_dir(file);
+            inotify.watch_dir(&dir, mask).map_err(|source| TlsError::Watch { dir, source })?;
+        }
+        let poller = Poller::new().map_err(setup)?;
+        let waker = Arc::new(Waker::new().map_err(setup)?);
+        poller.add_readable(inotify.as_fd(), CHANGED).map_err(setup)?;
+        poller.add_readable(waker.as_fd(), STOP).map_err(setup)?;
+        let store = self.clone();
+        let thread = std::thread::Builder::new()
+            .name("cert-watch".into())
+            .spawn(move || store.watch_loop(&inotify, &poller, reloaded))
+            .map_err(setup)?;
+        Ok(CertWatch { waker, thread: Some(thread) })
+    }
+
+    fn watch_loop(&self, inotify: &Inotify, poller: &Poller, reloaded: impl Fn(&Result<bool, TlsError>)) {
+        let (mut reader, mut ready) = (EventReader::default(), Vec::new());
+        loop {
+            if let Err(err) = poller.wait(&mut ready, None) {
+                tracing::error!(?err, "certificate watch failed; certificates are no longer reloaded");
+                return;
+            }
+            if ready.contains(&STOP) {
+                return;
+            }
+            let mut changed = false;
+            let drained = reader.drain(inotify, |_| {
+                changed = true;
+                ControlFlow::Continue(())
+            });
+            if let Err(err) = drained {
+                tracing::error!(?err, "cannot read certificate change events; certificates are no longer reloaded");
+                return;
+            }
+            if changed {
+                // One reload per burst: a `..data` swap or a rewrite of
+                // both files arrives as several events at once.
+                reloaded(&self.reload());
+            }
+        }
+    }
+}
+
+const CHANGED: u64 = 0;
+const STOP: u64 = 1;
+
+/// The certificate watch thread; stopped and joined on drop.
+#[derive(Debug)]
+pub struct CertWatch {
+    waker: Arc<Waker>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for CertWatch {
+    fn drop(&mut self) {
+        if let Err(err) = self.waker.wake() {
+            // Without the wake-up the thread cannot be joined; leave it.
+            tracing::error!(?err, "cannot stop the certificate watch");
+            return;
+        }
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::error!("certificate watch thread panicked");
+        }
+    }
+}
+
+impl ResolvesServerCert for CertStore {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+}
+
+/// The directory holding `file`, with symlinks in the directory's own path
+/// resolved (the watch refuses a symlink); the file itself may be one.
+fn watched_dir(file: &Path) -> PathBuf {
+    let dir = match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf())
+}
+
+fn read_pair(cert_file: &Path, key_file: &Path, provider: &CryptoProvider) -> Result<CertifiedKey, TlsError> {
+    let chain = CertificateDer::pem_file_iter(cert_file)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|source| TlsError::Certificates { path: cert_file.to_path_buf(), source })?;
+    if chain.is_empty() {
+        return Err(TlsError::NoCertificate { path: cert_file.to_path_buf() });
+    }
+    let key = PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|source| TlsError::Key { path: key_file.to_path_buf(), source })?;
+    CertifiedKey::from_der(chain, key, provider).map_err(|err| TlsError::Mismatch {
+        cert: cert_file.to_path_buf(),
+        key: key_file.to_path_buf(),
+        source: Box::new(err),
+    })
+}
