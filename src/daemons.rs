@@ -238,7 +238,14 @@ impl Daemons {
             let (watcher, holders, proc_root) = (Arc::clone(&watcher), Arc::clone(&holders), options.proc_root.clone());
             std::thread::Builder::new()
                 .name("discovery".into())
-                .spawn(move || discovery_loop(&queue, &proc_root, &*watcher, &holders, send))
+                .spawn(move || {
+                    // A new daemon is found while its mount is being healed:
+                    // the /proc scan must not take CPU from the heal.
+                    if let Err(err) = fuse_supervisor_sys::process::lower_thread_priority() {
+                        debug!(%err, "daemon discovery keeps the normal CPU priority");
+                    }
+                    discovery_loop(&queue, &proc_root, &*watcher, &holders, send)
+                })
                 .map_err(DaemonError::Thread)?
         };
         Ok(Some(Daemons {

@@ -82,6 +82,13 @@ pub fn signal(pid: u32, signal: Signal) -> io::Result<()> {
     Ok(rustix::process::kill_process(pid, signal.to_rustix())?)
 }
 
+/// Gives the calling thread the lowest CPU priority (nice 19), leaving the
+/// rest of the process as it is: on Linux `setpriority` on a thread ID
+/// applies to that thread alone.
+pub fn lower_thread_priority() -> io::Result<()> {
+    Ok(rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19)?)
+}
+
 /// The symbolic name of an errno value (`107` → `"ENOTCONN"`), for the errors
 /// a process reading a volume can meet; `None` for the rest.
 pub fn errno_name(errno: i32) -> Option<&'static str> {
