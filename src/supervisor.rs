@@ -4,7 +4,7 @@
 //! The loop thread joins the watched mount namespace and does all mounting
 //! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
 //! calls never reach the daemon). Probes, which do, run on worker threads.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
@@ -327,8 +327,15 @@ struct Supervisor<E: Executor> {
     prober: Prober,
     executor: E,
     events: Sender<Event>,
-    /// When the loop last woke for a table change: heal latency starts here.
+    /// When the loop last woke for a table change: the heal latency of a
+    /// target found dead on an unchanged source starts here.
     woke_at: Instant,
+    /// When the last table read began.
+    scan_started: Instant,
+    /// Each source's current connection and when a scan first saw it: the
+    /// heal latency of targets left behind by a replacement starts there.
+    /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
+    sources_seen_at: HashMap<PathBuf, (Dev, Instant)>,
     /// Sources whose probe overran, already reported.
     reported_overdue: BTreeSet<PathBuf>,
     /// Targets on an unrecorded connection whose probe is running.
@@ -391,6 +398,8 @@ impl Supervisor<MountExecutor> {
             executor,
             events,
             woke_at: Instant::now(),
+            scan_started: Instant::now(),
+            sources_seen_at: HashMap::new(),
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
             dead_targets: BTreeSet::new(),
@@ -482,6 +491,7 @@ impl<E: Executor> Supervisor<E> {
     /// table cannot be read or parsed.
     fn read_table(&mut self) -> Option<Classified> {
         self.table_reads += 1;
+        self.scan_started = Instant::now();
         let table = match self.reader.read() {
             Ok(table) => table,
             Err(err) => {
@@ -514,6 +524,7 @@ impl<E: Executor> Supervisor<E> {
         }
         self.probe_unknown_targets(&classified);
         let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
+        self.discover_daemons(&classified, &batches);
         debug!(
             mounts = classified.total_mounts,
             targets = classified.targets.len(),
@@ -551,7 +562,12 @@ impl<E: Executor> Supervisor<E> {
         let now = self.scanned_once.then(SystemTime::now);
         self.scanned_once = true;
         let mut changed = false;
+        self.sources_seen_at.retain(|path, _| classified.sources.contains_key(path));
         for (path, source) in &classified.sources {
+            let dev = source.top().dev;
+            if self.sources_seen_at.get(path).is_none_or(|(seen, _)| *seen != dev) {
+                self.sources_seen_at.insert(path.clone(), (dev, self.scan_started));
+            }
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
         changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
@@ -1002,6 +1018,22 @@ impl<E: Executor> Supervisor<E> {
         self.rescan();
     }
 
+    /// From the scan that first saw the source's current mount, for targets
+    /// it left behind; from the wake-up, for targets found dead under a
+    /// source that did not change.
+    fn heal_latency(&self, batch: &HealBatch) -> Duration {
+        let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
+        let source_seen = self
+            .sources_seen_at
+            .get(&batch.source.path)
+            .filter(|(dev, _)| *dev == batch.source.top().dev)
+            .map(|(_, at)| *at);
+        match source_seen {
+            Some(at) if !dead_target => at.elapsed(),
+            _ => self.woke_at.elapsed(),
+        }
+    }
+
     fn heal(&mut self, batch: &HealBatch, handles: &crate::probe::SourceHandles) {
         let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
         let _entered = span.enter();
@@ -1011,7 +1043,7 @@ impl<E: Executor> Supervisor<E> {
             }
         }
         let outcomes = self.executor.heal(batch, handles);
-        let latency = self.woke_at.elapsed();
+        let latency = self.heal_latency(batch);
         let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
             let record =

@@ -12,7 +12,7 @@ use tracing::{debug, error, info, warn};
 use super::{Supervisor, TargetRecord};
 use crate::daemons::{Aborted, DaemonEvent};
 use crate::heal::{Executor, Healed};
-use crate::plan::{self, Assessment, TargetHeal};
+use crate::plan::{self, Assessment, HealBatch, TargetHeal};
 use crate::process_watch::{Detection, ProcessEvent};
 use crate::report::{HealReport, Report, TargetEvent};
 use crate::state::{DaemonDeath, TargetState};
@@ -121,7 +121,7 @@ impl<E: Executor> Supervisor<E> {
             }));
         }
         // First, before a new mount can cover them.
-        self.hold_stale_layers(&targets, dev);
+        let unscanned_change = self.hold_stale_layers(&targets, dev);
         info!(
             source = %source.display(),
             connection = %dev,
@@ -138,15 +138,40 @@ impl<E: Executor> Supervisor<E> {
         {
             error!(%err, "cannot save state");
         }
+        if unscanned_change {
+            self.woke_at = Instant::now();
+            self.rescan();
+        }
+    }
+
+    /// Asks who serves each new source connection, once its targets are
+    /// healed: the search reads every process's descriptors in /proc, and
+    /// run beside a heal it doubled the heal's latency. A source still in
+    /// `batches` keeps its previous connection's entry until then.
+    pub(super) fn discover_daemons(&mut self, classified: &Classified, batches: &[HealBatch]) {
+        let Some(daemons) = &mut self.daemons else { return };
+        let healing = |path: &Path| batches.iter().any(|batch| batch.source.path == path);
+        daemons.sources_seen(
+            classified
+                .sources
+                .iter()
+                .filter(|(path, _)| !healing(path))
+                .map(|(path, stack)| (path.as_path(), stack.top().dev)),
+        );
     }
 
     /// Takes a handle on each target's top while it is still the dead
     /// connection's mount: a new mount over the stale source will cover it.
-    fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) {
+    /// Returns whether its table read took in a change no scan has seen.
+    fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) -> bool {
         if targets.is_empty() {
-            return;
+            return false;
         }
-        let Some(classified) = self.read_table() else { return };
+        // This read takes in any change since the last scan (the new mount,
+        // if the daemon came back at once): the loop, woken for it, would
+        // find nothing new, so a scan follows here.
+        let unscanned_change = self.reader.changed_since_read().unwrap_or(true);
+        let Some(classified) = self.read_table() else { return unscanned_change };
         let until = Instant::now() + HOLD_STALE_FOR;
         for path in targets {
             let Some(target) = classified.targets.get(path) else { continue };
@@ -164,6 +189,7 @@ impl<E: Executor> Supervisor<E> {
             }
         }
         debug!(held = self.held.len(), "stale layers held");
+        unscanned_change
     }
 
     /// After a scan: asks who serves new connections, forgets deaths of
@@ -171,9 +197,6 @@ impl<E: Executor> Supervisor<E> {
     /// source covered, and lets go of handles no longer needed. Returns
     /// whether the journal changed.
     pub(super) fn track_daemons(&mut self, classified: &Classified) -> bool {
-        if let Some(daemons) = &mut self.daemons {
-            daemons.sources_seen(classified.sources.iter().map(|(path, stack)| (path.as_path(), stack.top().dev)));
-        }
         let settled: Vec<(PathBuf, Dev)> = self
             .journal
             .deaths()
@@ -246,8 +269,11 @@ impl<E: Executor> Supervisor<E> {
                 source: &source,
                 broken_since: record.broken_since,
             };
-            let report =
-                HealReport { how: Healed::Propagated, latency: self.woke_at.elapsed(), outage, layers_removed };
+            // The kernel healed it the instant the new mount appeared; this
+            // is when the covered layer went.
+            let latency =
+                self.sources_seen_at.get(&source).map_or_else(|| self.woke_at.elapsed(), |(_, at)| at.elapsed());
+            let report = HealReport { how: Healed::Propagated, latency, outage, layers_removed };
             self.reporters.report(&Report::TargetHealed { target: &event, heal: &report });
             record.broken_since = None;
         }
