@@ -47,6 +47,48 @@ fn fuse_mounts(mountinfo: &str) -> Vec<(PathBuf, PathBuf)> {
     snapshot.fuse_mounts.into_iter().map(|mount| (mount.mount_point, mount.root)).collect()
 }
 
+/// A FUSE container in the pod: a mount namespace made from the node's
+/// like runc makes one (everything a slave), holding its first process.
+/// Returns the `nsenter` child and the container's first process.
+fn fuse_container(sandbox: &Sandbox, pause: &SandboxChild) -> (SandboxChild, u32) {
+    let mut command = Command::new("nsenter");
+    command.arg(format!("--pid=/proc/{}/ns/pid_for_children", pause.pid())).args([
+        "--",
+        "unshare",
+        "--mount",
+        "--propagation",
+        "slave",
+        "sleep",
+        "infinity",
+    ]);
+    let nsenter = sandbox.spawn(command).expect("fuse container");
+    let pid = child_of(nsenter.pid());
+    // Its namespace is made once `unshare` has become `sleep`.
+    let comm = format!("/proc/{pid}/comm");
+    scenario::wait_for("the FUSE container's namespace", Duration::from_secs(5), || {
+        fs::read_to_string(&comm).is_ok_and(|name| name.trim() == "sleep")
+    })
+    .unwrap();
+    (nsenter, pid)
+}
+
+/// Which FUSE daemon the FUSE container runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Daemon {
+    DemoFs,
+    Bindfs,
+}
+
+/// How the FUSE daemon comes back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Restart {
+    /// In the same container (its dead mount detached first).
+    SameContainer,
+    /// The FUSE container is restarted: a new mount namespace, which the
+    /// supervisor has never seen.
+    NewContainer,
+}
+
 struct Pod {
     // Declared first: dropped before the sandbox.
     readers: Vec<ContainerReader>,
@@ -61,11 +103,12 @@ struct Pod {
     mountpoint: PathBuf,
     backing: PathBuf,
     generation: u32,
+    daemon_kind: Daemon,
     sandbox: Sandbox,
 }
 
 impl Pod {
-    fn new() -> Pod {
+    fn new(daemon: Daemon) -> Pod {
         let sandbox = Sandbox::new().expect("sandbox");
         let root = sandbox.root().to_path_buf();
         let (proc_root, mountpoint, backing) = (root.join("pod-proc"), root.join("pod/fuse"), root.join("backing"));
@@ -89,25 +132,7 @@ impl Pod {
             sandbox.run(move || probe.exists())
         })
         .unwrap();
-        // The FUSE container: a mount namespace made like runc makes one.
-        let mut fuse_container = Command::new("nsenter");
-        fuse_container.arg(format!("--pid=/proc/{}/ns/pid_for_children", pause.pid())).args([
-            "--",
-            "unshare",
-            "--mount",
-            "--propagation",
-            "slave",
-            "sleep",
-            "infinity",
-        ]);
-        let fuse_container = sandbox.spawn(fuse_container).expect("fuse container");
-        let fuse_container_pid = child_of(fuse_container.pid());
-        // Its namespace is made once `unshare` has become `sleep`.
-        let comm = format!("/proc/{fuse_container_pid}/comm");
-        scenario::wait_for("the FUSE container's namespace", Duration::from_secs(5), || {
-            fs::read_to_string(&comm).is_ok_and(|name| name.trim() == "sleep")
-        })
-        .unwrap();
+        let (fuse_container, fuse_container_pid) = fuse_container(&sandbox, &pause);
         let mut pod = Pod {
             readers: Vec::new(),
             supervisor: None,
@@ -119,6 +144,7 @@ impl Pod {
             mountpoint,
             backing,
             generation: 0,
+            daemon_kind: daemon,
             sandbox,
         };
         pod.start_daemon();
@@ -150,15 +176,16 @@ impl Pod {
         let before = fuse_mounts(&self.fuse_container_table()).len();
         let wrapper = self.in_fuse_container();
         let mut command = Command::new(&wrapper[0]);
-        command
-            .args(&wrapper[1..])
-            .arg(BINARY)
-            .args(["internal", "demofs", "--backing"])
-            .arg(&self.backing)
-            .arg("--mountpoint")
-            .arg(&self.mountpoint)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
+        command.args(&wrapper[1..]);
+        match self.daemon_kind {
+            Daemon::DemoFs => command.arg(BINARY).args(["internal", "demofs", "--backing"]),
+            Daemon::Bindfs => command.args(["bindfs", "-f", "-o", "allow_other"]),
+        };
+        command.arg(&self.backing);
+        if self.daemon_kind == Daemon::DemoFs {
+            command.arg("--mountpoint");
+        }
+        command.arg(&self.mountpoint).stdin(Stdio::null()).stdout(Stdio::null());
         self.daemon = Some(self.sandbox.spawn(command).expect("demofs"));
         scenario::wait_for("demofs mounted in the FUSE container", TIMEOUT, || {
             fuse_mounts(&self.fuse_container_table()).len() > before
@@ -174,14 +201,25 @@ impl Pod {
         nsenter.wait().unwrap();
     }
 
-    fn restart(&mut self) {
-        let status = Command::new("nsenter")
-            .arg(format!("--mount=/proc/{}/ns/mnt", self.fuse_container_pid))
-            .args(["--", "umount", "-l"])
-            .arg(&self.mountpoint)
-            .status()
-            .unwrap();
-        assert!(status.success(), "cannot detach the dead mount in the FUSE container");
+    fn restart(&mut self, how: Restart) {
+        match how {
+            Restart::SameContainer => {
+                let status = Command::new("nsenter")
+                    .arg(format!("--mount=/proc/{}/ns/mnt", self.fuse_container_pid))
+                    .args(["--", "umount", "-l"])
+                    .arg(&self.mountpoint)
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "cannot detach the dead mount in the FUSE container");
+            }
+            Restart::NewContainer => {
+                // The old namespace, and its dead mount, go with its last process.
+                process::signal(self.fuse_container_pid, Signal::Kill).unwrap();
+                self.fuse_container.wait().unwrap();
+                let (nsenter, pid) = fuse_container(&self.sandbox, &self.pause);
+                (self.fuse_container, self.fuse_container_pid) = (nsenter, pid);
+            }
+        }
         self.generation += 1;
         self.start_daemon();
     }
@@ -248,12 +286,22 @@ fn fails(observation: &Observation) -> bool {
 
 #[test]
 fn app_containers_are_healed_from_the_fuse_container_without_host_pid() {
-    heals(SupervisorStarts::BeforeTheCrash);
+    heals(Daemon::DemoFs, SupervisorStarts::BeforeTheCrash, Restart::SameContainer);
+}
+
+#[test]
+fn bindfs_app_containers_are_healed_without_host_pid() {
+    heals(Daemon::Bindfs, SupervisorStarts::BeforeTheCrash, Restart::SameContainer);
 }
 
 #[test]
 fn a_supervisor_started_after_the_restart_heals_at_its_first_scan() {
-    heals(SupervisorStarts::AfterTheRestart);
+    heals(Daemon::DemoFs, SupervisorStarts::AfterTheRestart, Restart::SameContainer);
+}
+
+#[test]
+fn a_restarted_fuse_container_in_a_new_namespace_is_found_and_healed_from() {
+    heals(Daemon::DemoFs, SupervisorStarts::BeforeTheCrash, Restart::NewContainer);
 }
 
 #[derive(PartialEq)]
@@ -262,8 +310,8 @@ enum SupervisorStarts {
     AfterTheRestart,
 }
 
-fn heals(starts: SupervisorStarts) {
-    let mut pod = Pod::new();
+fn heals(daemon: Daemon, starts: SupervisorStarts, restart: Restart) {
+    let mut pod = Pod::new(daemon);
     let mountpoint = pod.mountpoint.clone();
     pod.add_reader("app", &mountpoint, DATA_FILE);
     pod.add_reader("app-sub", &mountpoint.join("sub"), SUBDIR_FILE);
@@ -284,7 +332,7 @@ fn heals(starts: SupervisorStarts) {
     if starts == SupervisorStarts::BeforeTheCrash {
         pod.supervisor().wait_for_log(TIMEOUT, |line| line.contains("fuse daemon exited")).unwrap();
     }
-    pod.restart();
+    pod.restart(restart);
     if starts == SupervisorStarts::AfterTheRestart {
         pod.start_supervisor();
     }
