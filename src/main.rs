@@ -652,6 +652,9 @@ fn main() -> ExitCode {
                     })
                 })
                 .and_then(|config| {
+                    if sidecar_namespaces && config.job.is_some() {
+                        tracing::warn!("the job lifecycle does not run with --sidecar-namespaces");
+                    }
                     let sidecar = sidecar_namespaces.then(|| SidecarConfig {
                         proc_root: proc_root.clone(),
                         probe_timeout: config.probe_timeout,
@@ -821,6 +824,17 @@ mod tests {
         assert_eq!(parse_listen("[::]:9809").unwrap().0, Some("[::]:9809".parse().unwrap()));
         assert_eq!(parse_listen("off").unwrap().0, None);
         assert!(parse_listen("9809").unwrap_err().contains("ADDRESS:PORT"));
+    }
+
+    #[test]
+    fn sidecar_namespaces_needs_sidecar_mode_and_takes_a_proc_root() {
+        let args =
+            ["fuse-supervisor", "run", "--sidecar", "--pod-uid", "u", "--sidecar-namespaces", "--proc-root", "/p"];
+        let cli = Cli::try_parse_from(args).unwrap();
+        let Command::Run { job, .. } = cli.command else { panic!("not run") };
+        assert!(job.sidecar.sidecar_namespaces);
+        assert_eq!(job.sidecar.proc_root, Path::new("/p"));
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--sidecar-namespaces"]).is_err());
     }
 
     #[test]

@@ -202,9 +202,13 @@ impl Sidecar<'_> {
         let scan = scan::scan(&self.config.proc_root, self.own_namespace)?;
         let registered = self.follow_tables(&scan.namespaces);
         for &daemon in &scan.daemons {
-            if let Err(err) = self.daemons.watch(daemon) {
-                debug!(pid = daemon.pid, ?err, "cannot watch a fuse daemon; it is rescanned");
-                return Ok((false, true));
+            match self.daemons.watch(daemon) {
+                Ok(()) => {}
+                // Exited since the scan: what it served is dead now, scan again.
+                Err(ProcessWatchError::Gone { .. } | ProcessWatchError::Reused { .. }) => return Ok((false, true)),
+                // Its death will not be seen as it happens; the heal still
+                // follows the new daemon's mount.
+                Err(err) => warn!(pid = daemon.pid, err = %err, "cannot watch a fuse daemon"),
             }
         }
         let plan = plan::plan(&scan.namespaces);
