@@ -19,6 +19,7 @@ pub mod pods;
 pub mod probe;
 pub mod process_watch;
 pub mod report;
+pub mod sidecar;
 pub mod state;
 pub mod status;
 pub mod supervisor;

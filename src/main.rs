@@ -17,6 +17,7 @@ use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
 use fuse_supervisor::report::Reporters;
+use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
@@ -185,6 +186,14 @@ struct SidecarArgs {
     /// This pod's UID (downward API `metadata.uid`).
     #[arg(long, env = "FUSE_SUPERVISOR_POD_UID")]
     pod_uid: Option<String>,
+    /// Without hostPID: heal from the FUSE container's mount namespace into
+    /// the application containers' (needs `shareProcessNamespace: true`;
+    /// the kubelet tree and the node's mounts are not used).
+    #[arg(long, env = "FUSE_SUPERVISOR_SIDECAR_NAMESPACES", requires = "sidecar")]
+    sidecar_namespaces: bool,
+    /// Where the pod's processes are listed (with --sidecar-namespaces).
+    #[arg(long, default_value = "/proc", env = "FUSE_SUPERVISOR_PROC_ROOT")]
+    proc_root: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -627,6 +636,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             log.init();
+            let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
             node.config()
                 .and_then(|config| {
                     let confirmation = kubelet.confirmation()?;
@@ -642,10 +652,18 @@ fn main() -> ExitCode {
                     })
                 })
                 .and_then(|config| {
+                    if sidecar_namespaces && config.job.is_some() {
+                        tracing::warn!("the job lifecycle does not run with --sidecar-namespaces");
+                    }
+                    let sidecar = sidecar_namespaces.then(|| SidecarConfig {
+                        proc_root: proc_root.clone(),
+                        probe_timeout: config.probe_timeout,
+                        health: config.health.clone(),
+                    });
                     // Started here, before any thread joins the host's mount
                     // namespace: it reads this container's service account files.
                     let events = events.start(&kubelet, config.kubelet.as_ref())?;
-                    run(config, serve.metrics_addr, events)
+                    run(config, sidecar, serve.metrics_addr, events)
                 })
         }
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
@@ -692,7 +710,12 @@ fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Re
     Ok(())
 }
 
-fn run(mut config: Config, metrics_addr: Listen, events: Option<Events>) -> anyhow::Result<()> {
+fn run(
+    mut config: Config,
+    sidecar: Option<SidecarConfig>,
+    metrics_addr: Listen,
+    events: Option<Events>,
+) -> anyhow::Result<()> {
     if let Some(events) = &events {
         config.reporters.push(events.reporter());
     }
@@ -726,8 +749,10 @@ fn run(mut config: Config, metrics_addr: Listen, events: Option<Events>) -> anyh
         }
     })?;
     // The loop thread moves into the watched namespace; main stays put.
-    let supervisor =
-        std::thread::Builder::new().name("supervisor".into()).spawn(move || supervisor::run(&config, &shutdown))?;
+    let supervisor = std::thread::Builder::new().name("supervisor".into()).spawn(move || match sidecar {
+        Some(sidecar) => sidecar::run(&sidecar, &shutdown).map_err(anyhow::Error::from),
+        None => supervisor::run(&config, &shutdown).map_err(anyhow::Error::from),
+    })?;
     let result = supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"));
     if let Some(server) = server {
         server.stop();
@@ -799,6 +824,17 @@ mod tests {
         assert_eq!(parse_listen("[::]:9809").unwrap().0, Some("[::]:9809".parse().unwrap()));
         assert_eq!(parse_listen("off").unwrap().0, None);
         assert!(parse_listen("9809").unwrap_err().contains("ADDRESS:PORT"));
+    }
+
+    #[test]
+    fn sidecar_namespaces_needs_sidecar_mode_and_takes_a_proc_root() {
+        let args =
+            ["fuse-supervisor", "run", "--sidecar", "--pod-uid", "u", "--sidecar-namespaces", "--proc-root", "/p"];
+        let cli = Cli::try_parse_from(args).unwrap();
+        let Command::Run { job, .. } = cli.command else { panic!("not run") };
+        assert!(job.sidecar.sidecar_namespaces);
+        assert_eq!(job.sidecar.proc_root, Path::new("/p"));
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--sidecar-namespaces"]).is_err());
     }
 
     #[test]

@@ -132,6 +132,11 @@ impl Shutdown {
     pub fn requested(&self) -> bool {
         self.requested.load(Ordering::SeqCst)
     }
+
+    /// The eventfd a shutdown request sets, for loops that wait on their own epoll.
+    pub fn waker(&self) -> Arc<Waker> {
+        Arc::clone(&self.waker)
+    }
 }
 
 enum Event {

@@ -1,5 +1,6 @@
 //! The test side of a container-model process: spawn it in a sandbox and keep
 //! the history of what it saw.
+use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -119,7 +120,20 @@ impl ContainerReader {
         name: &str,
         options: &ContainerOptions,
     ) -> Result<Self, TestbedError> {
-        let mut command = Command::new(binary);
+        Self::spawn_wrapped(sandbox, &[], binary, name, options)
+    }
+
+    /// Like [`ContainerReader::spawn_with`], started through `wrapper`
+    /// (e.g. `nsenter --pid=… --mount=… --`: a container made from another
+    /// container's namespace, in a pod's pid namespace).
+    pub fn spawn_wrapped(
+        sandbox: &Sandbox,
+        wrapper: &[OsString],
+        binary: &Path,
+        name: &str,
+        options: &ContainerOptions,
+    ) -> Result<Self, TestbedError> {
+        let mut command = wrapped(wrapper, binary);
         command.args(["internal", "container", "--volume"]).arg(&options.volume).arg("--rootfs").arg(&options.rootfs);
         for hidden in &options.hide {
             command.arg("--hide").arg(hidden);
@@ -244,6 +258,19 @@ fn describe(history: &History) -> String {
         text.push_str("  (exited)\n");
     }
     text
+}
+
+/// `binary` run through `wrapper` (its first element is the program), or
+/// directly if `wrapper` is empty.
+pub(crate) fn wrapped(wrapper: &[OsString], binary: &Path) -> Command {
+    match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    }
 }
 
 #[cfg(test)]

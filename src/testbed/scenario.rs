@@ -289,11 +289,27 @@ impl SupervisorProcess {
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
+        Self::start_wrapped(sandbox, &[], binary, state_dir, args)
+    }
+
+    /// Like [`SupervisorProcess::start_with`], started through `wrapper`
+    /// (e.g. `nsenter --pid=… --`: in a pod's pid namespace).
+    pub fn start_wrapped<I, S>(
+        sandbox: &Sandbox,
+        wrapper: &[OsString],
+        binary: &Path,
+        state_dir: &Path,
+        args: I,
+    ) -> Result<Self, ScenarioError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
         let mut args: Vec<OsString> = args.into_iter().map(|arg| arg.as_ref().to_owned()).collect();
         if !args.iter().any(|arg| arg.to_string_lossy().starts_with("--metrics-addr")) {
             args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
         }
-        let mut command = Command::new(binary);
+        let mut command = super::reader::wrapped(wrapper, binary);
         command
             .arg("run")
             .arg("--kubelet-root")

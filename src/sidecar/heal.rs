@@ -1,0 +1,181 @@
+//! Carrying a live mount from the FUSE container's mount namespace onto a
+//! stale mount in an application container's.
+//!
+//! On a thread of its own (it moves between namespaces): join the FUSE
+//! container's namespace, clone the live mount (or its subdirectory, for a
+//! subPath target), join the application container's namespace, check that
+//! the target is still the recorded dead mount, and slide the clone beneath
+//! it (`MOVE_MOUNT_BENEATH`) before detaching the dead layer, so the
+//! container is left with exactly one layer. Where sliding beneath is
+//! refused, the clone is stacked on top and the dead layer stays under it.
+//!
+//! Unlike a node heal there is nothing to propagate: the target is the
+//! container's own mount, and its processes see the change at once.
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use fuse_supervisor_sys::{mount, ns, probe, resolve};
+
+use super::plan::SidecarHeal;
+use crate::table::{Dev, FuseMount};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SidecarHealError {
+    #[error("cannot open mount namespace {path}")]
+    OpenNamespace {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("process {pid} is no longer in mount namespace {expected} (now {found})")]
+    NamespaceChanged { pid: u32, expected: u64, found: u64 },
+    #[error("cannot enter the mount namespace of process {pid}")]
+    Enter {
+        pid: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot resolve {path} in the mount namespace of process {pid}")]
+    Resolve {
+        pid: u32,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "{path} in the mount namespace of process {pid} changed (mount {found} on {found_dev}, recorded {recorded})"
+    )]
+    Changed { pid: u32, path: PathBuf, recorded: u32, found: u32, found_dev: Dev },
+    #[error("{step} failed for {path} in the mount namespace of process {pid}")]
+    Mount {
+        step: &'static str,
+        pid: u32,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// How a target was healed.
+#[derive(Debug)]
+pub enum SidecarHealed {
+    /// The clone went beneath the dead mount, which was then detached: one layer.
+    Replaced,
+    /// The clone was stacked on the dead mount, which stays under it
+    /// (`why`: sliding beneath or detaching was refused).
+    Stacked { why: io::Error },
+}
+
+/// The namespaces one heal moves between, opened before the thread leaves
+/// its own (paths under `/proc` mean another tree once it has).
+pub struct HealNamespaces {
+    source: OwnedFd,
+    target: OwnedFd,
+}
+
+impl HealNamespaces {
+    /// Opens `<proc_root>/<pid>/ns/mnt` of the source's and the target's
+    /// process and checks each is still the namespace the plan recorded
+    /// (a pid reused by a process elsewhere is refused).
+    pub fn open(proc_root: &Path, heal: &SidecarHeal) -> Result<Self, SidecarHealError> {
+        Ok(HealNamespaces {
+            source: open_namespace(proc_root, heal.source.pid, heal.source.namespace)?,
+            target: open_namespace(proc_root, heal.pid, heal.namespace)?,
+        })
+    }
+}
+
+fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, SidecarHealError> {
+    let path = proc_root.join(pid.to_string()).join("ns/mnt");
+    let opened = File::open(&path).and_then(|file| Ok((file.metadata()?.ino(), file)));
+    let (found, file) = opened.map_err(|source| SidecarHealError::OpenNamespace { path: path.clone(), source })?;
+    if found != expected {
+        return Err(SidecarHealError::NamespaceChanged { pid, expected, found });
+    }
+    Ok(file.into())
+}
+
+/// Heals one target. Call on a thread dedicated to it: the thread ends in
+/// the application container's namespace.
+pub fn heal_in_namespaces(heal: &SidecarHeal, namespaces: &HealNamespaces) -> Result<SidecarHealed, SidecarHealError> {
+    let source_pid = heal.source.pid;
+    enter(namespaces.source.as_fd(), source_pid)?;
+    let live = open_recorded(source_pid, &heal.source.mount)?;
+    let step = |step, pid, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SidecarHealError::Mount { step, pid, path, source }
+    };
+    let from = if heal.subdir.as_os_str().is_empty() {
+        live
+    } else {
+        let path = heal.source.mount.mount_point.join(&heal.subdir);
+        probe::open_within_mount(live.as_fd(), &heal.subdir).map_err(|source| SidecarHealError::Resolve {
+            pid: source_pid,
+            path,
+            source,
+        })?
+    };
+    let clone = mount::clone_mount(from.as_fd()).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
+
+    let pid = heal.pid;
+    let target_path = &heal.target.mount_point;
+    enter(namespaces.target.as_fd(), pid)?;
+    let stale = open_recorded(pid, &heal.target)?;
+    let replaced =
+        mount::make_private(stale.as_fd()).and_then(|()| mount::move_mount_beneath(clone.as_fd(), stale.as_fd()));
+    match replaced {
+        Ok(()) => {
+            // The dead mount is on top, and private: detaching it reaches no
+            // other namespace.
+            mount::detach_top(stale.as_fd()).map_err(step("detach the dead mount", pid, target_path))?;
+            Ok(SidecarHealed::Replaced)
+        }
+        Err(why) => {
+            mount::move_mount(clone.as_fd(), stale.as_fd()).map_err(step(
+                "stack onto the dead mount",
+                pid,
+                target_path,
+            ))?;
+            Ok(SidecarHealed::Stacked { why })
+        }
+    }
+}
+
+fn from_path(heal: &SidecarHeal) -> PathBuf {
+    heal.source.mount.mount_point.join(&heal.subdir)
+}
+
+fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), SidecarHealError> {
+    ns::enter_mount_namespace(namespace).map_err(|source| SidecarHealError::Enter { pid, source })
+}
+
+/// Resolves `recorded.mount_point` beneath the root of the namespace the
+/// thread is in (no symlinks, no magic links: the container's tree is not
+/// trusted) and checks that the mount on top there is the recorded one.
+fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, SidecarHealError> {
+    let path = &recorded.mount_point;
+    let resolve_error = |source| SidecarHealError::Resolve { pid, path: path.clone(), source };
+    let root = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
+    let inside = path.strip_prefix("/").unwrap_or(path);
+    let fd = if inside.as_os_str().is_empty() {
+        root
+    } else {
+        resolve::open_beneath(root.as_fd(), inside).map_err(resolve_error)?
+    };
+    let found = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
+    let (major, minor) = resolve::device_of(fd.as_fd()).map_err(resolve_error)?;
+    let found_dev = Dev { major, minor };
+    if found != recorded.mount_id || found_dev != recorded.dev {
+        return Err(SidecarHealError::Changed {
+            pid,
+            path: path.clone(),
+            recorded: recorded.mount_id,
+            found,
+            found_dev,
+        });
+    }
+    Ok(fd)
+}
