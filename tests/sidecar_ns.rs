@@ -361,4 +361,17 @@ fn heals(daemon: Daemon, starts: SupervisorStarts, restart: Restart) {
     assert_eq!(pod.sandbox.mountinfo().lines().count(), node_before.lines().count());
     assert!(fuse_mounts(&pod.sandbox.mountinfo()).is_empty());
     assert_eq!(fuse_mounts(&pod.fuse_container_table()), [(mountpoint, PathBuf::from("/"))]);
+    // The heals reach the reporters: metrics (and Events) see them.
+    let metric = |series: &str| pod.supervisor().metric(series).unwrap().unwrap_or(0.0);
+    // Reported just after the "healed" line is logged.
+    scenario::wait_for("two heals counted", TIMEOUT, || {
+        metric(r#"fuse_supervisor_heals_total{result="stacked"}"#) == 2.0
+    })
+    .unwrap();
+    assert_eq!(metric("fuse_supervisor_targets_broken_total"), 2.0);
+    assert_eq!(metric("fuse_supervisor_stale_layers_removed_total"), 2.0);
+    assert_eq!(metric("fuse_supervisor_heal_outage_seconds_count"), 2.0);
+    if starts == SupervisorStarts::BeforeTheCrash {
+        assert!(metric(r#"fuse_supervisor_process_events_total{event="exited"}"#) >= 1.0);
+    }
 }
