@@ -363,33 +363,10 @@ fn a_finished_job_ends_the_fuse_container_and_the_supervisor_without_host_pid() 
     let app = job_app(&pod, &app_cgroup, &trigger);
     let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
     kubelet.set_pods(pod_list_body([job_pod(UID, app_cgroup.id(), None, &fuse_id, supervisor_cgroup.id())]));
-    let files = pod.sandbox.root().join("credentials");
-    let (ca, token) = (files.join("ca.pem"), files.join("token"));
-    let writes = (files, ca.clone(), kubelet.ca_pem().to_owned(), token.clone());
-    pod.sandbox
-        .run(move || {
-            fs::create_dir_all(&writes.0)?;
-            fs::write(&writes.1, writes.2)?;
-            fs::write(&writes.3, "token")
-        })
-        .expect("credentials");
-    let url = format!("https://127.0.0.1:{}", kubelet.port());
-    let (ca, token) = (ca.display().to_string(), token.display().to_string());
-    pod.start_supervisor_with(
-        &[
-            "--kubelet",
-            &url,
-            "--kubelet-ca-file",
-            &ca,
-            "--kubelet-token-file",
-            &token,
-            "--pod-uid",
-            UID,
-            "--job-grace",
-            "10s",
-        ],
-        Some(&supervisor_cgroup),
-    );
+    let mut args = kubelet.client_args(&pod.sandbox).expect("credentials");
+    args.extend(["--pod-uid", UID, "--job-grace", "10s"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    pod.start_supervisor_with(&args, Some(&supervisor_cgroup));
     pod.supervisor().wait_for_log(TIMEOUT, |line| line.contains("watching application process")).unwrap();
 
     pod.sandbox.run(move || fs::write(trigger, "")).expect("trigger");
