@@ -242,16 +242,29 @@ impl JobArgs {
             tracing::info!("job lifecycle is off: it needs the kubelet (--kubelet none)");
             return Ok(None);
         };
+        let (proc_root, mount_namespace, watcher) = if sidecar.sidecar_namespaces {
+            anyhow::ensure!(
+                matches!(self.job_process_watcher, JobWatcher::Pidfd),
+                "--job-process-watcher proc-connector needs hostPID: use pidfd with --sidecar-namespaces"
+            );
+            // Without hostPID: the pod's processes, and this container's own
+            // namespace (the FUSE container's is joined through its daemon).
+            (sidecar.proc_root.clone(), PathBuf::from("/proc/self/ns/mnt"), job::WatcherKind::Pidfd)
+        } else {
+            let watcher = match self.job_process_watcher {
+                JobWatcher::Pidfd => job::WatcherKind::Pidfd,
+                JobWatcher::ProcConnector => job::WatcherKind::ProcConnector,
+            };
+            (PathBuf::from("/proc"), node.mount_namespace.clone(), watcher)
+        };
         Ok(Some(job::JobConfig {
             kubelet: kubelet.client.clone(),
             scope,
             grace: self.job_grace,
-            watcher: match self.job_process_watcher {
-                JobWatcher::Pidfd => job::WatcherKind::Pidfd,
-                JobWatcher::ProcConnector => job::WatcherKind::ProcConnector,
-            },
-            proc_root: PathBuf::from("/proc"),
-            mount_namespace: node.mount_namespace.clone(),
+            watcher,
+            proc_root,
+            mount_namespace,
+            // Only read node-wide: one pod's scope watches no pod directories.
             kubelet_root: node.kubelet_root.clone(),
         }))
     }
@@ -637,6 +650,7 @@ fn main() -> ExitCode {
         Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             log.init();
             let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
+            let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
             node.config()
                 .and_then(|config| {
                     let confirmation = kubelet.confirmation()?;
@@ -652,13 +666,13 @@ fn main() -> ExitCode {
                     })
                 })
                 .and_then(|config| {
-                    if sidecar_namespaces && config.job.is_some() {
-                        tracing::warn!("the job lifecycle does not run with --sidecar-namespaces");
-                    }
+                    // Its reporters are added in `run`.
                     let sidecar = sidecar_namespaces.then(|| SidecarConfig {
                         proc_root: proc_root.clone(),
                         probe_timeout: config.probe_timeout,
                         health: config.health.clone(),
+                        pod_uid: pod_uid.clone(),
+                        reporters: Reporters::default(),
                     });
                     // Started here, before any thread joins the host's mount
                     // namespace: it reads this container's service account files.
@@ -750,7 +764,9 @@ fn run(
     })?;
     // The loop thread moves into the watched namespace; main stays put.
     let supervisor = std::thread::Builder::new().name("supervisor".into()).spawn(move || match sidecar {
-        Some(sidecar) => sidecar::run(&sidecar, &shutdown).map_err(anyhow::Error::from),
+        Some(sidecar) => {
+            run_sidecar(SidecarConfig { reporters: config.reporters.clone(), ..sidecar }, config.job, &shutdown)
+        }
         None => supervisor::run(&config, &shutdown).map_err(anyhow::Error::from),
     })?;
     let result = supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"));
@@ -762,6 +778,22 @@ fn run(
     }
     result??;
     Ok(())
+}
+
+/// The sidecar loop, with the Job lifecycle of its pod beside it (as
+/// `supervisor::run` starts it): when the lifecycle has ended the FUSE
+/// container, the loop stops, so that the pod can complete.
+fn run_sidecar(sidecar: SidecarConfig, job: Option<job::JobConfig>, shutdown: &Shutdown) -> anyhow::Result<()> {
+    let lifecycle = match job {
+        Some(job) => {
+            let done = shutdown.clone();
+            Some(job::JobLifecycle::spawn(job, move || done.request())?)
+        }
+        None => None,
+    };
+    let result = sidecar::run(&sidecar, shutdown);
+    drop(lifecycle);
+    result.map_err(Into::into)
 }
 
 fn heal_once(config: &Config, dry_run: bool) -> anyhow::Result<()> {

@@ -145,27 +145,8 @@ impl JobPod {
     }
 
     fn start_supervisor(&mut self, grace: &str) {
-        let files = self.sandbox.root().join("credentials");
-        let (ca, token) = (files.join("ca.pem"), files.join("token"));
-        let writes = (files, ca.clone(), self.kubelet.ca_pem().to_owned(), token.clone());
-        self.sandbox
-            .run(move || {
-                fs::create_dir_all(&writes.0)?;
-                fs::write(&writes.1, writes.2)?;
-                fs::write(&writes.3, "token")
-            })
-            .expect("credentials");
-        let args = [
-            "--kubelet".to_owned(),
-            format!("https://127.0.0.1:{}", self.kubelet.port()),
-            "--kubelet-ca-file".to_owned(),
-            ca.display().to_string(),
-            "--kubelet-token-file".to_owned(),
-            token.display().to_string(),
-            "--job-lifecycle".to_owned(),
-            "--job-grace".to_owned(),
-            grace.to_owned(),
-        ];
+        let mut args = self.kubelet.client_args(&self.sandbox).expect("credentials");
+        args.extend(["--job-lifecycle", "--job-grace", grace].map(String::from));
         let state = self.sandbox.root().join("state");
         self.supervisor =
             Some(SupervisorProcess::start_with(&self.sandbox, Path::new(BINARY), &state, args).expect("supervisor"));

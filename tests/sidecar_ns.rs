@@ -19,10 +19,13 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use fuse_supervisor::table::Snapshot;
+use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::container::ContainerOptions;
+use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox, SandboxChild};
 use fuse_supervisor_sys::process::{self, Signal};
+use serde_json::json;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -47,20 +50,36 @@ fn fuse_mounts(mountinfo: &str) -> Vec<(PathBuf, PathBuf)> {
     snapshot.fuse_mounts.into_iter().map(|mount| (mount.mount_point, mount.root)).collect()
 }
 
+/// `wrapper program args…`, in `cgroup` when given (moved there by a shell
+/// before it execs `program`).
+fn command_in(wrapper: &[OsString], cgroup: Option<&ContainerCgroup>, program: &Path, args: &[&str]) -> Command {
+    let (program, args): (OsString, Vec<OsString>) = match cgroup {
+        Some(cgroup) => {
+            let inner = cgroup.command(program, args, false);
+            (inner.get_program().to_owned(), inner.get_args().map(ToOwned::to_owned).collect())
+        }
+        None => (program.into(), args.iter().map(OsString::from).collect()),
+    };
+    let mut command = match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut command = Command::new(first);
+            command.args(rest).arg(program);
+            command
+        }
+        None => Command::new(program),
+    };
+    command.args(args);
+    command
+}
+
 /// A FUSE container in the pod: a mount namespace made from the node's
-/// like runc makes one (everything a slave), holding its first process.
-/// Returns the `nsenter` child and the container's first process.
-fn fuse_container(sandbox: &Sandbox, pause: &SandboxChild) -> (SandboxChild, u32) {
-    let mut command = Command::new("nsenter");
-    command.arg(format!("--pid=/proc/{}/ns/pid_for_children", pause.pid())).args([
-        "--",
-        "unshare",
-        "--mount",
-        "--propagation",
-        "slave",
-        "sleep",
-        "infinity",
-    ]);
+/// like runc makes one (everything a slave), holding its first process
+/// (in `cgroup`, when given). Returns the `nsenter` child and the
+/// container's first process.
+fn fuse_container(sandbox: &Sandbox, pause: &SandboxChild, cgroup: Option<&ContainerCgroup>) -> (SandboxChild, u32) {
+    let in_pod = ["nsenter".into(), format!("--pid=/proc/{}/ns/pid_for_children", pause.pid()).into(), "--".into()];
+    let args = ["--mount", "--propagation", "slave", "sleep", "infinity"];
+    let command = command_in(&in_pod, cgroup, Path::new("unshare"), &args);
     let nsenter = sandbox.spawn(command).expect("fuse container");
     let pid = child_of(nsenter.pid());
     // Its namespace is made once `unshare` has become `sleep`.
@@ -92,6 +111,9 @@ enum Restart {
 struct Pod {
     // Declared first: dropped before the sandbox.
     readers: Vec<ContainerReader>,
+    /// The FUSE container's cgroup (named like a containerd container's),
+    /// for the Job lifecycle to tell the pod's containers apart.
+    fuse_cgroup: Option<ContainerCgroup>,
     supervisor: Option<SupervisorProcess>,
     daemon: Option<SandboxChild>,
     fuse_container: SandboxChild,
@@ -109,6 +131,10 @@ struct Pod {
 
 impl Pod {
     fn new(daemon: Daemon) -> Pod {
+        Pod::with_cgroup(daemon, None)
+    }
+
+    fn with_cgroup(daemon: Daemon, fuse_cgroup: Option<ContainerCgroup>) -> Pod {
         let sandbox = Sandbox::new().expect("sandbox");
         let root = sandbox.root().to_path_buf();
         let (proc_root, mountpoint, backing) = (root.join("pod-proc"), root.join("pod/fuse"), root.join("backing"));
@@ -132,9 +158,10 @@ impl Pod {
             sandbox.run(move || probe.exists())
         })
         .unwrap();
-        let (fuse_container, fuse_container_pid) = fuse_container(&sandbox, &pause);
+        let (fuse_container, fuse_container_pid) = fuse_container(&sandbox, &pause, fuse_cgroup.as_ref());
         let mut pod = Pod {
             readers: Vec::new(),
+            fuse_cgroup,
             supervisor: None,
             daemon: None,
             fuse_container,
@@ -174,18 +201,13 @@ impl Pod {
         let (file, content) = (self.backing.join(DATA_FILE), self.expected());
         self.sandbox.run(move || fs::write(file, content)).unwrap();
         let before = fuse_mounts(&self.fuse_container_table()).len();
-        let wrapper = self.in_fuse_container();
-        let mut command = Command::new(&wrapper[0]);
-        command.args(&wrapper[1..]);
-        match self.daemon_kind {
-            Daemon::DemoFs => command.arg(BINARY).args(["internal", "demofs", "--backing"]),
-            Daemon::Bindfs => command.args(["bindfs", "-f", "-o", "allow_other"]),
+        let (backing, mountpoint) = (self.backing.display().to_string(), self.mountpoint.display().to_string());
+        let (program, args) = match self.daemon_kind {
+            Daemon::DemoFs => (BINARY, vec!["internal", "demofs", "--backing", &backing, "--mountpoint", &mountpoint]),
+            Daemon::Bindfs => ("bindfs", vec!["-f", "-o", "allow_other", &backing, &mountpoint]),
         };
-        command.arg(&self.backing);
-        if self.daemon_kind == Daemon::DemoFs {
-            command.arg("--mountpoint");
-        }
-        command.arg(&self.mountpoint).stdin(Stdio::null()).stdout(Stdio::null());
+        let mut command = command_in(&self.in_fuse_container(), self.fuse_cgroup.as_ref(), Path::new(program), &args);
+        command.stdin(Stdio::null()).stdout(Stdio::null());
         self.daemon = Some(self.sandbox.spawn(command).expect("demofs"));
         scenario::wait_for("demofs mounted in the FUSE container", TIMEOUT, || {
             fuse_mounts(&self.fuse_container_table()).len() > before
@@ -216,7 +238,7 @@ impl Pod {
                 // The old namespace, and its dead mount, go with its last process.
                 process::signal(self.fuse_container_pid, Signal::Kill).unwrap();
                 self.fuse_container.wait().unwrap();
-                let (nsenter, pid) = fuse_container(&self.sandbox, &self.pause);
+                let (nsenter, pid) = fuse_container(&self.sandbox, &self.pause, self.fuse_cgroup.as_ref());
                 (self.fuse_container, self.fuse_container_pid) = (nsenter, pid);
             }
         }
@@ -242,12 +264,24 @@ impl Pod {
     }
 
     fn start_supervisor(&mut self) {
+        self.start_supervisor_with(&["--kubelet", "none", "--pod-uid", "test-pod"], None);
+    }
+
+    /// Started with `extra` arguments, in `cgroup` (its own container's)
+    /// when given.
+    fn start_supervisor_with(&mut self, extra: &[&str], cgroup: Option<&ContainerCgroup>) {
+        let mut wrapper = self.in_pod();
+        if let Some(cgroup) = cgroup {
+            // `sh -c 'move; exec "$0" "$@"'`, with the binary as `$0`.
+            let inner = cgroup.command(Path::new(BINARY), &[], false);
+            wrapper.push(inner.get_program().to_owned());
+            wrapper.extend(inner.get_args().take_while(|arg| *arg != BINARY).map(ToOwned::to_owned));
+        }
         let proc_root = self.proc_root.clone().into_os_string();
-        let run = ["--kubelet", "none", "--sidecar", "--pod-uid", "test-pod", "--sidecar-namespaces", "--proc-root"];
-        let args = run.iter().map(OsString::from).chain([proc_root]);
+        let run = ["--sidecar", "--sidecar-namespaces", "--proc-root"];
+        let args = extra.iter().chain(&run).map(OsString::from).chain([proc_root]);
         let state_dir = self.sandbox.root().join("state");
-        let supervisor =
-            SupervisorProcess::start_wrapped(&self.sandbox, &self.in_pod(), Path::new(BINARY), &state_dir, args);
+        let supervisor = SupervisorProcess::start_wrapped(&self.sandbox, &wrapper, Path::new(BINARY), &state_dir, args);
         self.supervisor = Some(supervisor.expect("supervisor"));
     }
 
@@ -274,6 +308,86 @@ impl Drop for Pod {
         // Its --kill-child takes the pod's pid namespace down with it.
         let _ = self.pause.kill();
     }
+}
+
+/// A Job's application container in the pod: a shell in a cgroup named
+/// like a containerd container and a mount namespace made from the FUSE
+/// container's (its copy of the volume), which exits 0 once `trigger`
+/// exists.
+fn job_app(pod: &Pod, cgroup: &ContainerCgroup, trigger: &Path) -> SandboxChild {
+    let wait = format!("while [ ! -e '{}' ]; do sleep 0.02; done", trigger.display());
+    let args = ["--mount", "--propagation", "slave", "sh", "-c", &wait];
+    let command = command_in(&pod.in_fuse_container(), Some(cgroup), Path::new("unshare"), &args);
+    let app = pod.sandbox.spawn(command).expect("app");
+    let pid = child_of(app.pid());
+    scenario::wait_for("the app's FUSE mount", TIMEOUT, || {
+        fs::read_to_string(format!("/proc/{pid}/mountinfo")).is_ok_and(|table| !fuse_mounts(&table).is_empty())
+    })
+    .unwrap();
+    app
+}
+
+/// The kubelet's view of the Job's pod: the app running (`None`) or
+/// exited with a code, the FUSE container running.
+fn job_pod(uid: &str, app: &str, exited: Option<i32>, fuse: &str, supervisor: &str) -> serde_json::Value {
+    const STARTED: &str = "2025-03-04T05:06:07Z";
+    let container_id = |id: &str| format!("containerd://{id}");
+    let app_state = match exited {
+        None => json!({"running": {"startedAt": STARTED}}),
+        Some(code) => json!({"terminated": {"exitCode": code, "reason": "Completed", "startedAt": STARTED,
+            "finishedAt": STARTED, "containerID": container_id(app)}}),
+    };
+    json!({
+        "metadata": {"name": "etl-x7k2p", "namespace": "default", "uid": uid},
+        "spec": {"nodeName": "node-a", "restartPolicy": "Never",
+            "containers": [{"name": "app"}, {"name": "fluid-fuse"}, {"name": "fuse-supervisor"}]},
+        "status": {"phase": "Running", "containerStatuses": [
+            {"name": "app", "containerID": container_id(app), "restartCount": 0, "state": app_state},
+            {"name": "fluid-fuse", "containerID": container_id(fuse), "restartCount": 0, "ready": true,
+                "state": {"running": {"startedAt": STARTED}}},
+            {"name": "fuse-supervisor", "containerID": container_id(supervisor), "restartCount": 0, "ready": true,
+                "state": {"running": {"startedAt": STARTED}}},
+        ]},
+    })
+}
+
+#[test]
+fn a_finished_job_ends_the_fuse_container_and_the_supervisor_without_host_pid() {
+    const UID: &str = "7d4c2a10-side-4000-a000-000000000001";
+    let fuse = ContainerCgroup::new().expect("a cgroup for the FUSE container (needs a writable cgroup fs)");
+    let fuse_id = fuse.id().to_owned();
+    let mut pod = Pod::with_cgroup(Daemon::DemoFs, Some(fuse));
+    let app_cgroup = ContainerCgroup::new().expect("a cgroup for the app container");
+    let supervisor_cgroup = ContainerCgroup::new().expect("a cgroup for the supervisor's container");
+    let trigger = pod.sandbox.root().join("app-done");
+    let app = job_app(&pod, &app_cgroup, &trigger);
+    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+    kubelet.set_pods(pod_list_body([job_pod(UID, app_cgroup.id(), None, &fuse_id, supervisor_cgroup.id())]));
+    let mut args = kubelet.client_args(&pod.sandbox).expect("credentials");
+    args.extend(["--pod-uid", UID, "--job-grace", "10s"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    pod.start_supervisor_with(&args, Some(&supervisor_cgroup));
+    pod.supervisor().wait_for_log(TIMEOUT, |line| line.contains("watching application process")).unwrap();
+
+    pod.sandbox.run(move || fs::write(trigger, "")).expect("trigger");
+    assert_eq!(app.wait().expect("app exit").code(), Some(0));
+    kubelet.set_pods(pod_list_body([job_pod(UID, app_cgroup.id(), Some(0), &fuse_id, supervisor_cgroup.id())]));
+    let finished = pod.supervisor().wait_for_log(TIMEOUT, |line| line.contains("application containers finished"));
+    assert!(finished.unwrap().contains("app=0 (Completed)"));
+    let ended = pod.supervisor().wait_for_log(TIMEOUT, |line| line.contains("\"FUSE daemon exited\""));
+    assert!(ended.unwrap().contains("\"ended_by\":\"unmount\""));
+    let daemon = pod.daemon.take().expect("daemon");
+    scenario::wait_for("the daemon gone", TIMEOUT, || daemon.try_wait().is_ok_and(|status| status.is_some())).unwrap();
+    assert!(fuse_mounts(&pod.fuse_container_table()).is_empty(), "{}", pod.fuse_container_table());
+    // With its FUSE container done, the supervisor exits: the pod completes.
+    let mut exited = None;
+    scenario::wait_for("the supervisor's exit", TIMEOUT, || {
+        exited = pod.supervisor().try_wait().unwrap();
+        exited.is_some()
+    })
+    .unwrap();
+    assert!(exited.unwrap().success(), "{:?}", exited);
+    assert!(pod.supervisor().log().iter().all(|line| !line.contains("signalling")));
 }
 
 fn reads(expected: String) -> impl Fn(&Observation) -> bool {
@@ -361,4 +475,17 @@ fn heals(daemon: Daemon, starts: SupervisorStarts, restart: Restart) {
     assert_eq!(pod.sandbox.mountinfo().lines().count(), node_before.lines().count());
     assert!(fuse_mounts(&pod.sandbox.mountinfo()).is_empty());
     assert_eq!(fuse_mounts(&pod.fuse_container_table()), [(mountpoint, PathBuf::from("/"))]);
+    // The heals reach the reporters: metrics (and Events) see them.
+    let metric = |series: &str| pod.supervisor().metric(series).unwrap().unwrap_or(0.0);
+    // Reported just after the "healed" line is logged.
+    scenario::wait_for("two heals counted", TIMEOUT, || {
+        metric(r#"fuse_supervisor_heals_total{result="stacked"}"#) == 2.0
+    })
+    .unwrap();
+    assert_eq!(metric("fuse_supervisor_targets_broken_total"), 2.0);
+    assert_eq!(metric("fuse_supervisor_stale_layers_removed_total"), 2.0);
+    assert_eq!(metric("fuse_supervisor_heal_outage_seconds_count"), 2.0);
+    if starts == SupervisorStarts::BeforeTheCrash {
+        assert!(metric(r#"fuse_supervisor_process_events_total{event="exited"}"#) >= 1.0);
+    }
 }

@@ -30,14 +30,16 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use fuse_supervisor_sys::poll::{Poller, Waker};
 use tracing::{debug, info, warn};
 
+use crate::heal::Healed;
 use crate::health::{Health, Pong};
 use crate::process_watch::fuse_server::FuseServerError;
 use crate::process_watch::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
+use crate::report::{HealReport, Report, Reporters, TargetEvent};
 use crate::supervisor::Shutdown;
 use heal::{HealNamespaces, SidecarHealError, SidecarHealed};
 use plan::{SidecarHeal, SidecarPlan};
@@ -69,6 +71,12 @@ pub struct SidecarConfig {
     /// How long a dead-mount probe may take.
     pub probe_timeout: Duration,
     pub health: Arc<Health>,
+    /// This pod's UID, which every report names.
+    pub pod_uid: String,
+    /// Metrics and Kubernetes Events. A target is named by its mount point
+    /// in its container prefixed with the namespace (`mnt:[<inode>]/data`):
+    /// the path alone means nothing outside that container.
+    pub reporters: Reporters,
 }
 
 /// First and longest pause between rescans while a target waits for a
@@ -82,6 +90,7 @@ const INBOX: u64 = 1;
 /// What other threads tell the loop.
 enum Message {
     DaemonExited { pid: u32, at: Instant },
+    WatchFailed(String),
     Ping(Pong),
 }
 
@@ -93,9 +102,23 @@ struct Sidecar<'a> {
     /// Open mountinfo of every namespace of the pod, registered under its id.
     tables: BTreeMap<u64, File>,
     daemons: PidfdWatcher,
-    /// When each dead target (namespace, mount ID) was first seen dead.
-    broken_since: BTreeMap<(u64, u32), Instant>,
+    /// Each dead target's outage, by (namespace, mount ID).
+    broken: BTreeMap<(u64, u32), Outage>,
+    /// When each live source (namespace, mount ID) was first seen.
+    sources_seen: BTreeMap<(u64, u32), Instant>,
     last_death: Option<Instant>,
+    /// The next wait between rescans while something is left to heal.
+    backoff: Duration,
+}
+
+/// One dead target, from its daemon's death (or its first sighting) on.
+struct Outage {
+    since: Instant,
+    /// The same moment on the wall clock, for reports.
+    since_wall: SystemTime,
+    /// Whether TargetBroken went out (once the probe confirmed it dead).
+    reported: bool,
+    failed_attempts: u32,
 }
 
 /// Runs until `shutdown`. Mount work happens on short-lived threads; this
@@ -114,11 +137,14 @@ pub fn run(config: &SidecarConfig, shutdown: &Shutdown) -> Result<(), SidecarErr
     let daemons = PidfdWatcher::start(
         config.proc_root.clone(),
         Box::new(move |event| {
-            if let ProcessEvent::Exited { pid, at, .. } = event {
-                // The loop is gone on shutdown; nothing to tell.
-                let _ = deaths.send(Message::DaemonExited { pid, at });
-                let _ = waker.wake();
-            }
+            let message = match event {
+                ProcessEvent::Exited { pid, at, .. } => Message::DaemonExited { pid, at },
+                ProcessEvent::Failed(err) => Message::WatchFailed(err.to_string()),
+                ProcessEvent::Exec { .. } | ProcessEvent::Lost => return true,
+            };
+            // The loop is gone on shutdown; nothing to tell.
+            let _ = deaths.send(message);
+            let _ = waker.wake();
             true
         }),
     )
@@ -134,8 +160,10 @@ pub fn run(config: &SidecarConfig, shutdown: &Shutdown) -> Result<(), SidecarErr
         poller,
         tables: BTreeMap::new(),
         daemons,
-        broken_since: BTreeMap::new(),
+        broken: BTreeMap::new(),
+        sources_seen: BTreeMap::new(),
         last_death: None,
+        backoff: RESCAN_FIRST,
     };
     let result = sidecar.serve(shutdown, &inbox, &inbox_waker);
     config.health.detach();
@@ -150,7 +178,6 @@ impl Sidecar<'_> {
         inbox_waker: &Waker,
     ) -> Result<(), SidecarError> {
         let mut announced = false;
-        let mut backoff = RESCAN_FIRST;
         let mut events = Vec::with_capacity(16);
         loop {
             let (settled, rescan_now) = self.rescan()?;
@@ -162,12 +189,12 @@ impl Sidecar<'_> {
             let timeout = match (rescan_now, settled) {
                 (true, _) => Some(Duration::ZERO),
                 (false, true) => {
-                    backoff = RESCAN_FIRST;
+                    self.backoff = RESCAN_FIRST;
                     None
                 }
                 (false, false) => {
-                    let wait = backoff;
-                    backoff = (backoff * 2).min(RESCAN_LONGEST);
+                    let wait = self.backoff;
+                    self.backoff = (self.backoff * 2).min(RESCAN_LONGEST);
                     Some(wait)
                 }
             };
@@ -187,7 +214,13 @@ impl Sidecar<'_> {
                         Message::Ping(pong) => pong.answer(),
                         Message::DaemonExited { pid, at } => {
                             info!(pid, "fuse daemon exited");
+                            self.config.reporters.report(&Report::ProcessEvent { kind: "exited" });
                             self.last_death = Some(at);
+                        }
+                        Message::WatchFailed(err) => {
+                            // Deaths are still found by the table events' rescans.
+                            warn!(%err, "the fuse daemon watcher stopped");
+                            self.config.reporters.report(&Report::ProcessEvent { kind: "failed" });
                         }
                     }
                 }
@@ -249,7 +282,8 @@ impl Sidecar<'_> {
         added
     }
 
-    /// Records when each dead target was first seen, and logs it once.
+    /// Records when each dead target was first seen, and logs it once;
+    /// and when each live source was.
     fn note_broken(&mut self, plan: &SidecarPlan) {
         let now = Instant::now();
         let dead: Vec<(u64, &crate::table::FuseMount)> = plan
@@ -258,12 +292,20 @@ impl Sidecar<'_> {
             .map(|heal| (heal.namespace, &heal.target))
             .chain(plan.waiting.iter().map(|(namespace, mount)| (*namespace, mount)))
             .collect();
-        self.broken_since.retain(|key, _| dead.iter().any(|(namespace, mount)| *key == (*namespace, mount.mount_id)));
+        self.broken.retain(|key, _| dead.iter().any(|(namespace, mount)| *key == (*namespace, mount.mount_id)));
         for (namespace, mount) in dead {
-            self.broken_since.entry((namespace, mount.mount_id)).or_insert_with(|| {
+            self.broken.entry((namespace, mount.mount_id)).or_insert_with(|| {
                 warn!(namespace, target = %mount.mount_point.display(), dev = %mount.dev, "stale fuse mount in a container");
-                self.last_death.filter(|death| *death <= now).unwrap_or(now)
+                let since = self.last_death.filter(|death| *death <= now).unwrap_or(now);
+                let since_wall = SystemTime::now().checked_sub(now.duration_since(since)).unwrap_or_else(SystemTime::now);
+                Outage { since, since_wall, reported: false, failed_attempts: 0 }
             });
+        }
+        let sources: Vec<(u64, u32)> =
+            plan.heals.iter().map(|heal| (heal.source.namespace, heal.source.mount.mount_id)).collect();
+        self.sources_seen.retain(|key, _| sources.contains(key));
+        for source in sources {
+            self.sources_seen.entry(source).or_insert(now);
         }
     }
 
@@ -282,10 +324,23 @@ impl Sidecar<'_> {
                 all = false;
                 continue;
             }
+            let key = (heal.namespace, heal.target.mount_id);
+            let (target_name, source_name) =
+                (in_namespace(heal.namespace, &heal.target.mount_point), source_name(heal));
+            let event = |outage: Option<&Outage>| TargetEvent {
+                target: &target_name,
+                pod_uid: &self.config.pod_uid,
+                source: &source_name,
+                broken_since: outage.map(|outage| outage.since_wall),
+            };
+            if let Some(outage) = self.broken.get_mut(&key).filter(|outage| !outage.reported) {
+                outage.reported = true;
+                self.config.reporters.report(&Report::TargetBroken(&event(Some(outage))));
+            }
             let started = Instant::now();
             match self.heal_one(heal) {
                 Ok(how) => {
-                    let outage = self.broken_since.remove(&(heal.namespace, heal.target.mount_id));
+                    let outage = self.broken.remove(&key);
                     let (how, kept) = match how {
                         SidecarHealed::Replaced => ("replaced", None),
                         SidecarHealed::Stacked { why } => ("stacked", Some(why)),
@@ -298,15 +353,47 @@ impl Sidecar<'_> {
                         subdir = %heal.subdir.display(),
                         how,
                         latency_us = started.elapsed().as_micros() as u64,
-                        outage_ms = outage.map(|since| since.elapsed().as_millis() as u64),
+                        outage_ms = outage.as_ref().map(|outage| outage.since.elapsed().as_millis() as u64),
                         "healed"
                     );
+                    // From when the heal became possible: the live source
+                    // seen and the target seen dead, whichever came later.
+                    let source_seen =
+                        self.sources_seen.get(&(heal.source.namespace, heal.source.mount.mount_id)).copied();
+                    let possible = source_seen
+                        .into_iter()
+                        .chain(outage.as_ref().map(|outage| outage.since))
+                        .max()
+                        .map_or(started, |at| at.min(started));
+                    let report = HealReport {
+                        how: Healed::Stacked,
+                        latency: possible.elapsed(),
+                        outage: outage.as_ref().map(|outage| outage.since.elapsed()),
+                        // Replaced: the dead layer was detached under the new one.
+                        layers_removed: usize::from(kept.is_none()),
+                    };
+                    self.config
+                        .reporters
+                        .report(&Report::TargetHealed { target: &event(outage.as_ref()), heal: &report });
                     if let Some(err) = kept {
                         warn!(%target, ?err, "healed, but the dead layer stays under the new mount");
                     }
                 }
                 Err(err) => {
                     warn!(pid = heal.pid, %target, err = %err, "heal failed; retried later");
+                    let outage = self.broken.get_mut(&key);
+                    let attempts = outage.map_or(1, |outage| {
+                        outage.failed_attempts += 1;
+                        outage.failed_attempts
+                    });
+                    let error = err.to_string();
+                    let failed = Report::HealFailed {
+                        target: &event(self.broken.get(&key)),
+                        error: &error,
+                        attempts,
+                        retry_in: self.backoff,
+                    };
+                    self.config.reporters.report(&failed);
                     all = false;
                 }
             }
@@ -336,4 +423,14 @@ impl Sidecar<'_> {
             .recv_timeout(self.config.probe_timeout)
             .map_err(|_| thread_error(io::Error::from(io::ErrorKind::TimedOut)))?
     }
+}
+
+/// A path as seen in the mount namespace `namespace`, for reports.
+fn in_namespace(namespace: u64, path: &Path) -> PathBuf {
+    PathBuf::from(format!("mnt:[{namespace}]{}", path.display()))
+}
+
+/// The live mount a heal clones, in the FUSE container's namespace.
+fn source_name(heal: &SidecarHeal) -> PathBuf {
+    in_namespace(heal.source.namespace, &heal.source.mount.mount_point.join(&heal.subdir))
 }

@@ -132,6 +132,28 @@ impl KubeletStandIn {
         &self.ca_pem
     }
 
+    /// The `run` arguments that point a supervisor at this stand-in, with
+    /// its CA and a token written to files under the sandbox's root (in
+    /// its namespace, where the supervisor reads them).
+    pub fn client_args(&self, sandbox: &super::Sandbox) -> io::Result<Vec<String>> {
+        let files = sandbox.root().join("credentials");
+        let (ca, token) = (files.join("ca.pem"), files.join("token"));
+        let writes = (files, ca.clone(), self.ca_pem.clone(), token.clone());
+        sandbox.run(move || {
+            std::fs::create_dir_all(&writes.0)?;
+            std::fs::write(&writes.1, writes.2)?;
+            std::fs::write(&writes.3, "token")
+        })?;
+        Ok(vec![
+            "--kubelet".to_owned(),
+            format!("https://127.0.0.1:{}", self.port()),
+            "--kubelet-ca-file".to_owned(),
+            ca.display().to_string(),
+            "--kubelet-token-file".to_owned(),
+            token.display().to_string(),
+        ])
+    }
+
     /// PEM of the serving certificate itself (for pinning).
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem

@@ -410,6 +410,11 @@ impl SupervisorProcess {
         }
     }
 
+    /// Its exit status, if it has exited (reaped then).
+    pub fn try_wait(&self) -> Result<Option<std::process::ExitStatus>, ScenarioError> {
+        self.process.try_wait().map_err(io_step("check the supervisor's exit"))
+    }
+
     /// SIGTERM and wait: a clean shutdown.
     pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
         self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
