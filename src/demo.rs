@@ -361,8 +361,8 @@ impl<'a> Demo<'a> {
             }
             self.say(format!(
                 "the {} extra mounts are stale layers that mount-over-stale restarts leave under the global mount\n\
-                 and the whole-volume targets (with what subPath heals leaked onto their sub/ directories), all\n\
-                 covered and out of the supervisor's reach; with unmount-then-mount restarts only, the node ends flat",
+                 (the daemon's own, with what subPath heals propagated onto its sub/ directory), covered by the\n\
+                 new one and left alone; with unmount-then-mount restarts only, the node ends flat",
                 mounts_at_end.abs_diff(mounts_at_start)
             ))?;
         }
@@ -481,9 +481,16 @@ impl<'a> Demo<'a> {
                     if under == 1 { "it" } else { "them" }
                 ),
             };
+            let targets_flat = layers.iter().filter(|(name, _)| name != "global").all(|(_, count)| *count == 1);
+            let targets = if targets_flat {
+                "the supervisor removed the covered stale layers\n         through the handles it took when the \
+                 daemon died; the stale global mount below\n         is the daemon's own and is left alone"
+            } else {
+                "their stale layers stay underneath,\n         covered and out of the supervisor's reach (the \
+                 daemon's death was not seen first)"
+            };
             self.say(format!(
-                "   note: {cause};\n         the kernel propagated it onto the whole-volume targets, whose stale \
-                 layers stay underneath,\n         covered and out of the supervisor's reach"
+                "   note: {cause};\n         the kernel propagated it onto the whole-volume targets; {targets}"
             ))?;
         }
         Ok(CycleReport { number, style, landed_on_stale, mounts_before, mounts_after, pods, heals, layers })
