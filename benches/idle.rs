@@ -7,7 +7,7 @@
 //! prints numbers.
 //!
 //! ```text
-//! cargo bench --bench idle [-- --seconds 60 --targets 1000 --large-mounts 10000]
+//! cargo bench --bench idle [-- --seconds 60 --targets 1000 --large-mounts 10000 --volumes-per-pod 1]
 //! ```
 //!
 //! Every flag is also an environment variable (`IDLE_BENCH_SECONDS`, ...).
@@ -41,6 +41,8 @@ struct Options {
     window: Duration,
     targets: usize,
     large_mounts: usize,
+    /// How many of the targets share a pod (a node runs ~110 pods at most).
+    volumes_per_pod: usize,
 }
 
 impl Options {
@@ -50,6 +52,7 @@ impl Options {
             window: Duration::from_secs(flags.number("seconds", "60")),
             targets: flags.number("targets", "1000"),
             large_mounts: flags.number("large-mounts", "10000"),
+            volumes_per_pod: flags.number::<usize>("volumes-per-pod", "1").max(1),
         }
     }
 }
@@ -148,9 +151,12 @@ struct Rescans {
 
 /// Makes `targets` pod volumes bound to `source`, and `padding` tmpfs mounts
 /// outside the kubelet tree, all from one task on the sandbox thread.
-fn populate(sandbox: &Sandbox, source: &Path, targets: usize, padding: usize) {
-    let binds: Vec<PathBuf> =
-        (0..targets).map(|pod| sandbox.pod_volume_dir(&format!("pod-{pod:05}"), "data")).collect();
+fn populate(sandbox: &Sandbox, source: &Path, targets: usize, per_pod: usize, padding: usize) {
+    let binds: Vec<PathBuf> = (0..targets)
+        .map(|target| {
+            sandbox.pod_volume_dir(&format!("pod-{:05}", target / per_pod), &format!("data-{}", target % per_pod))
+        })
+        .collect();
     let pads: Vec<PathBuf> = (0..padding).map(|i| sandbox.root().join("padding").join(i.to_string())).collect();
     let source = source.to_path_buf();
     sandbox
@@ -168,12 +174,12 @@ fn populate(sandbox: &Sandbox, source: &Path, targets: usize, padding: usize) {
         .expect("populate the sandbox's mount table");
 }
 
-fn measure(label: &str, targets: usize, padding: usize, window: Duration) -> Measurement {
+fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, window: Duration) -> Measurement {
     let binary = Path::new(BINARY);
     eprintln!("# {label}: setting up");
     let sandbox = Sandbox::new().expect("sandbox");
     let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared-data").expect("start the FUSE daemon");
-    populate(&sandbox, &source.path, targets, padding);
+    populate(&sandbox, &source.path, targets, per_pod, padding);
     let mounts = sandbox.mountinfo().lines().count();
     let started = Instant::now();
     let supervisor =
@@ -324,16 +330,20 @@ fn main() {
         return;
     }
     let small = options.targets;
-    let large_padding = options.large_mounts.saturating_sub(small);
+    let large = options.large_mounts;
+    let large_padding = large.saturating_sub(small);
+    let per_pod = options.volumes_per_pod;
+    let pods = |targets: usize| targets.div_ceil(per_pod);
     let measurements = vec![
-        measure(&format!("1 source + {small} pod targets"), small, 0, options.window),
+        measure(&format!("1 source + {small} targets in {} pods", pods(small)), small, per_pod, 0, options.window),
         measure(
-            &format!("1 source + {small} pod targets + {large_padding} tmpfs"),
+            &format!("1 source + {small} targets in {} pods + {large_padding} tmpfs", pods(small)),
             small,
+            per_pod,
             large_padding,
             options.window,
         ),
-        measure(&format!("1 source + {} pod targets", options.large_mounts), options.large_mounts, 0, options.window),
+        measure(&format!("1 source + {large} targets in {} pods", pods(large)), large, per_pod, 0, options.window),
     ];
     report(&measurements);
 }
