@@ -838,12 +838,15 @@ impl<E: Executor> Supervisor<E> {
         })
     }
 
+    /// Healthy targets have no record: on a large node nearly every target
+    /// is healthy, and a record each would be most of the idle footprint.
     fn update_states(&mut self, classified: &Classified) {
+        const HEALTHY: TargetState = TargetState::Healthy;
         for (path, target) in &classified.targets {
             let mapping = self.journal.get(path);
             let assessment = plan::assess(target, mapping, classified);
-            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
-            let next = match (&record.state, &assessment) {
+            let current = self.records.get(path).map_or(&HEALTHY, |record| &record.state);
+            let next = match (current, &assessment) {
                 (_, Assessment::Unmanaged) => continue,
                 // The daemon is dead and nothing replaced its mount yet.
                 (TargetState::Degraded { since }, Assessment::Healthy | Assessment::SourceDown) => {
@@ -861,36 +864,36 @@ impl<E: Executor> Supervisor<E> {
                 }
                 (_, Assessment::Healthy | Assessment::StaleLayers) => TargetState::Healthy,
                 (TargetState::Broken { since }, _) => TargetState::Broken { since: *since },
-                (TargetState::Failed { .. } | TargetState::Healing, _) => record.state.clone(),
+                (TargetState::Failed { .. } | TargetState::Healing, _) => current.clone(),
                 (_, _) => TargetState::Broken { since: SystemTime::now() },
             };
-            if std::mem::discriminant(&next) != std::mem::discriminant(&record.state) {
+            if std::mem::discriminant(&next) != std::mem::discriminant(current) {
                 info!(
                     target = %path.display(),
                     pod = %target.pod_uid,
-                    from = record.state.name(),
+                    from = current.name(),
                     to = next.name(),
                     assessment = assessment.name(),
                     "target state"
                 );
             }
-            match next {
-                TargetState::Healthy => {
-                    record.attempts = 0;
-                    record.broken_since = None;
+            if matches!(next, TargetState::Healthy) {
+                self.records.remove(path);
+                continue;
+            }
+            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            if let TargetState::Broken { since } = next
+                && record.broken_since.is_none()
+            {
+                record.broken_since = Some(since);
+                if let Some(mapping) = mapping {
+                    self.reporters.report(&Report::TargetBroken(&TargetEvent {
+                        target: path,
+                        pod_uid: &target.pod_uid,
+                        source: &mapping.source,
+                        broken_since: Some(since),
+                    }));
                 }
-                TargetState::Broken { since } if record.broken_since.is_none() => {
-                    record.broken_since = Some(since);
-                    if let Some(mapping) = mapping {
-                        self.reporters.report(&Report::TargetBroken(&TargetEvent {
-                            target: path,
-                            pod_uid: &target.pod_uid,
-                            source: &mapping.source,
-                            broken_since: Some(since),
-                        }));
-                    }
-                }
-                _ => {}
             }
             record.state = next;
         }
