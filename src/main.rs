@@ -784,13 +784,7 @@ fn run(
 /// `supervisor::run` starts it): when the lifecycle has ended the FUSE
 /// container, the loop stops, so that the pod can complete.
 fn run_sidecar(sidecar: SidecarConfig, job: Option<job::JobConfig>, shutdown: &Shutdown) -> anyhow::Result<()> {
-    let lifecycle = match job {
-        Some(job) => {
-            let done = shutdown.clone();
-            Some(job::JobLifecycle::spawn(job, move || done.request())?)
-        }
-        None => None,
-    };
+    let lifecycle = supervisor::start_job_lifecycle(job.as_ref(), shutdown)?;
     let result = sidecar::run(&sidecar, shutdown);
     drop(lifecycle);
     result.map_err(Into::into)

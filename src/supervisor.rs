@@ -241,13 +241,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     };
     // Like the kubelet thread, it stays in this namespace; in sidecar mode
     // the supervisor ends with its pod's FUSE container.
-    let job = match &config.job {
-        Some(job) => {
-            let done = shutdown.clone();
-            Some(crate::job::JobLifecycle::spawn(job.clone(), move || done.request())?)
-        }
-        None => None,
-    };
+    let job = start_job_lifecycle(config.job.as_ref(), shutdown)?;
     // The pod watcher joins the namespace itself; its first full scan is
     // sent before spawn returns, so it is the first event, and it is
     // applied before the first table scan is planned.
@@ -303,6 +297,17 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     Ok(())
 }
 
+/// Starts the Job lifecycle when configured; the supervisor stops once it
+/// has ended its pod's FUSE container (sidecar mode).
+pub fn start_job_lifecycle(
+    job: Option<&crate::job::JobConfig>,
+    shutdown: &Shutdown,
+) -> Result<Option<crate::job::JobLifecycle>, crate::job::JobError> {
+    let Some(job) = job else { return Ok(None) };
+    let done = shutdown.clone();
+    crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
+}
+
 fn spawn_watcher(mut watcher: Box<dyn MountWatcher>, events: Sender<Event>) -> Result<JoinHandle<()>, SupervisorError> {
     std::thread::Builder::new()
         .name("watcher".into())
@@ -337,6 +342,8 @@ struct Supervisor<E: Executor> {
     woke_at: Instant,
     /// When the last table read began.
     scan_started: Instant,
+    /// Whether a read since the last scan took in a change no scan has seen.
+    unscanned: bool,
     /// Each source's current connection and when a scan first saw it: the
     /// heal latency of targets left behind by a replacement starts there.
     /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
@@ -404,6 +411,7 @@ impl Supervisor<MountExecutor> {
             events,
             woke_at: Instant::now(),
             scan_started: Instant::now(),
+            unscanned: false,
             sources_seen_at: HashMap::new(),
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
@@ -448,7 +456,7 @@ impl<E: Executor> Supervisor<E> {
                     // scan that followed it: nothing new to see then. A
                     // failed check rescans.
                     // Poll mode scans on every tick, as polling healers do.
-                    if self.polling || self.reader.changed_since_read().unwrap_or(true) {
+                    if self.polling || self.unscanned || self.reader.changed_since_read().unwrap_or(true) {
                         self.woke_at = Instant::now();
                         self.rescan();
                     }
@@ -497,6 +505,9 @@ impl<E: Executor> Supervisor<E> {
     fn read_table(&mut self) -> Option<Classified> {
         self.table_reads += 1;
         self.scan_started = Instant::now();
+        // A read outside a scan (a daemon's death) may take in a change
+        // whose report is still on its way: it must not look already seen.
+        self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
         let table = match self.reader.read() {
             Ok(table) => table,
             Err(err) => {
@@ -515,6 +526,7 @@ impl<E: Executor> Supervisor<E> {
 
     fn rescan(&mut self) {
         let Some(classified) = self.read_table() else { return };
+        self.unscanned = false;
         self.report_propagated_heals(&classified);
         let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
         changed |= self.locate_unmapped(&classified);

@@ -121,7 +121,7 @@ impl<E: Executor> Supervisor<E> {
             }));
         }
         // First, before a new mount can cover them.
-        let unscanned_change = self.hold_stale_layers(&targets, dev);
+        self.hold_stale_layers(&targets, dev);
         info!(
             source = %source.display(),
             connection = %dev,
@@ -137,10 +137,6 @@ impl<E: Executor> Supervisor<E> {
             && let Err(err) = self.journal.save()
         {
             error!(%err, "cannot save state");
-        }
-        if unscanned_change {
-            self.woke_at = Instant::now();
-            self.rescan();
         }
     }
 
@@ -162,16 +158,11 @@ impl<E: Executor> Supervisor<E> {
 
     /// Takes a handle on each target's top while it is still the dead
     /// connection's mount: a new mount over the stale source will cover it.
-    /// Returns whether its table read took in a change no scan has seen.
-    fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) -> bool {
+    fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) {
         if targets.is_empty() {
-            return false;
+            return;
         }
-        // This read takes in any change since the last scan (the new mount,
-        // if the daemon came back at once): the loop, woken for it, would
-        // find nothing new, so a scan follows here.
-        let unscanned_change = self.reader.changed_since_read().unwrap_or(true);
-        let Some(classified) = self.read_table() else { return unscanned_change };
+        let Some(classified) = self.read_table() else { return };
         let until = Instant::now() + HOLD_STALE_FOR;
         for path in targets {
             let Some(target) = classified.targets.get(path) else { continue };
@@ -189,7 +180,6 @@ impl<E: Executor> Supervisor<E> {
             }
         }
         debug!(held = self.held.len(), "stale layers held");
-        unscanned_change
     }
 
     /// After a scan: asks who serves new connections, forgets deaths of
