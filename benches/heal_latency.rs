@@ -18,13 +18,13 @@
 //! ```text
 //! cargo bench --bench heal_latency [-- --sizes 1,100,1000 --cycles 20 --large-cycles 8
 //!     --daemons demofs,bindfs --modes event,poll --poll-period 5s --sampled-readers 20
-//!     --reader-interval-ms 2]
+//!     --reader-interval-ms 2 --supervisor-log info]
 //! ```
 //!
 //! Every flag is also an environment variable (`HEAL_BENCH_SIZES`, ...).
 //! Needs root and /dev/fuse (and bindfs for the bindfs rows). Everything
 //! runs in a private mount namespace that dies with the run.
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -53,6 +53,9 @@ struct Options {
     modes: Vec<Mode>,
     /// `--poll-period` of the supervisor in poll mode.
     poll_period: String,
+    /// The supervisor's `--log` level: info, its default, unless the
+    /// timeline needs debug lines (each costs the loop a few microseconds).
+    supervisor_log: String,
     /// Up to this many targets, one reader per target; above, readers are
     /// sampled: a reader per target would swamp the machine and measure the
     /// scheduler instead of the heal.
@@ -93,6 +96,7 @@ impl Options {
                 _ => None,
             }),
             poll_period: flags.text("poll-period", "5s"),
+            supervisor_log: flags.text("supervisor-log", "info"),
             all_readers_up_to: flags.number("all-readers-up-to", "100"),
             sampled_readers: flags.number("sampled-readers", "20"),
             watch_duty_percent: flags.number::<u32>("watch-duty-percent", "10").clamp(1, 100),
@@ -142,7 +146,8 @@ impl Mode {
     }
 
     fn args(self, options: &Options) -> Vec<String> {
-        let mut args = vec!["--kubelet".to_owned(), "none".to_owned()];
+        let mut args =
+            vec!["--kubelet".to_owned(), "none".to_owned(), "--log".to_owned(), options.supervisor_log.clone()];
         if self == Mode::Poll {
             args.extend([
                 "--mode".to_owned(),
@@ -511,7 +516,8 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         std::thread::sleep(Duration::from_millis(100));
         let log = supervisor.log();
         let mut heal_latencies = Vec::new();
-        let mut events: BTreeMap<String, (i64, usize)> = BTreeMap::new();
+        // Runs of one message in log order: (message, first offset, count).
+        let mut events: Vec<(String, i64, usize)> = Vec::new();
         for (message, latency, at) in log[log_start..].iter().filter_map(|line| log_fields(line)) {
             if message == "healed"
                 && let Some(latency) = latency
@@ -523,19 +529,21 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
                     Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
                     Err(before) => -i64::try_from(before.duration().as_micros()).unwrap_or(i64::MAX),
                 };
-                let entry = events.entry(message).or_insert((offset, 0));
-                entry.1 += 1;
+                match events.last_mut() {
+                    Some((last, _, count)) if *last == message => *count += 1,
+                    _ => events.push((message, offset, 1)),
+                }
             }
         }
         result.healed_lines = heal_latencies.len();
         result.supervisor_us = heal_latencies.iter().copied().max();
         result.table_wakes = watch.as_ref().map_or(0, TableWatch::wakes) - wakes_before;
-        if cycle + 1 == cycles {
-            let mut ordered: Vec<_> = events.into_iter().collect();
-            ordered.sort_by_key(|(_, (offset, _))| *offset);
-            timeline = ordered
+        // The slowest cycle's timeline is the one worth reading.
+        let slowest = results.iter().all(|earlier: &Cycle| earlier.supervisor_us <= result.supervisor_us);
+        if slowest {
+            timeline = events
                 .into_iter()
-                .map(|(message, (offset, count))| format!("{:>+10.3} ms  {message} (x{count})", offset as f64 / 1000.0))
+                .map(|(message, offset, count)| format!("{:>+10.3} ms  {message} (x{count})", offset as f64 / 1000.0))
                 .collect();
         }
         eprintln!(
@@ -672,7 +680,7 @@ fn report(results: &[SizeResult], options: &Options) {
             println!("  readers sampled: {} of {} targets (evenly spread)", result.readers, result.targets);
         }
         let anchor = if result.undisturbed { "the restart call" } else { "the new mount appeared" };
-        println!("  supervisor log of the last cycle (first line of each message, ms after {anchor}):");
+        println!("  supervisor log of the slowest cycle (runs of one message in log order, ms after {anchor}):");
         for line in &result.timeline {
             println!("    {line}");
         }

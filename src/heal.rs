@@ -361,6 +361,7 @@ impl Executor for MountExecutor {
                     Err(err) => outcome.flatten_error = Some(err),
                 }
             }
+            debug!(targets = outcomes.len(), "flattened");
             outcomes
         })
     }

@@ -4,9 +4,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
+use tracing::error;
 
 use crate::table::{Dev, TargetKind};
 
@@ -278,23 +281,127 @@ impl Journal {
 
     /// Writes the state file atomically: write, fsync, rename, fsync dir.
     pub fn save(&self) -> Result<(), StateError> {
-        if self.path.as_os_str().is_empty() {
-            return Ok(());
+        match self.contents()? {
+            Some(contents) => write_atomically(&self.path, &contents),
+            None => Ok(()),
         }
-        let write = || -> io::Result<()> {
-            let dir = self.path.parent().unwrap_or(Path::new("."));
-            fs::create_dir_all(dir)?;
-            let temporary = self.path.with_extension("json.tmp");
-            let file =
-                StateFileRef { version: STATE_VERSION, targets: SortedTargets(&self.mappings), sources: &self.sources };
-            let mut out = io::BufWriter::new(fs::File::create(&temporary)?);
-            serde_json::to_writer_pretty(&mut out, &file).map_err(io::Error::other)?;
-            out.flush()?;
-            out.get_ref().sync_all()?;
-            fs::rename(&temporary, &self.path)?;
-            fs::File::open(dir)?.sync_all()
-        };
-        write().map_err(|source| StateError::Write { path: self.path.clone(), source })
+    }
+
+    /// Hands the state file's contents to `writer`, which writes them on its
+    /// own thread.
+    pub fn save_with(&self, writer: &StateWriter) -> Result<(), StateError> {
+        if let Some(contents) = self.contents()? {
+            writer.submit(self.path.clone(), contents);
+        }
+        Ok(())
+    }
+
+    /// What the state file holds; None for an in-memory journal.
+    fn contents(&self) -> Result<Option<Vec<u8>>, StateError> {
+        if self.path.as_os_str().is_empty() {
+            return Ok(None);
+        }
+        let file =
+            StateFileRef { version: STATE_VERSION, targets: SortedTargets(&self.mappings), sources: &self.sources };
+        let contents = serde_json::to_vec_pretty(&file)
+            .map_err(|source| StateError::Write { path: self.path.clone(), source: io::Error::other(source) })?;
+        Ok(Some(contents))
+    }
+}
+
+/// Write, fsync, rename, fsync of the directory: a crash leaves the old
+/// file or the new one, never a mix.
+fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StateError> {
+    let write = || -> io::Result<()> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        fs::create_dir_all(dir)?;
+        let temporary = path.with_extension("json.tmp");
+        let mut file = fs::File::create(&temporary)?;
+        file.write_all(contents)?;
+        file.sync_all()?;
+        fs::rename(&temporary, path)?;
+        fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(|source| StateError::Write { path: path.to_path_buf(), source })
+}
+
+/// Writes state files on a thread of its own. The two fsyncs of a save take
+/// milliseconds on a node's disk; on the loop they would delay every heal
+/// that follows a change of state (a new source connection is one).
+/// Only the latest contents matter: one submitted while another waits
+/// replaces it.
+#[derive(Debug)]
+pub struct StateWriter {
+    shared: Arc<(Mutex<Pending>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    next: Option<(PathBuf, Vec<u8>)>,
+    writing: bool,
+    stop: bool,
+}
+
+impl StateWriter {
+    /// The thread inherits the caller's mount namespace: start it from the
+    /// thread whose view of the state directory counts.
+    pub fn spawn() -> io::Result<Self> {
+        let shared: Arc<(Mutex<Pending>, Condvar)> = Arc::default();
+        let writer = Arc::clone(&shared);
+        let thread = std::thread::Builder::new().name("state-writer".into()).spawn(move || write_submitted(&writer))?;
+        Ok(StateWriter { shared, thread: Some(thread) })
+    }
+
+    pub fn submit(&self, path: PathBuf, contents: Vec<u8>) {
+        let (pending, changed) = &*self.shared;
+        pending.lock().unwrap_or_else(PoisonError::into_inner).next = Some((path, contents));
+        changed.notify_all();
+    }
+
+    /// Waits until everything submitted so far is written.
+    pub fn flush(&self) {
+        let (pending, changed) = &*self.shared;
+        let mut pending = pending.lock().unwrap_or_else(PoisonError::into_inner);
+        while pending.next.is_some() || pending.writing {
+            pending = changed.wait(pending).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+impl Drop for StateWriter {
+    /// Writes what is still pending, then stops the thread.
+    fn drop(&mut self) {
+        let (pending, changed) = &*self.shared;
+        pending.lock().unwrap_or_else(PoisonError::into_inner).stop = true;
+        changed.notify_all();
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            error!("state writer thread panicked");
+        }
+    }
+}
+
+fn write_submitted(shared: &(Mutex<Pending>, Condvar)) {
+    let (pending, changed) = shared;
+    let mut guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
+    loop {
+        match guard.next.take() {
+            Some((path, contents)) => {
+                guard.writing = true;
+                drop(guard);
+                if let Err(err) = write_atomically(&path, &contents) {
+                    error!(%err, "cannot save state");
+                }
+                drop(contents);
+                guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
+                guard.writing = false;
+                changed.notify_all();
+            }
+            None if guard.stop => return,
+            None => guard = changed.wait(guard).unwrap_or_else(PoisonError::into_inner),
+        }
     }
 }
 
@@ -368,6 +475,24 @@ mod tests {
         journal.save().unwrap();
         let reloaded = Journal::load(dir.path()).unwrap();
         assert_eq!(reloaded.get(Path::new("/k/pods/uid/volumes/v/mount")), Some(&mapping()));
+    }
+
+    #[test]
+    fn the_writer_thread_writes_the_latest_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = StateWriter::spawn().unwrap();
+        let mut journal = Journal::load(dir.path()).unwrap();
+        for pod in ["a", "b", "c"] {
+            journal.record(&PathBuf::from(format!("/k/pods/{pod}/volumes/v/mount")), mapping());
+            journal.save_with(&writer).unwrap();
+        }
+        writer.flush();
+        assert_eq!(Journal::load(dir.path()).unwrap().mappings(), journal.mappings());
+        // Dropping the writer writes what is still pending.
+        journal.record(Path::new("/k/pods/d/volumes/v/mount"), mapping());
+        journal.save_with(&writer).unwrap();
+        drop(writer);
+        assert_eq!(Journal::load(dir.path()).unwrap().mappings().len(), 4);
     }
 
     #[test]

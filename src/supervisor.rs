@@ -11,7 +11,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -29,7 +29,7 @@ use crate::plan::{self, Assessment, HealBatch};
 use crate::pods::{PodChange, PodDirectory, PodWatcher, VolData};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
-use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
+use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
 use crate::watch::{MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
@@ -273,6 +273,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
+    // From this thread: the writer sees the state directory as the loop does.
+    supervisor.state_writer =
+        Some(StateWriter::spawn().map_err(|source| SupervisorError::Thread { name: "state writer", source })?);
     if let Some(change) = first_pod_scan {
         supervisor.on_pods(change);
     }
@@ -285,6 +288,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         "supervising"
     );
     supervisor.serve(&inbox, &*table_watch, shutdown);
+    // What changed last is written before the writer stops.
+    supervisor.save_state();
+    drop(supervisor);
     config.health.detach();
     shutdown.request();
     drop(job);
@@ -381,6 +387,11 @@ struct Supervisor<E: Executor> {
     daemons: Option<Daemons>,
     /// Handles on the stale tops of targets whose daemon died.
     held: BTreeMap<PathBuf, degraded::Held>,
+    /// The journal changed since the state file was last written: written
+    /// when the loop has nothing else to do, so never before a heal.
+    state_dirty: bool,
+    /// None: saved on the loop (`heal --once`).
+    state_writer: Option<StateWriter>,
 }
 
 struct Confirmer {
@@ -428,6 +439,8 @@ impl Supervisor<MountExecutor> {
             polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             held: BTreeMap::new(),
+            state_dirty: false,
+            state_writer: None,
         })
     }
 }
@@ -435,15 +448,24 @@ impl Supervisor<MountExecutor> {
 impl<E: Executor> Supervisor<E> {
     fn serve(&mut self, inbox: &Receiver<Event>, table_watch: &dyn Rearm, shutdown: &Shutdown) {
         while !shutdown.requested() {
-            // A scan of a large table frees megabytes scattered between
-            // long-lived allocations: give them back before sleeping.
-            self.reader.release_buffer();
-            fuse_supervisor_sys::memory::release_free_memory();
-            // Deadlines exist only while something is wrong: an idle
-            // supervisor blocks on the channel with no timeout.
-            let event = match self.next_deadline() {
-                None => inbox.recv().map_err(|_| RecvTimeoutError::Disconnected),
-                Some(at) => inbox.recv_timeout(at.saturating_duration_since(Instant::now())),
+            let event = match inbox.try_recv() {
+                Ok(event) => Ok(event),
+                Err(TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
+                Err(TryRecvError::Empty) => {
+                    // Nothing to do: the time for chores that must not
+                    // delay a heal.
+                    self.save_state();
+                    // A scan of a large table frees megabytes scattered
+                    // between long-lived allocations: give them back.
+                    self.reader.release_buffer();
+                    fuse_supervisor_sys::memory::release_free_memory();
+                    // Deadlines exist only while something is wrong: an idle
+                    // supervisor blocks on the channel with no timeout.
+                    match self.next_deadline() {
+                        None => inbox.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                        Some(at) => inbox.recv_timeout(at.saturating_duration_since(Instant::now())),
+                    }
+                }
             };
             match event {
                 Ok(Event::TableChanged) => {
@@ -473,6 +495,21 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => self.on_deadline(),
             }
+        }
+    }
+
+    /// Writes the state file if the journal changed, through the writer
+    /// thread when there is one.
+    fn save_state(&mut self) {
+        if !std::mem::take(&mut self.state_dirty) {
+            return;
+        }
+        let saved = match &self.state_writer {
+            Some(writer) => self.journal.save_with(writer),
+            None => self.journal.save(),
+        };
+        if let Err(err) = saved {
+            error!(%err, "cannot save state");
         }
     }
 
@@ -516,7 +553,11 @@ impl<E: Executor> Supervisor<E> {
             }
         };
         match Snapshot::parse(table) {
-            Ok(snapshot) => Some(Classified::from_snapshot(snapshot, &self.layout)),
+            Ok(snapshot) => {
+                let classified = Classified::from_snapshot(snapshot, &self.layout);
+                debug!(took_us = self.scan_started.elapsed().as_micros() as u64, "table read");
+                Some(classified)
+            }
             Err(err) => {
                 error!(%err, "mount table did not parse; keeping the last known state");
                 None
@@ -534,13 +575,17 @@ impl<E: Executor> Supervisor<E> {
         if !self.pods_watched {
             changed |= self.forget_deleted_pods();
         }
+        let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
+        if let Some(confirmer) = &mut self.confirmer {
+            confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
+        }
+        // Probes first: each waits for a FUSE daemon's answer, and the
+        // bookkeeping below is done while it does.
+        let probing: Vec<bool> = batches.iter().map(|batch| self.confirmed(batch) && self.start_probe(batch)).collect();
         self.update_states(&classified);
         changed |= self.track_daemons(&classified);
-        if changed && let Err(err) = self.journal.save() {
-            error!(%err, "cannot save state");
-        }
+        self.state_dirty |= changed;
         self.probe_unknown_targets(&classified);
-        let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
         self.discover_daemons(&classified, &batches);
         debug!(
             mounts = classified.total_mounts,
@@ -548,11 +593,8 @@ impl<E: Executor> Supervisor<E> {
             batches = batches.len(),
             "scanned"
         );
-        if let Some(confirmer) = &mut self.confirmer {
-            confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
-        }
-        for batch in batches {
-            if self.confirmed(&batch) && self.start_probe(&batch) {
+        for (batch, probing) in batches.into_iter().zip(probing) {
+            if probing {
                 self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch));
             }
         }
@@ -702,9 +744,7 @@ impl<E: Executor> Supervisor<E> {
                 }
             }
         }
-        if confirmed && let Err(err) = self.journal.save() {
-            error!(%err, "cannot save state");
-        }
+        self.state_dirty |= confirmed;
         self.rescan();
     }
 
@@ -784,9 +824,7 @@ impl<E: Executor> Supervisor<E> {
         if forgot {
             self.forget_held();
         }
-        if forgot && let Err(err) = self.journal.save() {
-            error!(%err, "cannot save state");
-        }
+        self.state_dirty |= forgot;
         if may_locate && self.scanned_once {
             self.rescan();
         }
@@ -854,6 +892,9 @@ impl<E: Executor> Supervisor<E> {
     /// is healthy, and a record each would be most of the idle footprint.
     fn update_states(&mut self, classified: &Classified) {
         const HEALTHY: TargetState = TargetState::Healthy;
+        // One line per kind of change, not per target: a source's restart
+        // changes hundreds at once, in the scan that starts their heal.
+        let mut transitions: BTreeMap<(&str, &str), (usize, &Path)> = BTreeMap::new();
         for (path, target) in &classified.targets {
             let mapping = self.journal.get(path);
             let assessment = plan::assess(target, mapping, classified);
@@ -880,7 +921,7 @@ impl<E: Executor> Supervisor<E> {
                 (_, _) => TargetState::Broken { since: SystemTime::now() },
             };
             if std::mem::discriminant(&next) != std::mem::discriminant(current) {
-                info!(
+                debug!(
                     target = %path.display(),
                     pod = %target.pod_uid,
                     from = current.name(),
@@ -888,6 +929,8 @@ impl<E: Executor> Supervisor<E> {
                     assessment = assessment.name(),
                     "target state"
                 );
+                let (targets, _) = transitions.entry((current.name(), next.name())).or_insert((0, path));
+                *targets += 1;
             }
             if matches!(next, TargetState::Healthy) {
                 self.records.remove(path);
@@ -908,6 +951,9 @@ impl<E: Executor> Supervisor<E> {
                 }
             }
             record.state = next;
+        }
+        for ((from, to), (targets, first)) in transitions {
+            info!(from, to, targets, first = %first.display(), "targets changed state");
         }
     }
 
@@ -1127,9 +1173,7 @@ impl<E: Executor> Supervisor<E> {
                 }
             }
         }
-        if healed_any && let Err(err) = self.journal.save() {
-            error!(%err, "cannot save state");
-        }
+        self.state_dirty |= healed_any;
     }
 }
 

@@ -110,7 +110,7 @@ impl<E: Executor> Supervisor<E> {
                 continue;
             }
             let Some(mapping) = self.journal.get(path) else { continue };
-            info!(target = %path.display(), pod = %mapping.pod_uid, from = record.state.name(), to = "degraded", "target state");
+            debug!(target = %path.display(), pod = %mapping.pod_uid, from = record.state.name(), to = "degraded", "target state");
             record.state = TargetState::Degraded { since };
             record.broken_since = Some(since);
             self.reporters.report(&Report::TargetBroken(&TargetEvent {
@@ -133,11 +133,7 @@ impl<E: Executor> Supervisor<E> {
             "daemon died; its targets are degraded"
         );
         self.reporters.report(&Report::DaemonDied { source, pid, at: since, targets: &targets });
-        if self.journal.daemon_died(source, DaemonDeath { pid, at: since, dev })
-            && let Err(err) = self.journal.save()
-        {
-            error!(%err, "cannot save state");
-        }
+        self.state_dirty |= self.journal.daemon_died(source, DaemonDeath { pid, at: since, dev });
     }
 
     /// Asks who serves each new source connection, once its targets are

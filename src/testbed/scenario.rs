@@ -309,6 +309,10 @@ impl SupervisorProcess {
         if !args.iter().any(|arg| arg.to_string_lossy().starts_with("--metrics-addr")) {
             args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
         }
+        // Debug unless the caller chose (benchmarks measure at the default, info).
+        if !args.iter().any(|arg| arg == "--log" || arg.to_string_lossy().starts_with("--log=")) {
+            args.extend(["--log".into(), "debug".into()]);
+        }
         let mut command = super::reader::wrapped(wrapper, binary);
         command
             .arg("run")
@@ -319,7 +323,7 @@ impl SupervisorProcess {
             .arg("--staging-dir")
             .arg(sandbox.root().join("staging"))
             // The sandbox thread's namespace is the child's own.
-            .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json", "--log", "debug"])
+            .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json"])
             // Tests never talk to a cluster, even when run inside one (CI in a
             // pod has an in-cluster configuration); `--events on` overrides.
             .env("FUSE_SUPERVISOR_EVENTS", "off")
