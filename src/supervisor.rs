@@ -768,6 +768,22 @@ impl<E: Executor> Supervisor<E> {
                     stale_layers = target.stack.stale_layers().count(),
                     "healed by propagation"
                 );
+                // With a handle held on the covered layer, the report
+                // follows its removal (flatten_covered).
+                if self.held.contains_key(path) {
+                    continue;
+                }
+                let broken_since = self.records.get(path).and_then(|record| record.broken_since);
+                let event =
+                    TargetEvent { target: path, pod_uid: &target.pod_uid, source: &mapping.source, broken_since };
+                // This scan may be the first to see the source's new mount.
+                let latency = match self.sources_seen_at.get(&mapping.source) {
+                    Some((dev, at)) if *dev == source.top().dev => at.elapsed(),
+                    _ => self.scan_started.elapsed(),
+                };
+                let outage = broken_since.and_then(|since| since.elapsed().ok());
+                let heal = HealReport { how: Healed::Propagated, latency, outage, layers_removed: 0 };
+                self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
             }
         }
     }

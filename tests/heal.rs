@@ -335,6 +335,28 @@ fn mount_over_stale_heals(args: &[&str]) {
     settled(&node);
 }
 
+/// Without a process watcher no handle is taken on the stale layers before
+/// the new mount covers them: the kernel's propagation heals the targets,
+/// the covered layers stay (nothing reaches them), and the heals are still
+/// reported, as propagated with nothing removed.
+#[test]
+fn mount_over_stale_without_a_seen_death_is_reported_as_propagated() {
+    let mut node = Node::new(Daemon::DemoFs, 1);
+    node.all_read(&node.source.expected_content());
+    node.start_supervisor_with(&["--kubelet", "none", "--process-watch", "off"]);
+    let heals = |node: &Node| {
+        node.supervisor().metric(r#"fuse_supervisor_heals_total{result="propagated"}"#).unwrap().unwrap_or(0.0)
+    };
+    assert_eq!(heals(&node), 0.0);
+    node.source.crash().unwrap();
+    node.readers[0].wait_until(HEAL_TIMEOUT, fails).unwrap();
+    node.source.restart(&node.sandbox, Restart::MountOverStale).unwrap();
+    node.all_read(&node.source.expected_content());
+    scenario::wait_for("the heal reported", HEAL_TIMEOUT, || heals(&node) == 1.0).unwrap();
+    assert_eq!(layers_at(&node.sandbox, &node.targets[0]), 2, "the covered stale layer is out of reach");
+    assert!(node.supervisor().log().iter().all(|line| !line.contains("covered stale layer removed")));
+}
+
 /// Runs `fuse-supervisor <args>` in the sandbox and returns its stdout.
 fn run_cli(node: &Node, args: &[&str]) -> (bool, String) {
     let mut command = std::process::Command::new(binary());
