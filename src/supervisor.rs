@@ -31,7 +31,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, TableEvents, Wake, WatchMode};
+use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
 
@@ -264,8 +264,20 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
     let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
-        WatchMode::Events(wanted) => event_watcher(wanted, open_mountinfo, &shutdown.waker)?,
-        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer"),
+        // In the watched namespace now: the fanotify mark goes on this thread's.
+        WatchMode::Events(wanted) => {
+            let (watcher, backend) = watch::event_watcher::<SupervisorError>(
+                wanted,
+                || {
+                    let namespace = ns::open_thread_mount_namespace()
+                        .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
+                    Ok(FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?)
+                },
+                || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+            )?;
+            (watcher, backend.to_string())
+        }
+        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
     let table_watch = watcher.rearm_handle();
     let watcher_thread = spawn_watcher(watcher, events.clone())?;
@@ -282,7 +294,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         kubelet_root = %config.kubelet_root.display(),
         namespace = %config.mount_namespace.display(),
         mode = %config.watch,
-        table_events,
+        %table_events,
         "supervising"
     );
     supervisor.serve(&inbox, &*table_watch, shutdown);
@@ -296,27 +308,6 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         error!("watcher thread panicked");
     }
     Ok(())
-}
-
-/// The watcher of event mode, and the name of its backend for the log.
-/// Called in the watched namespace: the fanotify mark goes on this thread's.
-fn event_watcher(
-    wanted: TableEvents,
-    open_mountinfo: impl FnOnce() -> Result<File, SupervisorError>,
-    waker: &Arc<Waker>,
-) -> Result<(Box<dyn MountWatcher>, &'static str), SupervisorError> {
-    if wanted != TableEvents::Mountinfo {
-        let namespace = ns::open_thread_mount_namespace()
-            .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
-        match FanotifyWatcher::new(namespace.as_fd(), waker.clone()) {
-            Ok(watcher) => return Ok((Box::new(watcher), "fanotify")),
-            Err(err) if wanted == TableEvents::Auto => {
-                info!(?err, "no fanotify mount events for this namespace: watching mountinfo instead");
-            }
-            Err(err) => return Err(err.into()),
-        }
-    }
-    Ok((Box::new(MountinfoWatcher::new(open_mountinfo()?, waker.clone())?), "mountinfo"))
 }
 
 /// Starts the Job lifecycle when configured; the supervisor stops once it

@@ -297,6 +297,26 @@ impl Rearm for FanotifyArm {
     }
 }
 
+/// The watcher event mode uses for `wanted`, and which backend it is.
+/// `Auto` takes fanotify unless building it fails (a kernel before 6.15,
+/// no `CAP_SYS_ADMIN` over the namespace), then mountinfo, logging why.
+pub fn event_watcher<E: std::fmt::Debug>(
+    wanted: TableEvents,
+    fanotify: impl FnOnce() -> Result<FanotifyWatcher, E>,
+    mountinfo: impl FnOnce() -> Result<MountinfoWatcher, E>,
+) -> Result<(Box<dyn MountWatcher>, TableEvents), E> {
+    if wanted != TableEvents::Mountinfo {
+        match fanotify() {
+            Ok(watcher) => return Ok((Box::new(watcher), TableEvents::Fanotify)),
+            Err(err) if wanted == TableEvents::Auto => {
+                tracing::info!(?err, "no fanotify mount events for this namespace: watching mountinfo instead");
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    Ok((Box::new(mountinfo()?), TableEvents::Mountinfo))
+}
+
 /// Wakes every `period` whatever happened, so that the loop scans the whole
 /// table: polling, for comparison with [`MountinfoWatcher`] and as a last
 /// resort. Only shutdown interrupts the wait.
@@ -353,6 +373,37 @@ mod tests {
         waker.wake().unwrap();
         assert_eq!(watcher.wait().unwrap(), Wake::Shutdown);
         assert_eq!(watcher.wait().unwrap(), Wake::Shutdown, "shutdown must stay visible");
+    }
+
+    fn mountinfo_watcher() -> Result<MountinfoWatcher, WatchError> {
+        MountinfoWatcher::new(File::open("/proc/self/mountinfo").unwrap(), Arc::new(Waker::new().unwrap()))
+    }
+
+    fn no_fanotify() -> Result<FanotifyWatcher, WatchError> {
+        let source = io::Error::from(io::ErrorKind::InvalidInput);
+        Err(WatchError::Setup { what: "fanotify group".into(), source })
+    }
+
+    #[test]
+    fn auto_takes_fanotify_where_the_kernel_has_it() {
+        let fanotify = || {
+            let namespace = fuse_supervisor_sys::ns::open_thread_mount_namespace().unwrap();
+            FanotifyWatcher::new(namespace.as_fd(), Arc::new(Waker::new().unwrap()))
+        };
+        let (_, backend) = event_watcher(TableEvents::Auto, fanotify, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Fanotify, "this test needs root and Linux 6.15+");
+    }
+
+    #[test]
+    fn auto_falls_back_to_mountinfo_and_an_explicit_choice_does_not() {
+        let (_, backend) = event_watcher(TableEvents::Auto, no_fanotify, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Mountinfo);
+        let err = event_watcher(TableEvents::Fanotify, no_fanotify, mountinfo_watcher).err().unwrap();
+        assert!(matches!(err, WatchError::Setup { .. }), "{err:?}");
+        let untried =
+            || -> Result<FanotifyWatcher, WatchError> { panic!("fanotify tried for --table-events mountinfo") };
+        let (_, backend) = event_watcher(TableEvents::Mountinfo, untried, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Mountinfo);
     }
 
     #[test]
