@@ -24,7 +24,7 @@ use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
-use fuse_supervisor::watch::WatchMode;
+use fuse_supervisor::watch::{TableEvents, WatchMode};
 use fuse_supervisor::webhook::{self, Selection, WebhookConfig};
 
 /// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
@@ -170,7 +170,7 @@ impl NodeArgs {
             pod_scope: None,
             job: None,
             daemons: DaemonWatch::default(),
-            watch: WatchMode::Events,
+            watch: WatchMode::Events(TableEvents::Auto),
             health: Arc::default(),
         })
     }
@@ -430,6 +430,12 @@ struct WatchArgs {
     /// How often poll mode scans.
     #[arg(long, default_value = "5s", value_parser = parse_period, env = "FUSE_SUPERVISOR_POLL_PERIOD")]
     poll_period: Duration,
+    /// Which kernel notification wakes event mode: `fanotify` mount events
+    /// (Linux 6.15+), `mountinfo` (EPOLLPRI on /proc/…/mountinfo, any
+    /// kernel), or `auto`: fanotify where the kernel offers it for the
+    /// namespace, else mountinfo.
+    #[arg(long, value_enum, default_value = "auto", env = "FUSE_SUPERVISOR_TABLE_EVENTS")]
+    table_events: TableEventsArg,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -438,10 +444,21 @@ enum Mode {
     Poll,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum TableEventsArg {
+    Mountinfo,
+    Fanotify,
+    Auto,
+}
+
 impl WatchArgs {
     fn mode(&self) -> WatchMode {
         match self.mode {
-            Mode::Event => WatchMode::Events,
+            Mode::Event => WatchMode::Events(match self.table_events {
+                TableEventsArg::Mountinfo => TableEvents::Mountinfo,
+                TableEventsArg::Fanotify => TableEvents::Fanotify,
+                TableEventsArg::Auto => TableEvents::Auto,
+            }),
             Mode::Poll => WatchMode::Poll { period: self.poll_period },
         }
     }
@@ -871,7 +888,11 @@ mod tests {
         assert_eq!(serve.metrics_addr.0, Some("0.0.0.0:9809".parse().unwrap()));
         let defaults = Cli::try_parse_from(["fuse-supervisor", "run"]).unwrap();
         let Command::Run { watch, .. } = defaults.command else { panic!("not run") };
-        assert_eq!(watch.mode(), WatchMode::Events);
+        assert_eq!(watch.mode(), WatchMode::Events(TableEvents::Auto));
+        let fanotify = Cli::try_parse_from(["fuse-supervisor", "run", "--table-events", "fanotify"]).unwrap();
+        let Command::Run { watch, .. } = fanotify.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Events(TableEvents::Fanotify));
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--table-events", "inotify"]).is_err());
         assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "0s"]).is_err());
     }
 }

@@ -31,7 +31,7 @@ use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
-use crate::watch::{MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
+use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
 
@@ -263,9 +263,21 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
-    let watcher: Box<dyn MountWatcher> = match config.watch {
-        WatchMode::Events => Box::new(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
-        WatchMode::Poll { period } => Box::new(PollWatcher::new(period, shutdown.waker.clone())?),
+    let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
+        // In the watched namespace now: the fanotify mark goes on this thread's.
+        WatchMode::Events(wanted) => {
+            let (watcher, backend) = watch::event_watcher::<SupervisorError>(
+                wanted,
+                || {
+                    let namespace = ns::open_thread_mount_namespace()
+                        .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
+                    Ok(FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?)
+                },
+                || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+            )?;
+            (watcher, backend.to_string())
+        }
+        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
     let table_watch = watcher.rearm_handle();
     let watcher_thread = spawn_watcher(watcher, events.clone())?;
@@ -285,6 +297,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         kubelet_root = %config.kubelet_root.display(),
         namespace = %config.mount_namespace.display(),
         mode = %config.watch,
+        %table_events,
         "supervising"
     );
     supervisor.serve(&inbox, &*table_watch, shutdown);

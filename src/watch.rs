@@ -1,10 +1,11 @@
 //! Mount-table watchers: they only say "the table changed", never what.
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
-use std::sync::Arc;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use fuse_supervisor_sys::fanotify::{MountEvent, MountEventReader, MountEvents};
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use fuse_supervisor_sys::poll::{Poller, Waker};
 
@@ -18,6 +19,8 @@ pub enum WatchError {
     },
     #[error("waiting for mount-table events failed")]
     Wait(#[source] io::Error),
+    #[error("cannot read fanotify mount events")]
+    Read(#[source] io::Error),
     #[error("cannot re-arm the mount-table watcher")]
     Rearm(#[source] io::Error),
 }
@@ -32,8 +35,8 @@ pub enum Wake {
 /// How the loop learns that the mount table may have changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WatchMode {
-    /// Kernel notifications ([`MountinfoWatcher`]): no timer at all.
-    Events,
+    /// Kernel notifications, from the given source: no timer at all.
+    Events(TableEvents),
     /// A full scan every `period` ([`PollWatcher`]), as polling healers
     /// do: for comparison, and as a last resort where notifications fail.
     Poll { period: Duration },
@@ -42,14 +45,37 @@ pub enum WatchMode {
 impl std::fmt::Display for WatchMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            WatchMode::Events => f.write_str("event"),
+            WatchMode::Events(TableEvents::Auto) => f.write_str("event"),
+            WatchMode::Events(events) => write!(f, "event ({events})"),
             WatchMode::Poll { period } => write!(f, "poll every {period:?}"),
         }
     }
 }
 
-/// A source of mount-table change notifications. A fanotify/statmount
-/// backend will implement this beside the mountinfo one.
+/// Which kernel notification wakes event mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TableEvents {
+    /// `EPOLLPRI` on mountinfo ([`MountinfoWatcher`]): any kernel.
+    Mountinfo,
+    /// fanotify mount events ([`FanotifyWatcher`]): Linux 6.15+.
+    Fanotify,
+    /// fanotify where the kernel offers it for the namespace, else mountinfo.
+    #[default]
+    Auto,
+}
+
+impl std::fmt::Display for TableEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TableEvents::Mountinfo => "mountinfo",
+            TableEvents::Fanotify => "fanotify",
+            TableEvents::Auto => "auto",
+        })
+    }
+}
+
+/// A source of mount-table change notifications: [`MountinfoWatcher`],
+/// [`FanotifyWatcher`], or [`PollWatcher`]'s timer.
 ///
 /// After reporting [`Wake::TableChanged`] a watcher reports no other change
 /// until its [`Rearm`] handle is called: a heal makes hundreds of changes,
@@ -77,6 +103,16 @@ fn setup(what: &'static str) -> impl FnOnce(io::Error) -> WatchError {
 
 const TABLE: u64 = 1;
 const SHUTDOWN: u64 = 2;
+
+/// Sleeps until the table's registration or the waker fires; shutdown wins.
+fn wait_for_table(poller: &Poller, events: &mut Vec<u64>) -> Result<Wake, WatchError> {
+    poller.wait(events, None).map_err(WatchError::Wait)?;
+    if events.contains(&SHUTDOWN) {
+        // Leave the waker set: every other waiter must see it too.
+        return Ok(Wake::Shutdown);
+    }
+    Ok(Wake::TableChanged)
+}
 
 /// `EPOLLPRI` on a mountinfo file: the kernel flags it once per change of
 /// the namespace. No timer: the thread sleeps until the kernel wakes it.
@@ -112,13 +148,7 @@ impl MountinfoWatcher {
 
 impl MountWatcher for MountinfoWatcher {
     fn wait(&mut self) -> Result<Wake, WatchError> {
-        self.events.clear();
-        self.table.poller.wait(&mut self.events, None).map_err(WatchError::Wait)?;
-        if self.events.contains(&SHUTDOWN) {
-            // Leave the waker set: every other waiter must see it too.
-            return Ok(Wake::Shutdown);
-        }
-        Ok(Wake::TableChanged)
+        wait_for_table(&self.table.poller, &mut self.events)
     }
 
     fn rearm_handle(&self) -> Arc<dyn Rearm> {
@@ -133,6 +163,158 @@ impl Rearm for MountinfoArm {
         priority_pending(self.mountinfo.as_fd()).map_err(WatchError::Rearm)?;
         self.poller.rearm_priority(self.mountinfo.as_fd(), TABLE).map_err(WatchError::Rearm)
     }
+}
+
+/// fanotify mount events of one namespace (Linux 6.15+): the kernel queues
+/// an event per mount attached or detached, and the group is readable while
+/// any is queued. Registered one-shot like [`MountinfoWatcher`]; re-arming
+/// discards what was queued while disarmed, since the loop's read that
+/// follows sees those changes.
+///
+/// Unlike mountinfo's flag, the events name the mounts: the last batch is
+/// kept ([`FanotifyWatcher::last_batch`]), for the log and for tests.
+pub struct FanotifyWatcher {
+    arm: Arc<FanotifyArm>,
+    // The registration lives as long as the eventfd.
+    _waker: Arc<Waker>,
+    events: Vec<u64>,
+}
+
+/// The group and the epoll instance it is registered with, shared by the
+/// watcher thread (which reads the batch that woke it) and the loop (which
+/// drains and re-arms).
+struct FanotifyArm {
+    poller: Poller,
+    group: MountEvents,
+    // One-shot keeps the two threads' reads apart in time (the watcher reads
+    // only when armed, the loop only before arming); the lock says so to the
+    // compiler and is never contended.
+    read: Mutex<BatchReader>,
+}
+
+struct BatchReader {
+    reader: MountEventReader,
+    batch: MountBatch,
+}
+
+/// The mount events that woke a [`FanotifyWatcher`] last.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountBatch {
+    /// Mounts attached (moves count here and in `detached`).
+    pub attached: usize,
+    pub detached: usize,
+    /// Events were lost to a full queue: the table must be read to know.
+    pub overflowed: bool,
+    /// The first [`MountBatch::KEPT`] events, in order.
+    pub events: Vec<MountEvent>,
+}
+
+impl MountBatch {
+    /// Events kept per batch: enough to name a single crash's mounts,
+    /// bounded so a heal of thousands costs no memory.
+    pub const KEPT: usize = 16;
+
+    fn clear(&mut self) {
+        self.attached = 0;
+        self.detached = 0;
+        self.overflowed = false;
+        self.events.clear();
+    }
+
+    fn add(&mut self, event: MountEvent) {
+        match event {
+            MountEvent::Attached(_) => self.attached += 1,
+            MountEvent::Detached(_) => self.detached += 1,
+            MountEvent::Moved(_) => {
+                self.attached += 1;
+                self.detached += 1;
+            }
+            MountEvent::Overflow => self.overflowed = true,
+        }
+        if self.events.len() < Self::KEPT {
+            self.events.push(event);
+        }
+    }
+}
+
+impl FanotifyWatcher {
+    /// Watches the mount namespace `namespace` (an open `/proc/<pid>/ns/mnt`;
+    /// the mark does not keep it open). Fails on kernels without mount
+    /// events, saying which step failed.
+    pub fn new(namespace: BorrowedFd<'_>, waker: Arc<Waker>) -> Result<Self, WatchError> {
+        let group = MountEvents::new().map_err(setup("fanotify group (fanotify_init with FAN_REPORT_MNT)"))?;
+        group.watch_namespace(namespace).map_err(setup("mount namespace (fanotify_mark with FAN_MARK_MNTNS)"))?;
+        let poller = Poller::new().map_err(setup("epoll"))?;
+        poller.add_readable_oneshot(group.as_fd(), TABLE).map_err(setup("fanotify group"))?;
+        poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(setup("waker"))?;
+        let batch = MountBatch { events: Vec::with_capacity(MountBatch::KEPT), ..MountBatch::default() };
+        let read = Mutex::new(BatchReader { reader: MountEventReader::default(), batch });
+        Ok(FanotifyWatcher {
+            arm: Arc::new(FanotifyArm { poller, group, read }),
+            _waker: waker,
+            events: Vec::with_capacity(2),
+        })
+    }
+
+    /// The events read at the last [`Wake::TableChanged`].
+    pub fn last_batch(&self) -> MountBatch {
+        self.arm.read.lock().unwrap_or_else(PoisonError::into_inner).batch.clone()
+    }
+}
+
+impl MountWatcher for FanotifyWatcher {
+    fn wait(&mut self) -> Result<Wake, WatchError> {
+        if wait_for_table(&self.arm.poller, &mut self.events)? == Wake::Shutdown {
+            return Ok(Wake::Shutdown);
+        }
+        let mut read = self.arm.read.lock().unwrap_or_else(PoisonError::into_inner);
+        let BatchReader { reader, batch } = &mut *read;
+        batch.clear();
+        reader.drain(&self.arm.group, |event| batch.add(event)).map_err(WatchError::Read)?;
+        tracing::debug!(
+            attached = batch.attached,
+            detached = batch.detached,
+            overflowed = batch.overflowed,
+            "mount events"
+        );
+        Ok(Wake::TableChanged)
+    }
+
+    fn rearm_handle(&self) -> Arc<dyn Rearm> {
+        self.arm.clone()
+    }
+}
+
+impl Rearm for FanotifyArm {
+    fn rearm(&self) -> Result<(), WatchError> {
+        // Events queued while disarmed are in the read that follows: drop
+        // them, or re-arming would report them at once. One queued after
+        // the drain is reported by the re-arm itself.
+        let mut read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+        read.reader.drain(&self.group, |_| {}).map_err(WatchError::Rearm)?;
+        drop(read);
+        self.poller.rearm_readable(self.group.as_fd(), TABLE).map_err(WatchError::Rearm)
+    }
+}
+
+/// The watcher event mode uses for `wanted`, and which backend it is.
+/// `Auto` takes fanotify unless building it fails (a kernel before 6.15,
+/// no `CAP_SYS_ADMIN` over the namespace), then mountinfo, logging why.
+pub fn event_watcher<E: std::fmt::Debug>(
+    wanted: TableEvents,
+    fanotify: impl FnOnce() -> Result<FanotifyWatcher, E>,
+    mountinfo: impl FnOnce() -> Result<MountinfoWatcher, E>,
+) -> Result<(Box<dyn MountWatcher>, TableEvents), E> {
+    if wanted != TableEvents::Mountinfo {
+        match fanotify() {
+            Ok(watcher) => return Ok((Box::new(watcher), TableEvents::Fanotify)),
+            Err(err) if wanted == TableEvents::Auto => {
+                tracing::info!(?err, "no fanotify mount events for this namespace: watching mountinfo instead");
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    Ok((Box::new(mountinfo()?), TableEvents::Mountinfo))
 }
 
 /// Wakes every `period` whatever happened, so that the loop scans the whole
@@ -193,9 +375,41 @@ mod tests {
         assert_eq!(watcher.wait().unwrap(), Wake::Shutdown, "shutdown must stay visible");
     }
 
+    fn mountinfo_watcher() -> Result<MountinfoWatcher, WatchError> {
+        MountinfoWatcher::new(File::open("/proc/self/mountinfo").unwrap(), Arc::new(Waker::new().unwrap()))
+    }
+
+    fn no_fanotify() -> Result<FanotifyWatcher, WatchError> {
+        let source = io::Error::from(io::ErrorKind::InvalidInput);
+        Err(WatchError::Setup { what: "fanotify group".into(), source })
+    }
+
+    #[test]
+    fn auto_takes_fanotify_where_the_kernel_has_it() {
+        let fanotify = || {
+            let namespace = fuse_supervisor_sys::ns::open_thread_mount_namespace().unwrap();
+            FanotifyWatcher::new(namespace.as_fd(), Arc::new(Waker::new().unwrap()))
+        };
+        let (_, backend) = event_watcher(TableEvents::Auto, fanotify, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Fanotify, "this test needs root and Linux 6.15+");
+    }
+
+    #[test]
+    fn auto_falls_back_to_mountinfo_and_an_explicit_choice_does_not() {
+        let (_, backend) = event_watcher(TableEvents::Auto, no_fanotify, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Mountinfo);
+        let err = event_watcher(TableEvents::Fanotify, no_fanotify, mountinfo_watcher).err().unwrap();
+        assert!(matches!(err, WatchError::Setup { .. }), "{err:?}");
+        let untried =
+            || -> Result<FanotifyWatcher, WatchError> { panic!("fanotify tried for --table-events mountinfo") };
+        let (_, backend) = event_watcher(TableEvents::Mountinfo, untried, mountinfo_watcher).unwrap();
+        assert_eq!(backend, TableEvents::Mountinfo);
+    }
+
     #[test]
     fn modes_name_themselves() {
-        assert_eq!(WatchMode::Events.to_string(), "event");
+        assert_eq!(WatchMode::Events(TableEvents::Auto).to_string(), "event");
+        assert_eq!(WatchMode::Events(TableEvents::Fanotify).to_string(), "event (fanotify)");
         assert_eq!(WatchMode::Poll { period: Duration::from_millis(200) }.to_string(), "poll every 200ms");
     }
 }

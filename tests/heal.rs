@@ -111,7 +111,7 @@ impl Drop for Node {
 }
 
 /// One pod: crash, restart, and the reader in the pod reads again.
-fn one_pod_heals(daemon: Daemon, args: &[&str]) {
+fn one_pod_heals(daemon: Daemon, args: &[&str]) -> Node {
     let mut node = Node::new(daemon, 1);
     node.all_read(&node.source.expected_content());
     node.start_supervisor_with(args);
@@ -124,6 +124,7 @@ fn one_pod_heals(daemon: Daemon, args: &[&str]) {
     node.all_read(&node.source.expected_content());
     node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("\"healed\"")).unwrap();
     node.settles_to(baseline, &node.targets.iter().collect::<Vec<_>>());
+    node
 }
 
 #[test]
@@ -134,6 +135,26 @@ fn one_demofs_pod_is_healed_after_unmount_then_mount() {
 #[test]
 fn one_bindfs_pod_is_healed_after_unmount_then_mount() {
     one_pod_heals(Daemon::Bindfs, &["--kubelet", "none"]);
+}
+
+/// [`one_pod_heals`] woken by the given `--table-events` backend, which
+/// the supervisor must say it uses.
+fn one_pod_heals_with_table_events(backend: &str) {
+    let node = one_pod_heals(Daemon::Bindfs, &["--kubelet", "none", "--table-events", backend]);
+    let uses = format!("\"table_events\":\"{backend}\"");
+    let log = node.supervisor().log();
+    let supervising = log.iter().find(|line| line.contains("\"supervising\"")).expect("logged before the heal");
+    assert!(supervising.contains(&uses), "the supervisor does not say it uses {backend}: {supervising}");
+}
+
+#[test]
+fn one_bindfs_pod_is_healed_woken_by_fanotify_mount_events() {
+    one_pod_heals_with_table_events("fanotify");
+}
+
+#[test]
+fn one_bindfs_pod_is_healed_woken_by_mountinfo_events() {
+    one_pod_heals_with_table_events("mountinfo");
 }
 
 #[test]

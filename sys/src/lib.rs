@@ -5,6 +5,7 @@
 //! wrappers; raw calls only for what no crate exposes yet.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod fanotify;
 pub mod fuse;
 pub mod inotify;
 pub mod memory;

@@ -52,6 +52,21 @@ impl Poller {
         Ok(epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), epoll::EventFlags::IN)?)
     }
 
+    /// Like [`Poller::add_readable`], with `EPOLLONESHOT`: after `fd` is
+    /// reported once, it stays silent until [`Poller::rearm_readable`].
+    pub fn add_readable_oneshot(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        let flags = epoll::EventFlags::IN | epoll::EventFlags::ONESHOT;
+        Ok(epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?)
+    }
+
+    /// Enables a registration of [`Poller::add_readable_oneshot`] again; if
+    /// `fd` is readable now, it is reported at once. Safe to call from
+    /// another thread while one waits.
+    pub fn rearm_readable(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        let flags = epoll::EventFlags::IN | epoll::EventFlags::ONESHOT;
+        Ok(epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?)
+    }
+
     /// Stops watching `fd`.
     pub fn remove(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
         Ok(epoll::delete(&self.epoll, fd)?)

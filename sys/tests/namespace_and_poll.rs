@@ -9,6 +9,8 @@ use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use fuse_supervisor_sys::fanotify::{MountEvent, MountEventReader, MountEvents};
+use fuse_supervisor_sys::fuse;
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::ns;
 use fuse_supervisor_sys::poll::Poller;
@@ -51,6 +53,32 @@ fn mountinfo_priority_event_fires_once_per_change() {
         poller.wait(&mut events, Some(Duration::ZERO)).unwrap();
         assert!(events.is_empty(), "reported twice for one change");
         mount::detach(&target).unwrap();
+    })
+    .join()
+    .unwrap();
+    fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
+fn fanotify_reports_mounts_of_the_marked_namespace_by_unique_id() {
+    require_root();
+    let dir = scratch_dir("fanotify");
+    let target = dir.clone();
+    std::thread::spawn(move || {
+        private_namespace();
+        let group = MountEvents::new().unwrap();
+        let namespace = ns::open_thread_mount_namespace().unwrap();
+        group.watch_namespace(namespace.as_fd()).unwrap();
+        let mut reader = MountEventReader::default();
+        let mut seen = Vec::new();
+        assert_eq!(reader.drain(&group, |event| seen.push(event)).unwrap(), 0, "no change yet");
+        mount::mount_tmpfs(&target).unwrap();
+        let id = fuse::top_mount_id(&target).unwrap();
+        // Unique IDs start above 2^31, clear of the reusable mountinfo IDs.
+        assert!(id > 1 << 31, "{id} is not a unique mount ID");
+        mount::detach(&target).unwrap();
+        reader.drain(&group, |event| seen.push(event)).unwrap();
+        assert_eq!(seen, [MountEvent::Attached(id), MountEvent::Detached(id)]);
     })
     .join()
     .unwrap();
