@@ -270,7 +270,7 @@ impl MountWatcher for FanotifyWatcher {
         let mut read = self.arm.read.lock().unwrap_or_else(PoisonError::into_inner);
         let BatchReader { reader, batch } = &mut *read;
         batch.clear();
-        reader.drain(&self.arm.group, |event| batch.add(event)).map_err(WatchError::Read)?;
+        tolerate_undecodable(reader.drain(&self.arm.group, |event| batch.add(event))).map_err(WatchError::Read)?;
         tracing::debug!(
             attached = batch.attached,
             detached = batch.detached,
@@ -291,9 +291,22 @@ impl Rearm for FanotifyArm {
         // them, or re-arming would report them at once. One queued after
         // the drain is reported by the re-arm itself.
         let mut read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
-        read.reader.drain(&self.group, |_| {}).map_err(WatchError::Rearm)?;
+        tolerate_undecodable(read.reader.drain(&self.group, |_| {})).map_err(WatchError::Rearm)?;
         drop(read);
         self.poller.rearm_readable(self.group.as_fd(), TABLE).map_err(WatchError::Rearm)
+    }
+}
+
+/// Events this build cannot decode (a later kernel's format) still say the
+/// table changed, and the loop reads the whole table anyway: only a failing
+/// read stops the watcher.
+fn tolerate_undecodable(drained: io::Result<usize>) -> io::Result<usize> {
+    match drained {
+        Err(err) if err.kind() == io::ErrorKind::InvalidData => {
+            tracing::warn!(%err, "undecodable fanotify mount events; treated as a change");
+            Ok(0)
+        }
+        other => other,
     }
 }
 
