@@ -467,7 +467,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         for reader in &readers {
             reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
         }
-        let log_start = supervisor.log().len();
+        let log_start = supervisor.log_len();
         let wakes_before = watch.as_ref().map_or(0, TableWatch::wakes);
         if let Some(watch) = &watch {
             watch.arm(&source.path, old_dev, Arc::clone(&target_paths));
@@ -507,9 +507,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         }
         // The heal is done; let the supervisor finish its log and its
         // follow-up scans before the next crash.
-        let _ = wait_for("supervisor logs every heal", Duration::from_secs(10), || {
-            supervisor.log()[log_start..].iter().filter(|l| l.contains("\"healed\"")).count() >= targets
-        });
+        let _ = supervisor.wait_for_lines(Duration::from_secs(10), log_start, targets, |l| l.contains("\"healed\""));
         let _ = wait_for("baseline mount count", Duration::from_secs(10), || {
             sandbox.count_mounts_under(sandbox.root()) == baseline
         });

@@ -187,6 +187,11 @@ impl Sandbox {
         self.thread_dir.join("ns/mnt")
     }
 
+    /// `/proc/<pid>/task/<tid>/mountinfo` of the sandbox thread.
+    pub fn mountinfo_path(&self) -> PathBuf {
+        self.thread_dir.join("mountinfo")
+    }
+
     /// The sandbox's mount table, as `/proc/<pid>/task/<tid>/mountinfo`.
     pub fn mountinfo(&self) -> String {
         // The sandbox thread lives as long as `self`, so its proc entry exists.

@@ -5,14 +5,17 @@
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount;
+use fuse_supervisor_sys::mountinfo_poll::priority_pending;
+use fuse_supervisor_sys::poll::Poller;
 use fuse_supervisor_sys::process::Signal;
 
 use super::{Sandbox, SandboxChild};
@@ -160,9 +163,12 @@ impl FuseSource {
         command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
         self.process = Some(sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?);
         let path = self.path.clone();
-        wait_for(&format!("{} mounted at {}", self.daemon.name(), path.display()), MOUNT_TIMEOUT, || {
-            fuse_mount_ids_at(sandbox, &path).difference(&before).next().is_some()
-        })
+        wait_for_table(
+            sandbox,
+            &format!("{} mounted at {}", self.daemon.name(), path.display()),
+            MOUNT_TIMEOUT,
+            |table| fuse_mount_ids_in(table, &path).difference(&before).next().is_some(),
+        )
     }
 
     /// SIGKILL: the mount stays, every access answers ENOTCONN.
@@ -232,9 +238,45 @@ impl FuseSource {
 
 /// IDs of the FUSE mounts at `path` in the sandbox.
 pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {
-    let table = sandbox.mountinfo();
+    fuse_mount_ids_in(&sandbox.mountinfo(), path)
+}
+
+fn fuse_mount_ids_in(table: &str, path: &Path) -> HashSet<u32> {
     let Ok(snapshot) = crate::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
     snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.mount_id).collect()
+}
+
+/// Waits until `done` accepts the sandbox's mount table, reading it once
+/// now and then once per change notification, never on a timer: a poll
+/// every few milliseconds would read the table (under the namespace lock)
+/// in the middle of the heal that the latency harness measures.
+pub fn wait_for_table(
+    sandbox: &Sandbox,
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut(&str) -> bool,
+) -> Result<(), ScenarioError> {
+    let mountinfo = sandbox.mountinfo_path();
+    let step = || io_step(format!("watch {}", mountinfo.display()));
+    let mut file = fs::File::open(&mountinfo).map_err(step())?;
+    let poller = Poller::new().map_err(step())?;
+    poller.add_priority(file.as_fd(), 0).map_err(step())?;
+    let deadline = Instant::now() + timeout;
+    let (mut table, mut events) = (String::new(), Vec::with_capacity(1));
+    loop {
+        // Consumed before the read: a change after it wakes the wait.
+        priority_pending(file.as_fd()).map_err(step())?;
+        table.clear();
+        file.seek(SeekFrom::Start(0)).and_then(|_| file.read_to_string(&mut table)).map_err(step())?;
+        if done(&table) {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ScenarioError::Timeout { what: what.to_owned(), waited: timeout });
+        }
+        poller.wait(&mut events, Some(left)).map_err(step())?;
+    }
 }
 
 /// Number of FUSE layers stacked at `path` in the sandbox.
@@ -392,6 +434,42 @@ impl SupervisorProcess {
     /// Every log line so far.
     pub fn log(&self) -> Vec<String> {
         self.log.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// How many lines it has logged so far.
+    pub fn log_len(&self) -> usize {
+        self.log.0.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Waits until `count` lines from line `from` on match `pred`. Sleeps
+    /// until lines arrive and copies none: a harness waiting for a heal's
+    /// log must not compete with the heal for the CPU.
+    pub fn wait_for_lines(
+        &self,
+        timeout: Duration,
+        from: usize,
+        count: usize,
+        pred: impl Fn(&str) -> bool,
+    ) -> Result<(), ScenarioError> {
+        let deadline = Instant::now() + timeout;
+        let (lines, changed) = &*self.log;
+        let mut guard = lines.lock().unwrap_or_else(PoisonError::into_inner);
+        let (mut seen, mut matched) = (from, 0);
+        loop {
+            matched += guard.get(seen..).unwrap_or_default().iter().filter(|line| pred(line)).count();
+            seen = guard.len().max(from);
+            if matched >= count {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ScenarioError::Timeout {
+                    what: format!("{count} matching supervisor log lines ({matched} seen)"),
+                    waited: timeout,
+                });
+            }
+            guard = changed.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
     }
 
     /// Waits for a log line matching `pred` and returns it.
