@@ -456,6 +456,13 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
     }
     let supervisor = SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), mode.args(options))
         .expect("start the supervisor");
+    // Measure a settled supervisor: its start-up search for the daemon
+    // reads every process's descriptors and would compete with the first heal.
+    if std::env::var("FUSE_SUPERVISOR_PROCESS_WATCH").as_deref() != Ok("off") {
+        supervisor
+            .wait_for_log(HEAL_TIMEOUT, |line| line.contains("watching the FUSE daemon"))
+            .expect("the supervisor finds the daemon");
+    }
     let watch = options.table_watch.then(|| TableWatch::start(&sandbox, options.watch_duty_percent));
     let baseline = sandbox.count_mounts_under(sandbox.root());
 

@@ -661,11 +661,28 @@ fn parse_period(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// Descriptors the table is grown to hold before any thread starts: a heal
+/// holds about three per target, so this covers batches of a thousand.
+const DESCRIPTORS_RESERVED: u32 = 4096;
+
+/// Raises the open-file limit and grows the descriptor table ahead of the
+/// first heal (sys::fds says why); must run before any thread is started.
+fn prepare_descriptors() {
+    match fuse_supervisor_sys::fds::raise_open_file_limit() {
+        Ok(limit) => tracing::debug!(?limit, "open-file limit"),
+        Err(err) => tracing::warn!(%err, "cannot raise the open-file limit"),
+    }
+    if let Err(err) = fuse_supervisor_sys::fds::reserve_descriptors(DESCRIPTORS_RESERVED) {
+        tracing::warn!(%err, "cannot grow the descriptor table ahead; the first large heal will wait for it");
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             log.init();
+            prepare_descriptors();
             let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
             let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
             node.config()
@@ -700,6 +717,7 @@ fn main() -> ExitCode {
         Command::Status { node, json, mountinfo } => status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {
             log.init();
+            prepare_descriptors();
             node.config().and_then(|config| heal_once(&config, dry_run))
         }
         Command::Webhook { webhook, log } => {

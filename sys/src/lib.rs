@@ -6,6 +6,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod fanotify;
+pub mod fds;
 pub mod fuse;
 pub mod inotify;
 pub mod memory;
