@@ -18,7 +18,7 @@
 //! ```text
 //! cargo bench --bench heal_latency [-- --sizes 1,100,1000 --cycles 20 --large-cycles 8
 //!     --daemons demofs,bindfs --modes event,poll --poll-period 5s --sampled-readers 20
-//!     --reader-interval-ms 2 --supervisor-log info]
+//!     --reader-interval-ms 2 --supervisor-log info --log-dir DIR]
 //! ```
 //!
 //! Every flag is also an environment variable (`HEAL_BENCH_SIZES`, ...).
@@ -56,6 +56,8 @@ struct Options {
     /// The supervisor's `--log` level: info, its default, unless the
     /// timeline needs debug lines (each costs the loop a few microseconds).
     supervisor_log: String,
+    /// Where to keep each run's supervisor log (`<daemon>-<mode>-<N>.log`).
+    log_dir: Option<PathBuf>,
     /// Up to this many targets, one reader per target; above, readers are
     /// sampled: a reader per target would swamp the machine and measure the
     /// scheduler instead of the heal.
@@ -97,6 +99,7 @@ impl Options {
             }),
             poll_period: flags.text("poll-period", "5s"),
             supervisor_log: flags.text("supervisor-log", "info"),
+            log_dir: Some(flags.text("log-dir", "")).filter(|dir| !dir.is_empty()).map(PathBuf::from),
             all_readers_up_to: flags.number("all-readers-up-to", "100"),
             sampled_readers: flags.number("sampled-readers", "20"),
             watch_duty_percent: flags.number::<u32>("watch-duty-percent", "10").clamp(1, 100),
@@ -564,6 +567,13 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
     }
     drop(watch);
     drop(readers);
+    if let Some(dir) = &options.log_dir {
+        let path = dir.join(format!("{}-{}-{targets}.log", daemon.name(), mode.name()));
+        if let Err(err) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, supervisor.log().join("\n")))
+        {
+            eprintln!("cannot keep the supervisor log in {}: {err}", path.display());
+        }
+    }
     if let Err(err) = supervisor.stop() {
         eprintln!("supervisor did not stop cleanly: {err}");
     }

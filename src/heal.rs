@@ -6,10 +6,12 @@
 //! flatten so the host keeps exactly one layer per target. Every mount call
 //! goes through an fd that was resolved beneath the kubelet root and checked
 //! to be, at that moment, the mount the plan recorded.
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Mutex, PoisonError};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 
 use fuse_supervisor_sys::{mount, ns, resolve};
 use tracing::{debug, warn};
@@ -60,9 +62,30 @@ pub struct TargetOutcome {
     pub flatten_error: Option<HealError>,
 }
 
+/// Handles on each target's planned top, taken before the first stack
+/// covers them (in batch order; each checked against the plan when taken).
+/// Taking them needs nothing from the source, so it is done while the
+/// source's probe waits for its daemon.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    stale: Vec<Result<OwnedFd, HealError>>,
+}
+
+impl Prepared {
+    /// Whether it was prepared for a batch of `targets` targets.
+    fn fits(&self, targets: usize) -> bool {
+        self.stale.len() == targets
+    }
+}
+
 /// Carries out heal batches. The real one mounts; tests record.
 pub trait Executor {
-    fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome>;
+    /// What a heal of `batch` can do before its source answers.
+    fn prepare(&self, batch: &HealBatch) -> Prepared;
+
+    /// Heals `batch` from `source`; `prepared` is what [`Executor::prepare`]
+    /// returned for this batch, or empty (then it is done here).
+    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome>;
 
     /// Resolves a target as the executor would for a heal, returning an
     /// O_PATH handle on it and the ID of the mount on top.
@@ -111,48 +134,39 @@ impl Staging {
     }
 }
 
-/// At most this many threads flatten one batch. Each flatten waits in
-/// `umount2` for an expedited RCU grace period (namespace_unlock), tens of
-/// microseconds idle, far more when both CPUs are busy; concurrent requests
-/// queue on the grace-period machinery and share what they can, while the
-/// mount calls themselves take the namespace lock in turn. On the 2-CPU test
-/// VM 8 threads flattened 100 targets faster than 4, and 16 no faster than 8.
+/// At most this many threads flatten one batch: the loop thread and a
+/// pool of helpers. Each flatten waits in `umount2` for an expedited RCU
+/// grace period (namespace_unlock), tens of microseconds idle, far more when
+/// both CPUs are busy; concurrent requests queue on the grace-period
+/// machinery and share what they can, while the mount calls themselves take
+/// the namespace lock in turn. On the 2-CPU test VM 8 threads flattened 100
+/// targets faster than 4, and 16 no faster than 8.
 const FLATTEN_THREADS: usize = 8;
 
-/// Targets per flattening thread before another is worth its start-up.
+/// Targets per flattening thread before another is worth waking.
 const TARGETS_PER_FLATTEN_THREAD: usize = 8;
 
-/// One target to flatten: its index in the batch, the handle on its planned
-/// top taken before the first stack, and the handle on its new top.
+/// One target to flatten: its place in the batch, the handle on its planned
+/// top taken before the first stack, the handle on its new top, and where
+/// the outcome goes.
 struct FlattenJob {
+    targets: Arc<[TargetHeal]>,
     index: usize,
     stale: OwnedFd,
     new_top: OwnedFd,
+    done: Sender<(usize, Result<usize, HealError>)>,
 }
 
-/// Mounts in the namespace of the calling thread (the supervisor's loop
-/// thread, which joined the watched namespace), with helper threads that
-/// enter the same namespace to flatten large batches.
+/// What every flattening thread needs: the kubelet root to resolve targets
+/// beneath, and the parking directories.
 #[derive(Debug)]
-pub struct MountExecutor {
+struct Mounter {
     kubelet_root: PathBuf,
     kubelet_root_fd: OwnedFd,
     staging: Staging,
-    namespace: OwnedFd,
 }
 
-impl MountExecutor {
-    /// Must be called from the thread that mounts, once it is in the
-    /// watched namespace.
-    pub fn new(kubelet_root: &Path, staging_dir: &Path) -> std::io::Result<Self> {
-        Ok(MountExecutor {
-            kubelet_root: kubelet_root.to_path_buf(),
-            kubelet_root_fd: resolve::open_dir(kubelet_root)?,
-            staging: Staging::prepare(staging_dir)?,
-            namespace: ns::open_thread_mount_namespace()?,
-        })
-    }
-
+impl Mounter {
     /// Resolves a target beneath the kubelet root (no symlinks, no magic
     /// links, no escaping) and returns it with the ID of its top mount.
     fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
@@ -163,6 +177,15 @@ impl MountExecutor {
         let fd = resolve::open_beneath(self.kubelet_root_fd.as_fd(), relative).map_err(resolve_error)?;
         let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
         Ok((fd, id))
+    }
+
+    /// A handle on the target's top, if it is still the planned one.
+    fn open_planned(&self, target: &TargetHeal) -> Result<OwnedFd, HealError> {
+        let (fd, id) = self.resolve_target(&target.path)?;
+        if id != target.top_mount_id {
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
+        }
+        Ok(fd)
     }
 
     /// Stacks the new source onto the target unless an earlier stack of the
@@ -210,11 +233,16 @@ impl MountExecutor {
         target: &TargetHeal,
         stale: BorrowedFd<'_>,
         new_top: BorrowedFd<'_>,
-        park: BorrowedFd<'_>,
+        park: usize,
     ) -> Result<usize, HealError> {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
+        let park = self.staging.parks.get(park).ok_or_else(|| HealError::Mount {
+            step: "find a parking directory",
+            path: target.path.clone(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })?;
         mount::make_private(stale).map_err(step("make stale layer private"))?;
-        mount::move_mount(new_top, park).map_err(step("park new top"))?;
+        mount::move_mount(new_top, park.as_fd()).map_err(step("park new top"))?;
         let mut removed = 0;
         let result = loop {
             let (fd, id) = match self.resolve_target(&target.path) {
@@ -245,124 +273,202 @@ impl MountExecutor {
         Ok(removed)
     }
 
-    /// Flattens the jobs on `queue` until it is closed and empty, parking
-    /// new tops on parking directory `park`.
-    fn flatten_jobs(
-        &self,
-        batch: &HealBatch,
-        park: usize,
-        queue: &Mutex<Receiver<FlattenJob>>,
-        done: &Sender<(usize, Result<usize, HealError>)>,
-    ) {
-        let Some(park) = self.staging.parks.get(park) else { return };
+    fn run(&self, job: FlattenJob, park: usize) {
+        let result = match job.targets.get(job.index) {
+            Some(target) => self.flatten(target, job.stale.as_fd(), job.new_top.as_fd(), park),
+            None => return,
+        };
+        // The heal waits for every job's outcome until all senders are gone.
+        let _ = job.done.send((job.index, result));
+    }
+}
+
+/// Flatten jobs waiting for a thread.
+#[derive(Default)]
+struct FlattenQueue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    jobs: VecDeque<FlattenJob>,
+    closed: bool,
+}
+
+impl FlattenQueue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next job, waiting for one; None once the queue is closed.
+    fn next(&self) -> Option<FlattenJob> {
+        let mut state = self.lock();
         loop {
-            // The lock is held only while waiting for the next job.
-            let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
-            let Ok(FlattenJob { index, stale, new_top }) = job else { return };
-            let Some(target) = batch.targets.get(index) else { continue };
-            let result = self.flatten(target, stale.as_fd(), new_top.as_fd(), park.as_fd());
-            // The receiver lives until every helper is joined.
-            let _ = done.send((index, result));
+            if let Some(job) = state.jobs.pop_front() {
+                return Some(job);
+            }
+            if state.closed {
+                return None;
+            }
+            state = self.ready.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn try_next(&self) -> Option<FlattenJob> {
+        self.lock().jobs.pop_front()
+    }
+}
+
+/// Helper threads that flatten beside the loop thread, started once and
+/// asleep on the queue in between: starting them for each heal cost the
+/// loop a fraction of a millisecond before its first stack.
+struct FlattenPool {
+    queue: Arc<FlattenQueue>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl FlattenPool {
+    /// Helper `n` parks on parking directory `n` (the loop thread on 0).
+    /// They start in the calling thread's mount namespace and enter
+    /// `namespace` to be sure of it.
+    fn start(mounter: &Arc<Mounter>, namespace: &OwnedFd) -> Self {
+        let queue = Arc::new(FlattenQueue::default());
+        let mut threads = Vec::with_capacity(FLATTEN_THREADS - 1);
+        for park in 1..FLATTEN_THREADS {
+            let (mounter, queue) = (Arc::clone(mounter), Arc::clone(&queue));
+            let namespace = match namespace.try_clone() {
+                Ok(namespace) => namespace,
+                Err(err) => {
+                    warn!(?err, "cannot start a flatten helper; flattening with fewer threads");
+                    break;
+                }
+            };
+            let helper = std::thread::Builder::new().name("flatten".into()).spawn(move || {
+                if let Err(err) = ns::enter_mount_namespace(namespace.as_fd()) {
+                    warn!(?err, "flatten helper cannot enter the mount namespace");
+                    return;
+                }
+                drop(namespace);
+                while let Some(job) = queue.next() {
+                    mounter.run(job, park);
+                }
+            });
+            match helper {
+                Ok(thread) => threads.push(thread),
+                Err(err) => warn!(?err, "cannot start a flatten helper; flattening with fewer threads"),
+            }
+        }
+        FlattenPool { queue, threads }
+    }
+}
+
+impl Drop for FlattenPool {
+    fn drop(&mut self) {
+        self.queue.lock().closed = true;
+        self.queue.ready.notify_all();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
         }
     }
 }
 
+impl std::fmt::Debug for FlattenPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlattenPool").field("helpers", &self.threads.len()).finish()
+    }
+}
+
+/// Mounts in the namespace of the calling thread (the supervisor's loop
+/// thread, which joined the watched namespace), with a pool of helper
+/// threads in the same namespace to flatten large batches.
+#[derive(Debug)]
+pub struct MountExecutor {
+    mounter: Arc<Mounter>,
+    pool: FlattenPool,
+}
+
+impl MountExecutor {
+    /// Must be called from the thread that mounts, once it is in the
+    /// watched namespace.
+    pub fn new(kubelet_root: &Path, staging_dir: &Path) -> std::io::Result<Self> {
+        let mounter = Arc::new(Mounter {
+            kubelet_root: kubelet_root.to_path_buf(),
+            kubelet_root_fd: resolve::open_dir(kubelet_root)?,
+            staging: Staging::prepare(staging_dir)?,
+        });
+        let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?);
+        Ok(MountExecutor { mounter, pool })
+    }
+}
+
 impl Executor for MountExecutor {
+    fn prepare(&self, batch: &HealBatch) -> Prepared {
+        Prepared { stale: batch.targets.iter().map(|target| self.mounter.open_planned(target)).collect() }
+    }
+
     fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
-        self.resolve_target(path)
+        self.mounter.resolve_target(path)
     }
 
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
-        let (top, id) = self.resolve_target(&target.path)?;
+        let (top, id) = self.mounter.resolve_target(&target.path)?;
         if id != target.top_mount_id {
             return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
         }
-        // The loop thread flattens alone here: the first parking directory is its own.
-        let park = self.staging.parks.first().ok_or_else(|| HealError::Mount {
-            step: "find a parking directory",
-            path: target.path.clone(),
-            source: std::io::Error::from(std::io::ErrorKind::NotFound),
-        })?;
-        self.flatten(target, stale.as_fd(), top.as_fd(), park.as_fd())
+        // The loop thread flattens alone here, on its own parking directory.
+        self.mounter.flatten(target, stale.as_fd(), top.as_fd(), 0)
     }
 
-    fn heal(&mut self, batch: &HealBatch, source: &SourceHandles) -> Vec<TargetOutcome> {
-        let this = &*self;
+    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
+        let mounter = &*self.mounter;
         let source_dev = batch.source.top().dev;
-        let helpers = batch.targets.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).clamp(1, FLATTEN_THREADS) - 1;
-        let (jobs, queue) = mpsc::channel();
-        let queue = Mutex::new(queue);
+        // Handles on every stale top, taken before the first stack covers them.
+        let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch) };
+        let mut outcomes = Vec::with_capacity(batch.targets.len());
+        let mut flattens = Vec::with_capacity(batch.targets.len());
+        for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
+            let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
+            let result = match stacked {
+                Ok((stale, (how, new_top))) => {
+                    flattens.push((index, stale, new_top));
+                    Ok(how)
+                }
+                Err(err) => Err(err),
+            };
+            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error: None });
+        }
+        // Containers read again from here on; the heal ends with the flatten.
+        debug!(targets = outcomes.len(), "stacks in place");
+        // Every stack before any flatten (as DESIGN.md verified it): a
+        // flatten takes its stale layer out of the peer group that later
+        // stacks propagate through.
+        let helpers = flattens.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).clamp(1, FLATTEN_THREADS) - 1;
+        let targets: Arc<[TargetHeal]> = batch.targets.clone().into();
         let (done, finished) = mpsc::channel();
-        std::thread::scope(|scope| {
-            // Helpers start first, so that entering the namespace overlaps
-            // the stacks; they wait for jobs until the stacks are done.
-            for park in 1..=helpers {
-                let (queue, done) = (&queue, done.clone());
-                let helper = std::thread::Builder::new().name("flatten".into()).spawn_scoped(scope, move || {
-                    match ns::enter_mount_namespace(this.namespace.as_fd()) {
-                        Ok(()) => this.flatten_jobs(batch, park, queue, &done),
-                        Err(err) => warn!(?err, "flatten helper cannot enter the mount namespace"),
-                    }
-                });
-                if let Err(err) = helper {
-                    warn!(?err, "cannot start a flatten helper; flattening with fewer threads");
-                }
+        {
+            let mut queue = self.pool.queue.lock();
+            for (index, stale, new_top) in flattens {
+                let targets = Arc::clone(&targets);
+                queue.jobs.push_back(FlattenJob { targets, index, stale, new_top, done: done.clone() });
             }
-            // Handles on every stale top, taken before the first stack covers them.
-            let opened: Vec<Result<OwnedFd, HealError>> = batch
-                .targets
-                .iter()
-                .map(|target| {
-                    let (fd, id) = this.resolve_target(&target.path)?;
-                    if id != target.top_mount_id {
-                        return Err(HealError::Changed {
-                            path: target.path.clone(),
-                            planned: target.top_mount_id,
-                            found: id,
-                        });
-                    }
-                    Ok(fd)
-                })
-                .collect();
-            let mut outcomes = Vec::with_capacity(opened.len());
-            let mut flattens = Vec::with_capacity(opened.len());
-            for (index, (target, opened)) in batch.targets.iter().zip(opened).enumerate() {
-                let stacked = opened.and_then(|stale| Ok((stale, this.stack(target, source, source_dev)?)));
-                let result = match stacked {
-                    Ok((stale, (how, new_top))) => {
-                        flattens.push(FlattenJob { index, stale, new_top });
-                        Ok(how)
-                    }
-                    Err(err) => Err(err),
-                };
-                outcomes.push(TargetOutcome {
-                    path: target.path.clone(),
-                    result,
-                    layers_removed: 0,
-                    flatten_error: None,
-                });
+        }
+        drop(done);
+        for _ in 0..helpers {
+            self.pool.queue.ready.notify_one();
+        }
+        while let Some(job) = self.pool.queue.try_next() {
+            mounter.run(job, 0);
+        }
+        // Ends when every job has sent its outcome and dropped its sender.
+        for (index, flattened) in finished.iter() {
+            let Some(outcome) = outcomes.get_mut(index) else { continue };
+            match flattened {
+                Ok(removed) => outcome.layers_removed = removed,
+                Err(err) => outcome.flatten_error = Some(err),
             }
-            // Containers read again from here on; the heal ends with the flatten.
-            debug!(targets = outcomes.len(), "stacks in place");
-            // Every stack before any flatten (as DESIGN.md verified it): a
-            // flatten takes its stale layer out of the peer group that later
-            // stacks propagate through.
-            for job in flattens {
-                // The receiver is this thread's, alive until the end.
-                let _ = jobs.send(job);
-            }
-            drop(jobs);
-            this.flatten_jobs(batch, 0, &queue, &done);
-            drop(done);
-            for (index, flattened) in finished.iter() {
-                let Some(outcome) = outcomes.get_mut(index) else { continue };
-                match flattened {
-                    Ok(removed) => outcome.layers_removed = removed,
-                    Err(err) => outcome.flatten_error = Some(err),
-                }
-            }
-            debug!(targets = outcomes.len(), "flattened");
-            outcomes
-        })
+        }
+        debug!(targets = outcomes.len(), "flattened");
+        outcomes
     }
 }

@@ -20,7 +20,7 @@ use tracing::{debug, error, info, info_span, warn};
 
 use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::daemons::{DaemonEvent, DaemonWatch, Daemons};
-use crate::heal::{Executor, Healed, MountExecutor};
+use crate::heal::{Executor, Healed, MountExecutor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
@@ -378,7 +378,9 @@ struct Supervisor<E: Executor> {
     table_reads: u64,
     /// The batch each running source probe was started for, and the read it
     /// was planned from: healed as it is if the table has not moved on.
-    probed_batches: BTreeMap<PathBuf, (u64, HealBatch)>,
+    /// With it, the handles its heal takes before the first stack, taken
+    /// while the probe waits for the daemon.
+    probed_batches: BTreeMap<PathBuf, (u64, HealBatch, Prepared)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
     /// Whether the first scan is done: mounts seen in it were there before
@@ -543,6 +545,11 @@ impl<E: Executor> Supervisor<E> {
     fn on_deadline(&mut self) {
         self.on_degraded_deadline();
         for source in self.prober.overdue() {
+            // Handles on its targets' stale layers would keep their pods'
+            // volumes busy for as long as the daemon does not answer.
+            if let Some((_, _, prepared)) = self.probed_batches.get_mut(&source) {
+                *prepared = Prepared::default();
+            }
             if self.reported_overdue.insert(source.clone()) {
                 warn!(source = %source.display(), "source does not answer; its heal waits until it does");
             }
@@ -608,7 +615,8 @@ impl<E: Executor> Supervisor<E> {
         );
         for (batch, probing) in batches.into_iter().zip(probing) {
             if probing {
-                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch));
+                let prepared = self.executor.prepare(&batch);
+                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
             }
         }
         self.reporters.report(&Report::Scanned(&self.counts(&classified)));
@@ -1085,15 +1093,15 @@ impl<E: Executor> Supervisor<E> {
                 return;
             }
         };
-        let mut batch = match planned {
+        let (mut batch, prepared) = match planned {
             // Nothing read or changed since the scan that planned it: a
             // re-read would plan the same (and costs most of a small heal).
-            Some((read, batch))
+            Some((read, batch, prepared))
                 if read == self.table_reads
                     && batch.source.top().mount_id == report.mount_id
                     && !self.reader.changed_since_read().unwrap_or(true) =>
             {
-                batch
+                (batch, prepared)
             }
             // The table may have moved on while the probe ran: plan afresh.
             _ => {
@@ -1104,12 +1112,15 @@ impl<E: Executor> Supervisor<E> {
                 else {
                     return self.rescan();
                 };
-                batch
+                (batch, Prepared::default())
             }
         };
-        // The pod of a target may have been deleted since it was planned.
+        // The pod of a target may have been deleted since it was planned
+        // (what was prepared for the batch no longer fits it then).
+        let planned = batch.targets.len();
         batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
-        self.heal(&batch, &handles);
+        let prepared = if batch.targets.len() == planned { prepared } else { Prepared::default() };
+        self.heal(&batch, prepared, &handles);
         self.rescan();
     }
 
@@ -1129,7 +1140,7 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
-    fn heal(&mut self, batch: &HealBatch, handles: &crate::probe::SourceHandles) {
+    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, handles: &crate::probe::SourceHandles) {
         let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
         let _entered = span.enter();
         for target in &batch.targets {
@@ -1137,7 +1148,7 @@ impl<E: Executor> Supervisor<E> {
                 record.state = TargetState::Healing;
             }
         }
-        let outcomes = self.executor.heal(batch, handles);
+        let outcomes = self.executor.heal(batch, prepared, handles);
         let latency = self.heal_latency(batch);
         let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
@@ -1272,7 +1283,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
             summary.failed += batch.targets.len();
             continue;
         };
-        for outcome in supervisor.executor.heal(batch, &handles) {
+        for outcome in supervisor.executor.heal(batch, Prepared::default(), &handles) {
             match outcome.result {
                 Ok(_) => {
                     summary.healed += 1;

@@ -3,7 +3,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
-use fuse_supervisor::heal::{Executor, HealError, MountExecutor};
+use fuse_supervisor::heal::{Executor, HealError, MountExecutor, Prepared};
 use fuse_supervisor::plan::{HealBatch, TargetHeal};
 use fuse_supervisor::probe::SourceHandles;
 use fuse_supervisor::table::{Classified, Layout, Snapshot, TargetKind};
@@ -52,7 +52,7 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
         let root = resolve::open_path(&source_path).unwrap();
         assert!(resolve::mount_id_of(root.as_fd()).is_ok());
         let handles = SourceHandles { root, subdirs: Default::default() };
-        executor.heal(&batch, &handles)
+        executor.heal(&batch, Prepared::default(), &handles)
     });
 
     assert_eq!(outcomes.len(), 1);
@@ -103,7 +103,7 @@ fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
     let outcomes = sandbox.run(move || {
         let mut executor = MountExecutor::new(&kubelet_root, &staging).unwrap();
         let handles = SourceHandles { root: resolve::open_path(&other_path).unwrap(), subdirs: Default::default() };
-        executor.heal(&batch, &handles)
+        executor.heal(&batch, Prepared::default(), &handles)
     });
 
     assert!(outcomes[0].result.is_ok(), "{:?}", outcomes[0].result);
