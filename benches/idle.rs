@@ -8,7 +8,14 @@
 //!
 //! ```text
 //! cargo bench --bench idle [-- --seconds 60 --targets 1000 --large-mounts 10000 --volumes-per-pod 1]
+//!     [--cases 1,2,3] [--supervisor-args '--process-watch off'] [--wrapper 'heaptrack -o /tmp/ht']
+//!     [--smaps-dir /tmp/smaps]
 //! ```
+//!
+//! `--cases` picks tables by number; `--supervisor-args` adds `run`
+//! arguments; `--wrapper` starts the supervisor through a program (a heap
+//! profiler), whose descendant running the binary is the one measured;
+//! `--smaps-dir` keeps a copy of its `/proc/<pid>/smaps` after each window.
 //!
 //! Every flag is also an environment variable (`IDLE_BENCH_SECONDS`, ...).
 //! Needs root and /dev/fuse. Everything runs in a private mount namespace
@@ -43,6 +50,14 @@ struct Options {
     large_mounts: usize,
     /// How many of the targets share a pod (a node runs ~110 pods at most).
     volumes_per_pod: usize,
+    /// Which of the three tables to measure (1-based), all by default.
+    cases: Vec<usize>,
+    /// Extra `run` arguments, space-separated (`--process-watch off`).
+    supervisor_args: Vec<String>,
+    /// A program (with arguments) the supervisor is started through, space-separated.
+    wrapper: Vec<std::ffi::OsString>,
+    /// Where to copy the supervisor's smaps after each window, when set.
+    smaps_dir: Option<PathBuf>,
 }
 
 impl Options {
@@ -53,6 +68,10 @@ impl Options {
             targets: flags.number("targets", "1000"),
             large_mounts: flags.number("large-mounts", "10000"),
             volumes_per_pod: flags.number::<usize>("volumes-per-pod", "1").max(1),
+            cases: flags.list("cases", "1,2,3", |case| case.parse().ok()),
+            supervisor_args: flags.text("supervisor-args", "").split_whitespace().map(str::to_owned).collect(),
+            wrapper: flags.text("wrapper", "").split_whitespace().map(Into::into).collect(),
+            smaps_dir: Some(flags.text("smaps-dir", "")).filter(|dir| !dir.is_empty()).map(PathBuf::from),
         }
     }
 }
@@ -174,7 +193,8 @@ fn populate(sandbox: &Sandbox, source: &Path, targets: usize, per_pod: usize, pa
         .expect("populate the sandbox's mount table");
 }
 
-fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, window: Duration) -> Measurement {
+fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, options: &Options) -> Measurement {
+    let window = options.window;
     let binary = Path::new(BINARY);
     eprintln!("# {label}: setting up");
     let sandbox = Sandbox::new().expect("sandbox");
@@ -182,17 +202,27 @@ fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, window: 
     populate(&sandbox, &source.path, targets, per_pod, padding);
     let mounts = sandbox.mountinfo().lines().count();
     let started = Instant::now();
+    let mut args: Vec<&str> = vec!["--kubelet", "none"];
+    args.extend(options.supervisor_args.iter().map(String::as_str));
     let supervisor =
-        SupervisorProcess::start(&sandbox, binary, &sandbox.root().join("state")).expect("start the supervisor");
+        SupervisorProcess::start_wrapped(&sandbox, &options.wrapper, binary, &sandbox.root().join("state"), args)
+            .expect("start the supervisor");
     let startup = started.elapsed();
     std::thread::sleep(SETTLE);
-    let pid = supervisor.pid();
+    let pid = supervised_pid(supervisor.pid());
     eprintln!("# {label}: {mounts} mounts, supervisor up in {startup:?}; idle for {window:?}");
     let before = read_counters(pid);
     let opened = Instant::now();
     std::thread::sleep(window);
     let after = read_counters(pid);
     let window = opened.elapsed();
+    if let Some(dir) = &options.smaps_dir {
+        let copy = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::copy(format!("/proc/{pid}/smaps"), dir.join(format!("{label}.smaps"))));
+        if let Err(err) = copy {
+            eprintln!("cannot copy the supervisor's smaps: {err}");
+        }
+    }
 
     let mut per_thread = String::new();
     let (mut voluntary, mut involuntary, mut cpu_ns) = (0, 0, 0);
@@ -204,7 +234,7 @@ fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, window: 
         cpu_ns += ns;
         let _ = write!(per_thread, " {}({tid}): {v}/{i}", now.name);
     }
-    let rescan = Some(rescan_cost(&sandbox, &supervisor));
+    let rescan = Some(rescan_cost(&sandbox, &supervisor, pid));
     let measured = Measurement {
         label: label.to_owned(),
         mounts,
@@ -229,10 +259,32 @@ fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, window: 
     measured
 }
 
+/// The supervisor's own process: `pid`, or when started through a wrapper,
+/// the descendant of `pid` that runs the binary.
+fn supervised_pid(pid: u32) -> u32 {
+    let runs_binary =
+        |pid: u32| std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == Path::new(BINARY));
+    let mut todo = vec![pid];
+    while let Some(parent) = todo.pop() {
+        if runs_binary(parent) {
+            return parent;
+        }
+        let Ok(entries) = std::fs::read_dir("/proc") else { break };
+        for entry in entries.map_while(Result::ok) {
+            let Some(child) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            let ppid = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            if ppid == Some(parent) {
+                todo.push(child);
+            }
+        }
+    }
+    pid
+}
+
 /// Mounts and unmounts a tmpfs outside the kubelet tree, paced so that each
 /// change is a rescan of its own, and counts what the supervisor spent.
-fn rescan_cost(sandbox: &Sandbox, supervisor: &SupervisorProcess) -> Rescans {
-    let pid = supervisor.pid();
+fn rescan_cost(sandbox: &Sandbox, supervisor: &SupervisorProcess, pid: u32) -> Rescans {
     let dir = sandbox.root().join("churn");
     let created = dir.clone();
     sandbox.run(move || std::fs::create_dir_all(&created)).expect("create the churn directory");
@@ -334,16 +386,16 @@ fn main() {
     let large_padding = large.saturating_sub(small);
     let per_pod = options.volumes_per_pod;
     let pods = |targets: usize| targets.div_ceil(per_pod);
-    let measurements = vec![
-        measure(&format!("1 source + {small} targets in {} pods", pods(small)), small, per_pod, 0, options.window),
-        measure(
-            &format!("1 source + {small} targets in {} pods + {large_padding} tmpfs", pods(small)),
-            small,
-            per_pod,
-            large_padding,
-            options.window,
-        ),
-        measure(&format!("1 source + {large} targets in {} pods", pods(large)), large, per_pod, 0, options.window),
+    let cases = [
+        (format!("1 source + {small} targets in {} pods", pods(small)), small, 0),
+        (format!("1 source + {small} targets in {} pods + {large_padding} tmpfs", pods(small)), small, large_padding),
+        (format!("1 source + {large} targets in {} pods", pods(large)), large, 0),
     ];
+    let measurements: Vec<Measurement> = cases
+        .iter()
+        .enumerate()
+        .filter(|(at, _)| options.cases.contains(&(at + 1)))
+        .map(|(_, (label, targets, padding))| measure(label, *targets, per_pod, *padding, &options))
+        .collect();
     report(&measurements);
 }

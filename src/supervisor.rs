@@ -26,7 +26,7 @@ use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
 use crate::mountinfo::MountInfoReader;
 use crate::plan::{self, Assessment, HealBatch};
-use crate::pods::{PodChange, PodDirectory, PodWatcher, VolData};
+use crate::pods::{PodChange, PodWatcher, VolData};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
@@ -34,6 +34,9 @@ use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
 use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
+mod vol_data;
+
+use vol_data::VolDataCache;
 
 /// How `run` is set up.
 #[derive(Debug, Clone)]
@@ -387,8 +390,8 @@ struct Supervisor<E: Executor> {
     /// the supervisor, so when they appeared is unknown.
     scanned_once: bool,
     layouts: SourceLayouts,
-    /// The kubelet's pod directory as the pod watcher reports it.
-    pods: PodDirectory,
+    /// The `vol_data.json`s unmapped targets need.
+    vol_data: VolDataCache,
     /// Whether the pod watcher runs; without it deleted pods are found by
     /// looking at their directories on each scan.
     pods_watched: bool,
@@ -447,7 +450,7 @@ impl Supervisor<MountExecutor> {
             confirmer: None,
             scanned_once: false,
             layouts: config.layouts.clone(),
-            pods: PodDirectory::default(),
+            vol_data: VolDataCache::new(config.kubelet_root.join("pods")),
             pods_watched: false,
             unmapped_pods: BTreeSet::new(),
             reporters: config.reporters.clone(),
@@ -857,7 +860,7 @@ impl<E: Executor> Supervisor<E> {
             PodChange::Resync(_) => !self.unmapped_pods.is_empty(),
             _ => false,
         };
-        self.pods.apply(change);
+        self.vol_data.apply(&change);
         if forgot {
             self.forget_held();
         }
@@ -874,13 +877,17 @@ impl<E: Executor> Supervisor<E> {
         let sources: Vec<SourceMount<'_>> = classified.sources.values().map(SourceMount::from).collect();
         let mut changed = false;
         let mut unmapped_pods = BTreeSet::new();
+        if !self.pods_watched {
+            // No changes arrive to keep what is known current.
+            self.vol_data.clear();
+        }
         for (path, target) in &classified.targets {
             if self.journal.get(path).is_some() {
                 continue;
             }
             let top = target.stack.top();
             let Some(info) = TargetInfo::from_path(self.layout.pods_dir(), path, &top.root) else { continue };
-            let vol_data = self.vol_data_of(classified, target, &info);
+            let vol_data = vol_data_of(&mut self.vol_data, &self.layout, classified, target, &info);
             let Some(located) = self.layouts.locate(&info.with_vol_data(vol_data), &sources) else {
                 unmapped_pods.insert(target.pod_uid.clone());
                 continue;
@@ -903,26 +910,9 @@ impl<E: Executor> Supervisor<E> {
             };
             changed |= self.journal.record(path, mapping);
         }
+        self.vol_data.retain(&unmapped_pods);
         self.unmapped_pods = unmapped_pods;
         changed
-    }
-
-    /// The `vol_data.json` behind a target. A subPath directory is named
-    /// after the pod spec's volume, a CSI volume directory after the PV, so
-    /// a subPath takes the one of its pod's whole-volume target on the same
-    /// device.
-    fn vol_data_of(&self, classified: &Classified, target: &Target, info: &TargetInfo<'_>) -> Option<&VolData> {
-        if target.kind == TargetKind::Volume {
-            return self.pods.vol_data(info.pod_uid, info.volume);
-        }
-        let dev = target.stack.top().dev;
-        classified.targets.iter().find_map(|(path, volume)| {
-            if volume.kind != TargetKind::Volume || volume.pod_uid != target.pod_uid || volume.stack.top().dev != dev {
-                return None;
-            }
-            let info = TargetInfo::from_path(self.layout.pods_dir(), path, &volume.stack.top().root)?;
-            self.pods.vol_data(info.pod_uid, info.volume)
-        })
     }
 
     /// Healthy targets have no record: on a large node nearly every target
@@ -1215,6 +1205,39 @@ impl<E: Executor> Supervisor<E> {
         }
         self.state_dirty |= healed_any;
     }
+}
+
+/// The `vol_data.json` behind a target. A subPath directory is named after
+/// the pod spec's volume, a CSI volume directory after the PV, so a subPath
+/// takes the one of its pod's whole-volume target on the same device.
+fn vol_data_of<'a>(
+    cache: &'a mut VolDataCache,
+    layout: &Layout,
+    classified: &Classified,
+    target: &Target,
+    info: &TargetInfo<'_>,
+) -> Option<&'a VolData> {
+    if target.kind == TargetKind::Volume {
+        cache.load(info.pod_uid, info.volume);
+        return cache.get(info.pod_uid, info.volume);
+    }
+    let dev = target.stack.top().dev;
+    let volumes: Vec<(&str, &str)> = classified
+        .targets
+        .iter()
+        .filter(|(_, volume)| {
+            volume.kind == TargetKind::Volume && volume.pod_uid == target.pod_uid && volume.stack.top().dev == dev
+        })
+        .filter_map(|(path, volume)| {
+            let info = TargetInfo::from_path(layout.pods_dir(), path, &volume.stack.top().root)?;
+            Some((info.pod_uid, info.volume))
+        })
+        .collect();
+    for (uid, volume) in &volumes {
+        cache.load(uid, volume);
+    }
+    let cache = &*cache;
+    volumes.into_iter().find_map(|(uid, volume)| cache.get(uid, volume))
 }
 
 /// What `heal --once` did.

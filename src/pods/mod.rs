@@ -11,6 +11,7 @@ mod directory;
 mod vol_data;
 mod walk;
 mod watcher;
+mod watches;
 
 pub use directory::{Pod, PodDirectory, SubPath, Volume};
 pub use vol_data::{FieldProblem, LifecycleMode, VOL_DATA_FILE, VolData, VolDataError};

@@ -8,7 +8,6 @@
 //! A directory whose watch turns out to exist already was walked before and
 //! is skipped. Events lost to a queue overflow are recovered by a full
 //! rescan on a fresh inotify instance, sent as [`PodChange::Resync`].
-use std::collections::HashMap;
 use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::AsFd;
@@ -24,6 +23,7 @@ use fuse_supervisor_sys::poll::{Poller, Waker};
 use super::directory::PodDirectory;
 use super::vol_data::VOL_DATA_FILE;
 use super::walk::{self, CSI_PLUGIN_DIR, Dir, Strictness, Visit};
+use super::watches::WatchTable;
 use super::{PodChange, PodWatchError};
 
 const INOTIFY: u64 = 1;
@@ -114,9 +114,7 @@ impl Drop for PodWatcher {
 /// What the watcher knows of its watches.
 struct Watches {
     pods_dir: PathBuf,
-    by_wd: HashMap<i32, Dir>,
-    /// Every watch of each pod, to drop them when the pod goes.
-    by_pod: HashMap<Arc<str>, Vec<i32>>,
+    table: WatchTable,
 }
 
 struct Watcher<S> {
@@ -145,7 +143,7 @@ impl<S: FnMut(PodChange)> Watcher<S> {
         poller.add_readable(waker.as_fd(), STOP).map_err(setup("eventfd"))?;
         let inotify = Inotify::new().map_err(setup("inotify"))?;
         poller.add_readable(inotify.as_fd(), INOTIFY).map_err(setup("inotify"))?;
-        let watches = Watches { pods_dir, by_wd: HashMap::new(), by_pod: HashMap::new() };
+        let watches = Watches { pods_dir, table: WatchTable::default() };
         let mut watcher = Watcher { poller, _waker: waker, inotify, reader: EventReader::default(), watches, sink };
         watcher.scan()?;
         Ok(watcher)
@@ -196,8 +194,7 @@ impl<S: FnMut(PodChange)> Watcher<S> {
     /// Watches and reads the whole tree into a fresh model, sent as one
     /// `Resync` followed by the errors met on the way.
     fn scan(&mut self) -> Result<(), PodWatchError> {
-        self.watches.by_wd.clear();
-        self.watches.by_pod.clear();
+        self.watches.table.clear();
         let mut directory = PodDirectory::default();
         let mut errors = Vec::new();
         let mut collect = |change| match change {
@@ -211,6 +208,7 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             &pods_dir,
             &mut WatchVisit { inotify: &self.inotify, watches: &mut self.watches, out: &mut collect },
         )?;
+        self.watches.table.shrink_to_fit();
         (self.sink)(PodChange::Resync(directory));
         errors.into_iter().for_each(&mut self.sink);
         Ok(())
@@ -240,14 +238,7 @@ struct WatchVisit<'a> {
 impl Visit for WatchVisit<'_> {
     fn enter(&mut self, path: &Path, dir: &Dir) -> io::Result<bool> {
         let wd = self.inotify.watch_dir(path, mask(dir))?;
-        if self.watches.by_wd.contains_key(&wd) {
-            return Ok(false);
-        }
-        self.watches.by_wd.insert(wd, dir.clone());
-        if let Some(uid) = dir.uid() {
-            self.watches.by_pod.entry(uid.clone()).or_default().push(wd);
-        }
-        Ok(true)
+        Ok(self.watches.table.insert(wd, dir))
     }
 
     fn change(&mut self, change: PodChange) {
@@ -268,7 +259,7 @@ impl Watches {
             tracing::warn!(pods = %self.pods_dir.display(), "inotify queue overflowed; rescanning pod directories");
             return Ok(ControlFlow::Break(()));
         }
-        let Some(dir) = self.by_wd.get(&event.wd).cloned() else {
+        let Some(dir) = self.table.get(event.wd) else {
             // A watch already forgotten (its pod went first).
             return Ok(ControlFlow::Continue(()));
         };
@@ -339,31 +330,27 @@ impl Watches {
     /// A watched directory is gone (deleted, moved, or its filesystem
     /// unmounted).
     fn forget(&mut self, wd: i32, dir: &Dir, sink: &mut dyn FnMut(PodChange)) -> Result<(), PodWatchError> {
-        self.by_wd.remove(&wd);
         match dir {
-            Dir::Pods => Err(PodWatchError::PodsDirGone { path: self.pods_dir.clone() }),
+            Dir::Pods => {
+                self.table.remove(wd);
+                Err(PodWatchError::PodsDirGone { path: self.pods_dir.clone() })
+            }
             Dir::Pod { uid } => {
-                if let Some(wds) = self.by_pod.remove(uid) {
-                    wds.iter().for_each(|wd| {
-                        self.by_wd.remove(wd);
-                    });
+                if self.table.remove_pod(uid).is_some() {
                     sink(PodChange::PodRemoved { uid: uid.to_string() });
                 }
                 Ok(())
             }
             _ => {
-                if let Some(wds) = dir.uid().and_then(|uid| self.by_pod.get_mut(uid)) {
-                    wds.retain(|known| *known != wd);
-                }
+                self.table.remove(wd);
                 Ok(())
             }
         }
     }
 
     fn pod_removed(&mut self, inotify: &Inotify, uid: &str, moved_away: bool, sink: &mut dyn FnMut(PodChange)) {
-        let Some(wds) = self.by_pod.remove(uid) else { return };
+        let Some(wds) = self.table.remove_pod(uid) else { return };
         for wd in wds {
-            self.by_wd.remove(&wd);
             if moved_away {
                 // Deleted directories lose their watches by themselves; a
                 // moved one keeps them. EINVAL: already gone.
