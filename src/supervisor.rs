@@ -471,12 +471,15 @@ impl<E: Executor> Supervisor<E> {
                 Err(TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
                 Err(TryRecvError::Empty) => {
                     // Nothing to do: the time for chores that must not
-                    // delay a heal.
-                    self.save_state();
-                    // A scan of a large table frees megabytes scattered
-                    // between long-lived allocations: give them back.
-                    self.reader.release_buffer();
-                    fuse_supervisor_sys::memory::release_free_memory();
+                    // delay a heal, unless a probe's answer (and its heal)
+                    // is due any moment.
+                    if !self.heal_imminent() {
+                        self.save_state();
+                        // A scan of a large table frees megabytes scattered
+                        // between long-lived allocations: give them back.
+                        self.reader.release_buffer();
+                        fuse_supervisor_sys::memory::release_free_memory();
+                    }
                     // Deadlines exist only while something is wrong: an idle
                     // supervisor blocks on the channel with no timeout.
                     match self.next_deadline() {
@@ -514,6 +517,12 @@ impl<E: Executor> Supervisor<E> {
                 Err(RecvTimeoutError::Timeout) => self.on_deadline(),
             }
         }
+    }
+
+    /// Whether a probe started for a planned heal is still within its time:
+    /// its answer starts the heal.
+    fn heal_imminent(&self) -> bool {
+        self.probed_batches.keys().any(|source| !self.reported_overdue.contains(source))
     }
 
     /// Writes the state file if the journal changed, through the writer
