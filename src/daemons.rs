@@ -33,18 +33,21 @@ use tracing::{debug, info, warn};
 
 use crate::process_watch::fuse_server::{FuseServers, MountDevice};
 use crate::process_watch::{
-    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
-    ProcessWatcher,
+    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
+    ProcessWatchError, ProcessWatcher,
 };
 use crate::table::Dev;
 
 /// Which process watcher `run` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProcessWatch {
-    /// The netlink process connector (hostPID, hostNetwork); the pidfd
-    /// backend when it cannot subscribe.
+    /// The netlink process connector (hostPID, hostNetwork, CAP_NET_ADMIN
+    /// before 6.6); the pidfd backend when it cannot subscribe. It wakes for
+    /// every exit and exec on the node, and its execs start a discovery for
+    /// a connection whose daemon was not found.
     Connector,
-    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`).
+    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`),
+    /// and wake-ups for the watched processes only.
     Pidfd,
     /// No process watching: deaths are seen only when a new mount appears.
     Off,
@@ -66,7 +69,7 @@ pub struct DaemonWatch {
 impl Default for DaemonWatch {
     fn default() -> Self {
         DaemonWatch {
-            mode: ProcessWatch::Connector,
+            mode: ProcessWatch::Pidfd,
             proc_root: PathBuf::from("/proc"),
             abort_dead_connections: false,
             fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
@@ -175,6 +178,8 @@ enum Known {
 /// Discoveries that find nobody are repeated this many times, spaced out
 /// from 100 ms, before only exec events ask again.
 const UNSERVED_RETRIES: u32 = 5;
+/// Then, with a watcher that reports no execs (pidfd), this often.
+const UNSERVED_SLOW_RETRY: Duration = Duration::from_secs(30);
 /// Exec events ask for a discovery at most this often.
 const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
 
@@ -430,9 +435,17 @@ impl Daemons {
                     warn!(source = %source.display(), connection = %dev, %err, "cannot tell which process serves the source")
                 }
             }
-            let retry_at = (tries < UNSERVED_RETRIES).then(|| now + Duration::from_millis(100) * (1 << tries));
-            if retry_at.is_none() {
-                info!(source = %source.display(), connection = %dev, "no daemon found for the source; looking again when a process starts");
+            let execs = self.watcher.backend() == Backend::ProcConnector;
+            let retry_at = if tries < UNSERVED_RETRIES {
+                Some(now + Duration::from_millis(100) * (1 << tries))
+            } else if execs {
+                None
+            } else {
+                Some(now + UNSERVED_SLOW_RETRY)
+            };
+            if tries == UNSERVED_RETRIES {
+                let again = if execs { "when a process starts" } else { "every 30 s" };
+                info!(source = %source.display(), connection = %dev, again, "no daemon found for the source; looking again");
             }
             *known = Known::Unserved { tries, retry_at };
         }

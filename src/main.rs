@@ -381,10 +381,12 @@ fn parse_kubelet_url(url: &str) -> anyhow::Result<(String, u16)> {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "FUSE daemons")]
 struct DaemonArgs {
-    /// How daemon deaths are seen: `connector` (netlink process connector:
-    /// hostPID, hostNetwork; falls back to pidfd), `pidfd` (any pid
-    /// namespace), or `off` (only when a new mount appears).
-    #[arg(long, value_enum, default_value = "connector", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
+    /// How daemon deaths are seen: `pidfd` (wakes for the watched daemons
+    /// only; any pid namespace), `connector` (netlink process connector:
+    /// hostPID, hostNetwork, NET_ADMIN before Linux 6.6; for kernels before
+    /// 5.3, or to look for a missing daemon at every exec; falls back to
+    /// pidfd), or `off` (only when a new mount appears).
+    #[arg(long, value_enum, default_value = "pidfd", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
     process_watch: ProcessWatchArg,
     /// When a serving process exits while another process keeps its FUSE
     /// connection open unread, abort the connection once requests wait on
