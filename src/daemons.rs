@@ -10,7 +10,11 @@
 //! node's execs do not wake an idle supervisor.
 //!
 //! A connection is dead when every process holding it has exited: the
-//! kernel then aborts it and every access answers ENOTCONN. When a serving
+//! kernel then aborts it and every access answers ENOTCONN. The last known
+//! holder's exit is taken as that at once, and a discovery of the
+//! connection follows: a daemon that daemonized or handed its descriptor on
+//! after it was found leaves the connection to a process nobody watched,
+//! and if the discovery finds one the death is retracted. When a serving
 //! process exits but others still hold the connection (a parent keeping the
 //! descriptor, a process it was handed to), requests may hang instead;
 //! `--abort-dead-connections` aborts such a connection once requests wait
@@ -29,18 +33,21 @@ use tracing::{debug, info, warn};
 
 use crate::process_watch::fuse_server::{FuseServers, MountDevice};
 use crate::process_watch::{
-    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
-    ProcessWatcher,
+    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
+    ProcessWatchError, ProcessWatcher,
 };
 use crate::table::Dev;
 
 /// Which process watcher `run` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProcessWatch {
-    /// The netlink process connector (hostPID, hostNetwork); the pidfd
-    /// backend when it cannot subscribe.
+    /// The netlink process connector (hostPID, hostNetwork, CAP_NET_ADMIN
+    /// before 6.6); the pidfd backend when it cannot subscribe. It wakes for
+    /// every exit and exec on the node, and its execs start a discovery for
+    /// a connection whose daemon was not found.
     Connector,
-    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`).
+    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`),
+    /// and wake-ups for the watched processes only.
     Pidfd,
     /// No process watching: deaths are seen only when a new mount appears.
     Off,
@@ -62,7 +69,7 @@ pub struct DaemonWatch {
 impl Default for DaemonWatch {
     fn default() -> Self {
         DaemonWatch {
-            mode: ProcessWatch::Connector,
+            mode: ProcessWatch::Pidfd,
             proc_root: PathBuf::from("/proc"),
             abort_dead_connections: false,
             fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
@@ -95,6 +102,8 @@ pub struct Discovered {
     pub source: PathBuf,
     pub dev: Dev,
     pub result: Result<Vec<ProcessId>, String>,
+    /// When the `/proc` scan began: it saw no exit after that.
+    pub scanned_at: Instant,
 }
 
 /// A connection whose holders all exited: its daemon is dead.
@@ -102,6 +111,15 @@ pub struct Discovered {
 pub struct Death {
     pub source: PathBuf,
     pub dev: Dev,
+}
+
+/// A death taken back: the last known holder of the connection exited, but
+/// the discovery that followed found `pids` holding it, now watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retraction {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub pids: Vec<u32>,
 }
 
 /// A connection whose serving process exited while other processes hold
@@ -149,6 +167,10 @@ enum Known {
     /// `fusermount` and the daemon, an older kernel's ambiguous match):
     /// asked again at `retry_at`, then on exec events.
     Unserved { tries: u32, retry_at: Option<Instant> },
+    /// Every known holder exited (at `since`, on the loop's clock): a
+    /// discovery that began after that tells whether a process discovery
+    /// had not seen holds it still.
+    Dying { since: Instant },
     /// Every holder exited.
     Dead,
 }
@@ -156,6 +178,8 @@ enum Known {
 /// Discoveries that find nobody are repeated this many times, spaced out
 /// from 100 ms, before only exec events ask again.
 const UNSERVED_RETRIES: u32 = 5;
+/// Then, with a watcher that reports no execs (pidfd), this often.
+const UNSERVED_SLOW_RETRY: Duration = Duration::from_secs(30);
 /// Exec events ask for a discovery at most this often.
 const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
 
@@ -266,11 +290,15 @@ impl Daemons {
     }
 
     fn request(&mut self, wanted: Vec<(PathBuf, Dev)>) {
-        if wanted.is_empty() {
-            return;
-        }
         for (source, dev) in &wanted {
             self.known.insert(*dev, (source.clone(), Known::Asked));
+        }
+        self.send_request(wanted);
+    }
+
+    fn send_request(&self, wanted: Vec<(PathBuf, Dev)>) {
+        if wanted.is_empty() {
+            return;
         }
         if let Some(requests) = &self.requests
             && requests.send(wanted).is_err()
@@ -311,31 +339,42 @@ impl Daemons {
         let all: Vec<(PathBuf, Dev)> = self
             .known
             .iter()
-            .filter(|(_, (_, known))| !matches!(known, Known::Dead))
+            // A dying connection's discovery is on its way already.
+            .filter(|(_, (_, known))| !matches!(known, Known::Dead | Known::Dying { .. }))
             .map(|(dev, (path, _))| (path.clone(), *dev))
             .collect();
         self.request(all);
     }
 
     /// A process exited: the connections it held, split into those it
-    /// leaves dead and those others still hold.
+    /// leaves dead and those others still hold. A death is checked by a
+    /// discovery of the connection, which may retract it
+    /// ([`Daemons::discovered`]).
     pub fn exited(&mut self, pid: u32) -> (Vec<Death>, Vec<PartialExit>) {
         let mut holders = lock(&self.holders);
         let Some(holder) = holders.remove(&pid) else { return (Vec::new(), Vec::new()) };
-        let (mut deaths, mut partial) = (Vec::new(), Vec::new());
+        let (mut deaths, mut partial, mut check) = (Vec::new(), Vec::new(), Vec::new());
+        let now = Instant::now();
         for (source, dev) in holder.serves {
             let remaining: Vec<u32> = holders
                 .iter()
                 .filter(|(_, other)| other.serves.iter().any(|(_, served)| *served == dev))
                 .map(|(&pid, _)| pid)
                 .collect();
-            if remaining.is_empty() {
-                if let Some((_, known)) = self.known.get_mut(&dev) {
-                    *known = Known::Dead;
-                }
-                deaths.push(Death { source, dev });
-            } else {
+            if !remaining.is_empty() {
                 partial.push(PartialExit { source, dev, remaining });
+                continue;
+            }
+            // A holder found by a discovery of a dying connection exited
+            // before its answer came: that answer is stale, the death
+            // already reported.
+            let dying = matches!(self.known.get(&dev), Some((_, Known::Dying { .. })));
+            if let Some((_, known)) = self.known.get_mut(&dev) {
+                *known = Known::Dying { since: now };
+            }
+            check.push((source.clone(), dev));
+            if !dying {
+                deaths.push(Death { source, dev });
             }
         }
         drop(holders);
@@ -343,17 +382,40 @@ impl Daemons {
         // (a descriptor handed to a new process): look again.
         let again = partial.iter().map(|exit| (exit.source.clone(), exit.dev)).collect();
         self.request(again);
+        self.send_request(check);
         self.update_exec_interest();
         (deaths, partial)
     }
 
-    /// A discovery's answer.
-    pub fn discovered(&mut self, found: Vec<Discovered>) {
+    /// A discovery's answer; returns the deaths it retracts.
+    pub fn discovered(&mut self, found: Vec<Discovered>) -> Vec<Retraction> {
         let now = Instant::now();
-        for Discovered { source, dev, result } in found {
+        let mut retracted = Vec::new();
+        for Discovered { source, dev, result, scanned_at } in found {
             let Some((_, known)) = self.known.get_mut(&dev) else { continue };
-            if matches!(known, Known::Dead) {
-                continue;
+            match known {
+                Known::Dead => continue,
+                // Begun before the exit: the answer to an earlier question.
+                Known::Dying { since } if scanned_at < *since => continue,
+                Known::Dying { .. } => {
+                    match result {
+                        Ok(processes) if !processes.is_empty() => {
+                            let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
+                            *known = Known::Served;
+                            retracted.push(Retraction { source, dev, pids });
+                        }
+                        Ok(_) => {
+                            debug!(source = %source.display(), connection = %dev, "no process holds the connection: the death stands");
+                            *known = Known::Dead;
+                        }
+                        Err(err) => {
+                            warn!(source = %source.display(), connection = %dev, %err, "cannot tell whether another process holds a dead daemon's connection; the death stands");
+                            *known = Known::Dead;
+                        }
+                    }
+                    continue;
+                }
+                _ => {}
             }
             let tries = match known {
                 Known::Unserved { tries, .. } => *tries + 1,
@@ -373,13 +435,22 @@ impl Daemons {
                     warn!(source = %source.display(), connection = %dev, %err, "cannot tell which process serves the source")
                 }
             }
-            let retry_at = (tries < UNSERVED_RETRIES).then(|| now + Duration::from_millis(100) * (1 << tries));
-            if retry_at.is_none() {
-                info!(source = %source.display(), connection = %dev, "no daemon found for the source; looking again when a process starts");
+            let execs = self.watcher.backend() == Backend::ProcConnector;
+            let retry_at = if tries < UNSERVED_RETRIES {
+                Some(now + Duration::from_millis(100) * (1 << tries))
+            } else if execs {
+                None
+            } else {
+                Some(now + UNSERVED_SLOW_RETRY)
+            };
+            if tries == UNSERVED_RETRIES {
+                let again = if execs { "when a process starts" } else { "every 30 s" };
+                info!(source = %source.display(), connection = %dev, again, "no daemon found for the source; looking again");
             }
             *known = Known::Unserved { tries, retry_at };
         }
         self.update_exec_interest();
+        retracted
     }
 
     /// An exec somewhere: worth a discovery if a connection has no daemon.
@@ -577,13 +648,14 @@ fn discover(
     holders: &Mutex<HashMap<u32, Holder>>,
     wanted: Vec<(PathBuf, Dev)>,
 ) -> Vec<Discovered> {
+    let scanned_at = Instant::now();
     let servers = match FuseServers::scan(proc_root) {
         Ok(servers) => servers,
         Err(err) => {
             let err = err.to_string();
             return wanted
                 .into_iter()
-                .map(|(source, dev)| Discovered { source, dev, result: Err(err.clone()) })
+                .map(|(source, dev)| Discovered { source, dev, result: Err(err.clone()), scanned_at })
                 .collect();
         }
     };
@@ -612,7 +684,7 @@ fn discover(
                 let seen: Vec<u32> = servers.connections().map(|(id, _)| id).collect();
                 debug!(connection = %dev, ?seen, "connections held on the node");
             }
-            Discovered { source, dev, result }
+            Discovered { source, dev, result, scanned_at }
         })
         .collect()
 }
@@ -663,6 +735,93 @@ mod tests {
         assert_eq!(orphan_recheck_delay(0), Duration::from_millis(50));
         assert_eq!(orphan_recheck_delay(1), Duration::from_millis(100));
         assert_eq!(orphan_recheck_delay(10), Duration::from_secs(2));
+    }
+
+    struct NoWatcher;
+
+    impl ProcessWatcher for NoWatcher {
+        fn watch(&self, _: ProcessId) -> Result<(), ProcessWatchError> {
+            Ok(())
+        }
+        fn unwatch(&self, _: u32) -> bool {
+            false
+        }
+        fn watched(&self) -> Vec<ProcessId> {
+            Vec::new()
+        }
+        fn backend(&self) -> crate::process_watch::Backend {
+            crate::process_watch::Backend::Pidfd
+        }
+    }
+
+    /// Daemons without threads: discovery requests queue on the receiver.
+    fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
+        let (requests, queue) = mpsc::channel();
+        let daemons = Daemons {
+            options: DaemonWatch::default(),
+            watcher: Arc::new(NoWatcher),
+            holders: Arc::default(),
+            known: BTreeMap::new(),
+            want_exec: Arc::default(),
+            last_exec_discovery: None,
+            orphans: BTreeMap::new(),
+            requests: Some(requests),
+            discovery: None,
+        };
+        (daemons, queue)
+    }
+
+    fn found(dev: Dev, pids: &[u32], scanned_at: Instant) -> Vec<Discovered> {
+        let processes = pids.iter().map(|&pid| ProcessId { pid, start_time: 1 }).collect();
+        vec![Discovered { source: "/runtime/g".into(), dev, result: Ok(processes), scanned_at }]
+    }
+
+    /// A connection served by pid 10, discovered.
+    fn served(dev: Dev) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
+        let (mut daemons, queue) = daemons();
+        daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
+        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
+        add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
+        assert!(daemons.discovered(found(dev, &[10], Instant::now())).is_empty());
+        (daemons, queue)
+    }
+
+    #[test]
+    fn a_death_is_retracted_when_the_discovery_after_it_finds_a_holder() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, queue) = served(dev);
+        let before = Instant::now();
+        let (deaths, partial) = daemons.exited(10);
+        assert_eq!(deaths, vec![Death { source: "/runtime/g".into(), dev }]);
+        assert!(partial.is_empty());
+        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)], "the death is checked");
+        // A scan begun before the exit says nothing about after it.
+        assert!(daemons.discovered(found(dev, &[11], before)).is_empty());
+        let retracted = daemons.discovered(found(dev, &[11], Instant::now()));
+        assert_eq!(retracted, vec![Retraction { source: "/runtime/g".into(), dev, pids: vec![11] }]);
+    }
+
+    #[test]
+    fn a_death_stands_when_nobody_holds_the_connection() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _queue) = served(dev);
+        assert_eq!(daemons.exited(10).0.len(), 1);
+        assert!(daemons.discovered(found(dev, &[], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty(), "dead for good");
+    }
+
+    #[test]
+    fn a_holder_of_a_dying_connection_exiting_is_not_a_second_death() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, queue) = served(dev);
+        assert_eq!(daemons.exited(10).0.len(), 1);
+        // Found by the check, gone before its answer is read.
+        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
+        let scanned_at = Instant::now();
+        let (deaths, _) = daemons.exited(11);
+        assert!(deaths.is_empty());
+        assert_eq!(queue.try_iter().count(), 2, "each exit asks again");
+        assert!(daemons.discovered(found(dev, &[11], scanned_at)).is_empty(), "that answer is stale");
     }
 
     #[test]

@@ -16,15 +16,25 @@
 //! - on `SIGTERM` or `SIGINT` lazily detaches its mount, if it is still the
 //!   top one at `MP`, and exits 0; the kernel connection ends with the
 //!   process, so any remaining copy of the mount answers `ENOTCONN`.
-use std::io::{self, Write};
-use std::os::fd::AsFd;
+//!
+//! `--hand-off-on-signal PIDFILE` makes it a daemon that daemonizes late: it
+//! mounts, holds the connection without answering it (requests wait), and
+//! on `SIGUSR1` hands the descriptor to a successor process that it starts
+//! (`--device-on-stdin`: the successor serves the connection on its stdin),
+//! writes the successor's pid to `PIDFILE` once it answers, and exits 0
+//! leaving the mount in place. The connection is then served by a process
+//! that did not hold it before, like a libfuse daemon's child after
+//! `fuse_daemonize`.
+use std::io::{self, BufRead, Write};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 
 use fuse_supervisor_sys::fuse as sys_fuse;
 use fuse_supervisor_sys::mount as sys_mount;
 use fuser::{Config, Session, SessionACL};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
 mod passthrough;
@@ -40,6 +50,22 @@ pub struct DemoFsOptions {
     pub mountpoint: PathBuf,
     /// FUSE subtype: the mount shows as `fuse.<name>`.
     pub name: String,
+    /// How the connection is opened and who serves it.
+    pub role: DemoFsRole,
+}
+
+/// Who mounts and who serves.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DemoFsRole {
+    /// Mounts and serves.
+    #[default]
+    Serve,
+    /// Mounts, then on `SIGUSR1` hands the connection to a successor
+    /// process, writes its pid to the file, and exits.
+    HandOffOnSignal { pid_file: PathBuf },
+    /// Serves the connection already mounted at the mountpoint through
+    /// the `/dev/fuse` descriptor on stdin (a hand-off's successor).
+    DeviceOnStdin,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +116,19 @@ pub enum DemoFsError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot take the /dev/fuse descriptor for {mountpoint} from stdin")]
+    DeviceOnStdin {
+        mountpoint: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot hand the connection of {mountpoint} off to a successor: {step}")]
+    HandOff {
+        mountpoint: PathBuf,
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// What ends serving.
@@ -102,7 +141,9 @@ enum Stop {
 pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     // Before mounting: a signal that comes earlier kills the process while
     // there is no mount to leave behind yet.
-    let mut signals = Signals::new([SIGTERM, SIGINT]).map_err(DemoFsError::Signals)?;
+    let hands_off = matches!(options.role, DemoFsRole::HandOffOnSignal { .. });
+    let signals = Signals::new(if hands_off { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
+        .map_err(DemoFsError::Signals)?;
 
     if options.name.is_empty() || options.name.contains([',', '/', '\0']) {
         return Err(DemoFsError::InvalidName { name: options.name.clone() });
@@ -116,9 +157,33 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     }
     let mountpoint = options.mountpoint.clone();
 
+    if options.role == DemoFsRole::DeviceOnStdin {
+        // A duplicate: the successor then holds the connection twice,
+        // which changes nothing for the kernel.
+        let device = io::stdin()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| DemoFsError::DeviceOnStdin { mountpoint: mountpoint.clone(), source })?;
+        return serve_device(options, backing, device, signals);
+    }
     let device = sys_fuse::open_device().map_err(DemoFsError::OpenDevice)?;
     sys_fuse::mount(device.as_fd(), &mountpoint, &options.name, &backing.to_string_lossy())
         .map_err(|source| DemoFsError::Mount { mountpoint: mountpoint.clone(), name: options.name.clone(), source })?;
+    match &options.role {
+        DemoFsRole::HandOffOnSignal { pid_file } => hand_off_on_signal(options, pid_file, device, signals),
+        DemoFsRole::Serve | DemoFsRole::DeviceOnStdin => serve_device(options, backing, device, signals),
+    }
+}
+
+/// Serves the mounted connection on `device` until the mount goes away or
+/// a signal ends it.
+fn serve_device(
+    options: &DemoFsOptions,
+    backing: PathBuf,
+    device: OwnedFd,
+    mut signals: Signals,
+) -> Result<(), DemoFsError> {
+    let mountpoint = options.mountpoint.clone();
 
     // From here on the mount exists: any failure detaches it again rather
     // than leave a mount behind that no daemon will ever answer.
@@ -184,6 +249,58 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     }
     // Returning ends the process, which closes the device: the kernel aborts
     // the connection, and the session thread's blocked read ends with it.
+}
+
+/// Holds the mounted connection unserved until `SIGUSR1`, then starts a
+/// successor serving it, writes the successor's pid to `pid_file` once it
+/// answers, and returns (the process exits; the mount stays).
+fn hand_off_on_signal(
+    options: &DemoFsOptions,
+    pid_file: &Path,
+    device: OwnedFd,
+    mut signals: Signals,
+) -> Result<(), DemoFsError> {
+    let mountpoint = &options.mountpoint;
+    let failed = |step: &'static str| {
+        move |source: io::Error| {
+            if let Err(detach_err) = sys_mount::detach(mountpoint) {
+                tracing::warn!(mountpoint = %mountpoint.display(), ?detach_err, "cannot detach after failure");
+            }
+            DemoFsError::HandOff { mountpoint: mountpoint.clone(), step, source }
+        }
+    };
+    tracing::info!(mountpoint = %mountpoint.display(), "demofs mounted; handing off on SIGUSR1");
+    match signals.forever().next() {
+        Some(SIGUSR1) => {}
+        signal => {
+            tracing::info!(mountpoint = %mountpoint.display(), ?signal, "demofs stopping before the hand-off");
+            return sys_mount::detach(mountpoint)
+                .map_err(|source| DemoFsError::Detach { mountpoint: mountpoint.clone(), source });
+        }
+    }
+    let exe = std::env::current_exe().map_err(failed("find this executable"))?;
+    let mut successor = Command::new(exe)
+        .args(["internal", "demofs", "--device-on-stdin", "--backing"])
+        .arg(&options.backing)
+        .arg("--mountpoint")
+        .arg(mountpoint)
+        .arg("--name")
+        .arg(&options.name)
+        .stdin(Stdio::from(device))
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(failed("start the successor"))?;
+    let mut line = String::new();
+    if let Some(stdout) = successor.stdout.take() {
+        io::BufReader::new(stdout).read_line(&mut line).map_err(failed("read the successor's ready line"))?;
+    }
+    if line.trim() != "ready" {
+        let _ = successor.kill();
+        return Err(failed("wait for the successor")(io::Error::other("it ended before it was ready")));
+    }
+    std::fs::write(pid_file, successor.id().to_string()).map_err(failed("write the successor's pid"))?;
+    tracing::info!(mountpoint = %mountpoint.display(), successor = successor.id(), "demofs handed off");
+    Ok(())
 }
 
 /// Detaches the top mount at `mountpoint` if it is ours. A mount stacked on

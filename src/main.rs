@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::demo::DemoOptions;
-use fuse_supervisor::demofs::{self, DemoFsOptions};
+use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole};
 use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
@@ -381,10 +381,12 @@ fn parse_kubelet_url(url: &str) -> anyhow::Result<(String, u16)> {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "FUSE daemons")]
 struct DaemonArgs {
-    /// How daemon deaths are seen: `connector` (netlink process connector:
-    /// hostPID, hostNetwork; falls back to pidfd), `pidfd` (any pid
-    /// namespace), or `off` (only when a new mount appears).
-    #[arg(long, value_enum, default_value = "connector", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
+    /// How daemon deaths are seen: `pidfd` (wakes for the watched daemons
+    /// only; any pid namespace), `connector` (netlink process connector:
+    /// hostPID, hostNetwork, NET_ADMIN before Linux 6.6; for kernels before
+    /// 5.3, or to look for a missing daemon at every exec; falls back to
+    /// pidfd), or `off` (only when a new mount appears).
+    #[arg(long, value_enum, default_value = "pidfd", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
     process_watch: ProcessWatchArg,
     /// When a serving process exits while another process keeps its FUSE
     /// connection open unread, abort the connection once requests wait on
@@ -626,6 +628,14 @@ enum Internal {
         mountpoint: PathBuf,
         #[arg(long, default_value = "demofs")]
         name: String,
+        /// Mount, then on SIGUSR1 hand the connection to a successor process
+        /// and exit, writing the successor's pid to this file.
+        #[arg(long, value_name = "PID_FILE", conflicts_with = "device_on_stdin")]
+        hand_off_on_signal: Option<PathBuf>,
+        /// Serve the connection already mounted at the mountpoint through the
+        /// /dev/fuse descriptor on stdin.
+        #[arg(long)]
+        device_on_stdin: bool,
     },
     /// Run a container-model reader.
     Container {
@@ -725,8 +735,13 @@ fn main() -> ExitCode {
             webhook::run(webhook.config()).map_err(Into::into)
         }
         Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
-        Command::Internal(Internal::Demofs { backing, mountpoint, name }) => {
-            demofs::serve(&DemoFsOptions { backing, mountpoint, name }).map_err(Into::into)
+        Command::Internal(Internal::Demofs { backing, mountpoint, name, hand_off_on_signal, device_on_stdin }) => {
+            let role = match hand_off_on_signal {
+                Some(pid_file) => DemoFsRole::HandOffOnSignal { pid_file },
+                None if device_on_stdin => DemoFsRole::DeviceOnStdin,
+                None => DemoFsRole::Serve,
+            };
+            demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }
         Command::Internal(Internal::Container { volume, rootfs, hide, read, interval_ms }) => {
             container::run(&ContainerOptions {

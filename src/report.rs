@@ -31,6 +31,11 @@ pub enum Report<'a> {
     /// watcher saw it); `targets` were on its connection and are Degraded
     /// until a new mount appears at the source and they are healed.
     DaemonDied { source: &'a Path, pid: u32, at: SystemTime, targets: &'a [PathBuf] },
+    /// A target marked Degraded when the last known process serving its
+    /// connection exited is healthy again: the discovery that followed
+    /// found `pids` still holding the connection (a daemon that daemonized,
+    /// or handed its descriptor on).
+    DeathRetracted { target: &'a TargetEvent<'a>, pids: &'a [u32] },
     /// The process watcher reported an event of a watched daemon:
     /// `exited`, `exec` (a search for a missing daemon), `lost` (events
     /// dropped, all daemons searched again) or `failed`.

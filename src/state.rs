@@ -257,6 +257,17 @@ impl Journal {
         }
     }
 
+    /// Forgets the recorded death of the connection `dev` at `path`: another
+    /// process still served it. Returns whether anything changed.
+    pub fn retract_death(&mut self, path: &Path, dev: Dev) -> bool {
+        let Some(record) = self.sources.get_mut(path) else { return false };
+        let matches = record.daemon_died.is_some_and(|death| death.dev == dev);
+        if matches {
+            record.daemon_died = None;
+        }
+        matches
+    }
+
     /// Source paths with a recorded death.
     pub fn deaths(&self) -> impl Iterator<Item = (&Path, &DaemonDeath)> {
         self.sources.iter().filter_map(|(path, record)| Some((path.as_path(), record.daemon_died.as_ref()?)))
@@ -534,6 +545,11 @@ mod tests {
         assert!(!journal.settle_death(source, Some(dead)), "the dead mount is still there");
         assert!(!journal.settle_death(source, None), "nothing mounted: nothing replaced it");
         assert!(journal.settle_death(source, Some(Dev { major: 0, minor: 56 })));
+        assert_eq!(journal.deaths().count(), 0);
+
+        assert!(journal.daemon_died(source, death));
+        assert!(!journal.retract_death(source, Dev { major: 0, minor: 56 }), "another connection's death");
+        assert!(journal.retract_death(source, dead));
         assert_eq!(journal.deaths().count(), 0);
     }
 

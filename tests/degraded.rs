@@ -2,13 +2,14 @@
 //! targets are Degraded (logged, and shown by `status`) before it comes
 //! back, with both process watchers; the heal then reports the outage from
 //! the death; a connection kept open by another process is aborted so that
-//! a hung reader gets an error. Real daemons in private mount namespaces;
-//! needs root and /dev/fuse.
+//! a hung reader gets an error; a daemon that hands its connection to a
+//! process the supervisor had not seen is not taken for dead. Real daemons
+//! in private mount namespaces; needs root and /dev/fuse.
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::pidfd::PidFd;
@@ -23,7 +24,7 @@ fn binary() -> &'static Path {
 /// One source bound into one pod with a reader; the supervisor runs with
 /// `args` once [`World::supervise`] is called.
 struct World {
-    reader: ContainerReader,
+    reader: Option<ContainerReader>,
     supervisor: Option<SupervisorProcess>,
     source: FuseSource,
     target: PathBuf,
@@ -35,11 +36,23 @@ impl World {
     fn new(daemon: Daemon) -> World {
         let sandbox = Sandbox::new().expect("sandbox");
         let source = FuseSource::start(&sandbox, binary(), daemon, "shared-data").expect("start daemon");
+        World::with_source(sandbox, source)
+    }
+
+    fn with_source(sandbox: Sandbox, source: FuseSource) -> World {
+        let mut world = World::without_reader(sandbox, source);
+        world.reader = Some(spawn_reader(&world.sandbox, &world.target));
+        world
+    }
+
+    fn without_reader(sandbox: Sandbox, source: FuseSource) -> World {
         let target = source.bind_volume(&sandbox, "pod-0000", "data").expect("bind volume");
-        let reader =
-            ContainerReader::spawn(&sandbox, binary(), "pod-0000", &target, Path::new(DATA_FILE)).expect("reader");
         let state_dir = sandbox.root().join("state");
-        World { reader, supervisor: None, source, target, state_dir, sandbox }
+        World { reader: None, supervisor: None, source, target, state_dir, sandbox }
+    }
+
+    fn reader(&self) -> &ContainerReader {
+        self.reader.as_ref().expect("reader running")
     }
 
     /// Starts the supervisor and waits until it watches the daemon.
@@ -58,14 +71,19 @@ impl World {
 
     fn reads_current(&self) {
         let expected = self.source.expected_content();
-        self.reader.wait_until(TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("reader reads the source");
+        self.reader().wait_until(TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("reader reads the source");
     }
 
     /// `fuse-supervisor status` in the sandbox, against the same state dir.
     fn status(&self) -> String {
+        self.status_with(&[])
+    }
+
+    fn status_with(&self, args: &[&str]) -> String {
         let mut command = std::process::Command::new(binary());
         command
             .arg("status")
+            .args(args)
             .arg("--kubelet-root")
             .arg(self.sandbox.kubelet_root())
             .arg("--state-dir")
@@ -78,6 +96,16 @@ impl World {
         assert!(child.wait().expect("wait status").success(), "{out}");
         out
     }
+
+    /// The target's state and the source's recorded death in `status --json`.
+    fn status_json(&self) -> (String, serde_json::Value) {
+        let out = self.status_with(&["--json"]);
+        let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
+        let target = self.target.display().to_string();
+        let row = status["targets"].as_array().expect("targets").iter().find(|row| row["path"] == target.as_str());
+        let state = row.expect("the target in status")["state"].as_str().expect("state").to_owned();
+        (state, status["sources"][0]["daemon_died"].clone())
+    }
 }
 
 impl Drop for World {
@@ -89,6 +117,11 @@ impl Drop for World {
             eprintln!("mount table:\n{}", self.sandbox.mountinfo());
         }
     }
+}
+
+/// A reader of the target; returns once it has read once.
+fn spawn_reader(sandbox: &Sandbox, target: &Path) -> ContainerReader {
+    ContainerReader::spawn(sandbox, binary(), "pod-0000", target, Path::new(DATA_FILE)).expect("reader")
 }
 
 /// A field of a JSON log line (tracing puts them under `fields`).
@@ -124,7 +157,7 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
     let row = status.lines().find(|line| line.contains(&target)).expect("the target in status");
     assert!(row.starts_with("degraded "), "{status}");
     assert!(status.contains(&format!("DEGRADED: daemon pid {pid} died")), "{status}");
-    world.reader.wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
+    world.reader().wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
 
     // The outage the heal reports runs from the death, not from the new mount.
     std::thread::sleep(Duration::from_millis(300));
@@ -194,8 +227,95 @@ fn a_connection_kept_open_without_its_daemon_is_aborted_for_a_hung_reader() {
     assert!(field(&aborted, "waiting").as_u64().is_some_and(|waiting| waiting >= 1), "{aborted}");
     assert_eq!(field(&aborted, "pid"), serde_json::json!(daemon), "{aborted}");
     // The reader was hung in a read; the abort ends it with an error.
-    let failed = world.reader.wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("reader fails");
+    let failed = world.reader().wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("reader fails");
     assert!(matches!(failed.error(), Some("ECONNABORTED" | "ENOTCONN")), "{failed:?}");
     world.supervisor().wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded")).unwrap();
     drop(keeper);
+}
+
+/// A daemon seen holding its connection hands it to a successor and exits
+/// (as one that daemonizes does): the death the exit suggests is retracted
+/// at once, the reader never notices, and a later real crash still counts.
+fn a_handed_off_connection_is_not_dead(backend: &str) {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let source = FuseSource::start_handing_off(&sandbox, binary(), "shared-data").expect("start daemon");
+    let mut world = World::without_reader(sandbox, source);
+    let first = world.source.pid().expect("daemon running");
+    world.supervise(&["--process-watch", backend]);
+    let watched = world.supervisor().wait_for_log(TIMEOUT, message_is("watching the FUSE daemon")).unwrap();
+    assert_eq!(field(&watched, "pids"), serde_json::json!(format!("[{first}]")), "{watched}");
+
+    // The first process never answers: the reader's first request waits
+    // through the hand-off, and the successor answers it.
+    let (sandbox, target, source) = (&world.sandbox, &world.target, &mut world.source);
+    let (reader, successor) = std::thread::scope(|scope| {
+        let reader = scope.spawn(|| spawn_reader(sandbox, target));
+        std::thread::sleep(Duration::from_millis(100));
+        let successor = source.hand_off().expect("hand off");
+        (reader.join().expect("reader thread"), successor)
+    });
+    world.reader = Some(reader);
+    world.reads_current();
+    let died = world.supervisor().wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded")).unwrap();
+    assert_eq!(field(&died, "pid"), serde_json::json!(first), "{died}");
+    let retracted = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, message_is("connection still served by another process; death retracted"))
+        .expect("the death is retracted");
+    assert_eq!(field(&retracted, "pids"), serde_json::json!(format!("[{successor}]")), "{retracted}");
+    assert_eq!(field(&retracted, "targets"), serde_json::json!(1), "{retracted}");
+    let target = world.target.display().to_string();
+    world
+        .supervisor()
+        .wait_for_log(TIMEOUT, |line| line.contains(&target) && line.contains("\"to\":\"healthy\""))
+        .expect("the target is healthy again");
+
+    // The state file is written in the background.
+    wait_for("status without the retracted death", TIMEOUT, || {
+        world.status_json() == ("healthy".to_owned(), serde_json::Value::Null)
+    })
+    .unwrap();
+    assert!(!world.status().contains("DEGRADED"), "{}", world.status());
+    // The reader reports changes only: nothing new is nothing failed.
+    let expected = world.source.expected_content();
+    let history = world.reader().history();
+    let first_read = history.iter().position(|o| o.content() == Some(expected.as_str())).expect("read once");
+    std::thread::sleep(Duration::from_millis(300));
+    let since = world.reader().history().split_off(first_read);
+    assert!(since.iter().all(|o| o.content() == Some(expected.as_str())), "{since:?}");
+    world.reads_current();
+
+    // The successor is watched: its crash is a real death, then healed.
+    world.source.crash().unwrap();
+    let died = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, |line| {
+            message_is("daemon died; its targets are degraded")(line)
+                && field(line, "pid") == serde_json::json!(successor)
+        })
+        .expect("the successor's death is seen");
+    assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    world.reader().wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
+    wait_for("status degraded", TIMEOUT, || world.status_json().0 == "degraded").unwrap();
+    world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
+    world.reads_current();
+    world.supervisor().wait_for_log(TIMEOUT, message_is("healed")).expect("healed");
+    wait_for("status healthy after the heal", TIMEOUT, || world.status_json().1.is_null()).unwrap();
+    let retractions = world
+        .supervisor()
+        .log()
+        .iter()
+        .filter(|line| message_is("connection still served by another process; death retracted")(line))
+        .count();
+    assert_eq!(retractions, 1, "a real death is not retracted");
+}
+
+#[test]
+fn a_handed_off_connection_is_not_dead_with_the_process_connector() {
+    a_handed_off_connection_is_not_dead("connector");
+}
+
+#[test]
+fn a_handed_off_connection_is_not_dead_with_pidfds() {
+    a_handed_off_connection_is_not_dead("pidfd");
 }

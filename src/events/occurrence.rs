@@ -18,6 +18,9 @@ pub enum Reason {
     HealFailed,
     /// The kubelet confirmed that a FUSE daemon's container restarted (Normal, on the daemon's pod).
     DaemonRestarted,
+    /// A mount reported broken at its daemon's exit was not: another
+    /// process still served it (Normal, on the pod).
+    MountRestored,
 }
 
 impl Reason {
@@ -27,13 +30,14 @@ impl Reason {
             Reason::MountHealed => "FuseMountHealed",
             Reason::HealFailed => "FuseHealFailed",
             Reason::DaemonRestarted => "FuseDaemonRestarted",
+            Reason::MountRestored => "FuseMountRestored",
         }
     }
 
     /// The event's `action`: what the supervisor did about the pod.
     pub fn action(self) -> &'static str {
         match self {
-            Reason::MountBroken => "Detect",
+            Reason::MountBroken | Reason::MountRestored => "Detect",
             Reason::MountHealed | Reason::HealFailed => "Heal",
             Reason::DaemonRestarted => "Confirm",
         }
@@ -43,7 +47,7 @@ impl Reason {
     pub fn event_type(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::HealFailed => "Warning",
-            Reason::MountHealed | Reason::DaemonRestarted => "Normal",
+            Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored => "Normal",
         }
     }
 }
@@ -129,6 +133,18 @@ impl Occurrence {
                     pod_path(target.target, target.pod_uid),
                     target.source.display(),
                     human(*retry_in)
+                ),
+                now,
+            ),
+            Report::DeathRetracted { target, pids } => (
+                Reason::MountRestored,
+                Regarding::Uid(target.pod_uid.to_owned()),
+                format!(
+                    "FUSE volume mount {} was not broken after all: the daemon of {} exited, but process {} still \
+                     serves it",
+                    pod_path(target.target, target.pod_uid),
+                    target.source.display(),
+                    pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
                 ),
                 now,
             ),
@@ -261,6 +277,17 @@ mod tests {
             })
         );
         assert_eq!(occurrence.reason.action(), "Confirm");
+    }
+
+    #[test]
+    fn a_retracted_death_restores_the_mount() {
+        let path = PathBuf::from("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~csi/pv-1/mount");
+        let source = PathBuf::from("/runtime/shared");
+        let report = Report::DeathRetracted { target: &target(&path, &source), pids: &[41, 42] };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!((occurrence.reason.as_str(), occurrence.reason.event_type()), ("FuseMountRestored", "Normal"));
+        assert_eq!(occurrence.regarding, Regarding::Uid("uid-1".into()));
+        assert!(occurrence.note.ends_with("process 41, 42 still serves it"), "{}", occurrence.note);
     }
 
     #[test]

@@ -128,6 +128,8 @@ metrics! {
         "Stale mount layers removed from under healed targets";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
+    death_retractions: Counter = Counter::default(), "death_retractions",
+        "Targets back from Degraded without a heal: a process not seen before still served the connection when its known daemon exited (daemon_deaths counts those deaths too)";
     daemon_restarts: Counter = Counter::default(), "daemon_restarts",
         "Restarts of a FUSE daemon's pod confirmed by the kubelet";
     kubelet_requests: Family<CodeLabel, Counter> = Family::default(), "kubelet_requests",
@@ -235,6 +237,9 @@ impl Reporter for Metrics {
             Report::HealFailed { .. } => self.heal("failed"),
             Report::DaemonDied { .. } => {
                 self.daemon_deaths.inc();
+            }
+            Report::DeathRetracted { .. } => {
+                self.death_retractions.inc();
             }
             Report::ProcessEvent { kind } => {
                 self.process_events.get_or_create(&EventLabel { event: kind }).inc();

@@ -3,6 +3,8 @@
 //! mount appears), and the stale layer under each is held by an `O_PATH`
 //! descriptor so that a new mount stacked over the stale source (which
 //! covers it on every root-level target) does not leave it unreachable.
+//! A death is retracted when the discovery that follows it finds another
+//! process holding the connection: the targets are healthy again.
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
-use crate::daemons::{Aborted, DaemonEvent};
+use crate::daemons::{Aborted, DaemonEvent, Retraction};
 use crate::heal::{Executor, Healed};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
 use crate::process_watch::{Detection, ProcessEvent};
@@ -86,8 +88,49 @@ impl<E: Executor> Supervisor<E> {
                 error!(%err, "process watcher stopped; daemon deaths are now seen only when a new mount appears");
                 self.daemons = None;
             }
-            DaemonEvent::Discovered(found) => daemons.discovered(found),
+            DaemonEvent::Discovered(found) => {
+                for retraction in daemons.discovered(found) {
+                    self.death_retracted(retraction);
+                }
+            }
         }
+    }
+
+    /// Undoes [`Supervisor::daemon_died`] for a connection that another
+    /// process still holds: its Degraded targets are healthy (they never
+    /// stopped answering), the recorded death goes, the stale-layer handles
+    /// are let go.
+    fn death_retracted(&mut self, Retraction { source, dev, pids }: Retraction) {
+        let mut targets: Vec<(PathBuf, String)> = self
+            .journal
+            .mappings()
+            .iter()
+            .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
+            .map(|(path, mapping)| (path.clone(), mapping.pod_uid.clone()))
+            .collect();
+        targets.sort_unstable();
+        let mut restored = 0;
+        for (path, pod_uid) in &targets {
+            self.release_held(path);
+            // Only this death made a target Degraded; one broken since
+            // (a later scan saw it otherwise) stays in its outage.
+            let Some(record) = self.records.get(path) else { continue };
+            let TargetState::Degraded { since } = record.state else { continue };
+            debug!(target = %path.display(), pod = %pod_uid, from = "degraded", to = "healthy", "target state");
+            // Healthy targets have no record.
+            self.records.remove(path);
+            restored += 1;
+            let event = TargetEvent { target: path, pod_uid, source: &source, broken_since: Some(since) };
+            self.reporters.report(&Report::DeathRetracted { target: &event, pids: &pids });
+        }
+        self.state_dirty |= self.journal.retract_death(&source, dev);
+        info!(
+            source = %source.display(),
+            connection = %dev,
+            ?pids,
+            targets = restored,
+            "connection still served by another process; death retracted"
+        );
     }
 
     /// Every target on the dead connection becomes Degraded, with the

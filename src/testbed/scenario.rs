@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
+use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::Poller;
-use fuse_supervisor_sys::process::Signal;
+use fuse_supervisor_sys::process::{self, Signal};
 
 use super::{Sandbox, SandboxChild};
 
@@ -84,6 +85,12 @@ pub struct FuseSource {
     binary: PathBuf,
     process: Option<SandboxChild>,
     generation: u32,
+    /// The pid file of a demofs that hands its connection off on SIGUSR1
+    /// (as the sandbox sees it, and from outside), until it has.
+    hand_off: Option<(PathBuf, PathBuf)>,
+    /// The process a hand-off left serving: not a child of the sandbox,
+    /// so killed here.
+    successor: Option<u32>,
 }
 
 impl FuseSource {
@@ -102,6 +109,26 @@ impl FuseSource {
         name: &str,
         path: &Path,
     ) -> Result<Self, ScenarioError> {
+        Self::start_with(sandbox, binary, daemon, name, path, false)
+    }
+
+    /// A demofs that mounts `runtime/<name>` but leaves it unanswered until
+    /// [`FuseSource::hand_off`] makes it hand the connection to a
+    /// successor process and exit: a daemon that daemonizes after it was
+    /// seen holding its connection.
+    pub fn start_handing_off(sandbox: &Sandbox, binary: &Path, name: &str) -> Result<Self, ScenarioError> {
+        let path = sandbox.runtime_root().join(name).join("fuse");
+        Self::start_with(sandbox, binary, Daemon::DemoFs, name, &path, true)
+    }
+
+    fn start_with(
+        sandbox: &Sandbox,
+        binary: &Path,
+        daemon: Daemon,
+        name: &str,
+        path: &Path,
+        hands_off: bool,
+    ) -> Result<Self, ScenarioError> {
         let backing = sandbox.root().join("backing").join(name);
         let path = path.to_path_buf();
         // Files are made from the sandbox thread: the sandbox's tmpfs hides
@@ -117,8 +144,21 @@ impl FuseSource {
                 fs::write(inner, text)
             })
             .map_err(io_step(format!("create backing directory {}", backing.display())))?;
-        let mut source =
-            FuseSource { path, backing, daemon, binary: binary.to_path_buf(), process: None, generation: 0 };
+        let hand_off = hands_off.then(|| {
+            let pid_file = sandbox.root().join(format!("{name}.successor.pid"));
+            let outside = sandbox.outside_path(&pid_file);
+            (pid_file, outside)
+        });
+        let mut source = FuseSource {
+            path,
+            backing,
+            daemon,
+            binary: binary.to_path_buf(),
+            process: None,
+            generation: 0,
+            hand_off,
+            successor: None,
+        };
         source.write_generation(sandbox)?;
         source.launch(sandbox)?;
         Ok(source)
@@ -134,7 +174,49 @@ impl FuseSource {
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.process.as_ref().map(SandboxChild::pid)
+        self.process.as_ref().map(SandboxChild::pid).or(self.successor)
+    }
+
+    /// Makes a demofs started by [`FuseSource::start_handing_off`] hand its
+    /// connection to a successor, and waits until the successor serves and
+    /// the first process exited. Returns the successor's pid.
+    pub fn hand_off(&mut self) -> Result<u32, ScenarioError> {
+        let Some((_, pid_file)) = self.hand_off.clone() else {
+            return Err(ScenarioError::Io {
+                step: "hand off".into(),
+                source: io::Error::other("the daemon was not started to hand off"),
+            });
+        };
+        let process = self.process.take().ok_or_else(|| ScenarioError::Io {
+            step: "hand off".into(),
+            source: io::Error::other("no daemon running"),
+        })?;
+        process.signal(Signal::Usr1).map_err(io_step("signal demofs to hand off"))?;
+        let status = process.wait().map_err(io_step("wait for demofs to hand off"))?;
+        let successor = read_pid(&pid_file).map_err(io_step(format!("read {}", pid_file.display())))?;
+        self.successor = Some(successor);
+        self.hand_off = None;
+        if !status.success() {
+            return Err(ScenarioError::Io {
+                step: "hand off".into(),
+                source: io::Error::other(format!("demofs exited with {status}")),
+            });
+        }
+        Ok(successor)
+    }
+
+    /// SIGKILLs a successor left by a hand-off (or one started by a hand-off
+    /// that did not finish) and waits until it is gone.
+    fn kill_successor(&mut self) -> Result<(), ScenarioError> {
+        let pending = self.hand_off.as_ref().and_then(|(_, pid_file)| read_pid(pid_file).ok());
+        let Some(pid) = self.successor.take().or(pending) else { return Ok(()) };
+        let Ok(process) = PidFd::open(pid) else { return Ok(()) };
+        process.signal(Signal::Kill).map_err(io_step(format!("kill the successor {pid}")))?;
+        // Not our child: it is gone once its pidfd is readable.
+        let poller = Poller::new().map_err(io_step("poll the successor"))?;
+        poller.add_readable(process.as_fd(), 0).map_err(io_step("poll the successor"))?;
+        poller.wait(&mut Vec::new(), Some(MOUNT_TIMEOUT)).map_err(io_step("wait for the successor to exit"))?;
+        Ok(())
     }
 
     fn write_generation(&self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
@@ -152,6 +234,9 @@ impl FuseSource {
                     .arg(&self.backing)
                     .arg("--mountpoint")
                     .arg(&self.path);
+                if let Some((pid_file, _)) = &self.hand_off {
+                    command.arg("--hand-off-on-signal").arg(pid_file);
+                }
                 command
             }
             Daemon::Bindfs => {
@@ -176,7 +261,7 @@ impl FuseSource {
         if let Some(process) = self.process.take() {
             process.kill().map_err(io_step(format!("kill {}", self.daemon.name())))?;
         }
-        Ok(())
+        self.kill_successor()
     }
 
     /// SIGSTOP: the mount stays and every access hangs until [`resume`].
@@ -189,9 +274,10 @@ impl FuseSource {
     }
 
     fn signal(&self, signal: Signal) -> Result<(), ScenarioError> {
-        match &self.process {
-            Some(process) => process.signal(signal).map_err(io_step(format!("signal {}", self.daemon.name()))),
-            None => Ok(()),
+        match (&self.process, self.successor) {
+            (Some(process), _) => process.signal(signal).map_err(io_step(format!("signal {}", self.daemon.name()))),
+            (None, Some(pid)) => process::signal(pid, signal).map_err(io_step(format!("signal the successor {pid}"))),
+            (None, None) => Ok(()),
         }
     }
 
@@ -234,6 +320,19 @@ impl FuseSource {
         })?;
         Ok(target)
     }
+}
+
+impl Drop for FuseSource {
+    fn drop(&mut self) {
+        if let Err(err) = self.kill_successor() {
+            eprintln!("cannot kill the successor of {}: {err}", self.path.display());
+        }
+    }
+}
+
+fn read_pid(path: &Path) -> io::Result<u32> {
+    let text = fs::read_to_string(path)?;
+    text.trim().parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("pid file: {text:?}")))
 }
 
 /// IDs of the FUSE mounts at `path` in the sandbox.

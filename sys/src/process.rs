@@ -38,6 +38,8 @@ pub enum Signal {
     Term,
     /// `SIGINT`
     Int,
+    /// `SIGUSR1`
+    Usr1,
 }
 
 impl Signal {
@@ -49,6 +51,7 @@ impl Signal {
             Signal::Cont => S::CONT,
             Signal::Term => S::TERM,
             Signal::Int => S::INT,
+            Signal::Usr1 => S::USR1,
         }
     }
 }
