@@ -176,10 +176,10 @@ enum Known {
 }
 
 /// Discoveries that find nobody are repeated this many times, spaced out
-/// from 100 ms, before only exec events ask again.
+/// from 100 ms; then only exec events ask again (connector), or nothing
+/// does (pidfd): no timer runs for good, and the connection's end is seen
+/// when a new mount replaces it, as without a process watcher.
 const UNSERVED_RETRIES: u32 = 5;
-/// Then, with a watcher that reports no execs (pidfd), this often.
-const UNSERVED_SLOW_RETRY: Duration = Duration::from_secs(30);
 /// Exec events ask for a discovery at most this often.
 const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
 
@@ -436,16 +436,11 @@ impl Daemons {
                 }
             }
             let execs = self.watcher.backend() == Backend::ProcConnector;
-            let retry_at = if tries < UNSERVED_RETRIES {
-                Some(now + Duration::from_millis(100) * (1 << tries))
-            } else if execs {
-                None
-            } else {
-                Some(now + UNSERVED_SLOW_RETRY)
-            };
+            let retry_at = (tries < UNSERVED_RETRIES).then(|| now + Duration::from_millis(100) * (1 << tries));
             if tries == UNSERVED_RETRIES {
-                let again = if execs { "when a process starts" } else { "every 30 s" };
-                info!(source = %source.display(), connection = %dev, again, "no daemon found for the source; looking again");
+                let again =
+                    if execs { "when a process starts" } else { "never: its end is seen when a new mount appears" };
+                info!(source = %source.display(), connection = %dev, again, "no daemon found for the source");
             }
             *known = Known::Unserved { tries, retry_at };
         }
