@@ -11,6 +11,7 @@
 //!     volumes/                                     Volumes
 //!       <plugin>/                                  Plugin (entries: volumes)
 //!         <volume>/          (kubernetes.io~csi)   CsiVolume (vol_data.json)
+//!           vol_data.json    (while being written) VolDataFile
 //!     volume-subpaths/                             SubPaths
 //!       <volume>/                                  SubPathVolume
 //!         <container>/                             SubPathContainer (entries: indexes)
@@ -26,7 +27,8 @@ use super::{PodChange, PodWatchError};
 /// The kubelet's directory name for the CSI volume plugin.
 pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
 
-/// A directory of the tree and what it is to the pod model.
+/// A directory of the tree and what it is to the pod model; or a CSI
+/// volume's `vol_data.json`, watched itself while it is being written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Dir {
     Pods,
@@ -37,6 +39,7 @@ pub(crate) enum Dir {
     SubPaths { uid: Arc<str> },
     SubPathVolume { uid: Arc<str>, volume: Box<str> },
     SubPathContainer { uid: Arc<str>, volume: Box<str>, container: Box<str> },
+    VolDataFile { uid: Arc<str>, name: Box<str> },
 }
 
 impl Dir {
@@ -49,7 +52,8 @@ impl Dir {
             | Dir::CsiVolume { uid, .. }
             | Dir::SubPaths { uid }
             | Dir::SubPathVolume { uid, .. }
-            | Dir::SubPathContainer { uid, .. } => Some(uid),
+            | Dir::SubPathContainer { uid, .. }
+            | Dir::VolDataFile { uid, .. } => Some(uid),
         }
     }
 
@@ -65,6 +69,9 @@ impl Dir {
             Dir::SubPathVolume { uid, volume } => path.extend([&**uid, "volume-subpaths", volume]),
             Dir::SubPathContainer { uid, volume, container } => {
                 path.extend([&**uid, "volume-subpaths", volume, container]);
+            }
+            Dir::VolDataFile { uid, name } => {
+                path.extend([&**uid, "volumes", CSI_PLUGIN_DIR, name, VOL_DATA_FILE]);
             }
         }
         path
@@ -89,7 +96,9 @@ impl Dir {
             Dir::SubPathVolume { uid, volume } => {
                 Dir::SubPathContainer { uid: uid.clone(), volume: volume.clone(), container: name.into() }
             }
-            Dir::Plugin { .. } | Dir::CsiVolume { .. } | Dir::SubPathContainer { .. } => return None,
+            Dir::Plugin { .. } | Dir::CsiVolume { .. } | Dir::SubPathContainer { .. } | Dir::VolDataFile { .. } => {
+                return None;
+            }
         })
     }
 }
@@ -101,6 +110,12 @@ pub(crate) trait Visit {
     /// went away, or is not a directory); any other error ends the walk.
     fn enter(&mut self, path: &Path, dir: &Dir) -> io::Result<bool>;
     fn change(&mut self, change: PodChange);
+    /// Called when the `vol_data.json` of CSI volume `volume` is there but
+    /// empty or cut short: the kubelet may be writing it. `Ok(true)`: it is
+    /// watched now (it was not), read it again. Errors as for `enter`.
+    fn writing(&mut self, _file: &Path, _volume: &Dir) -> io::Result<bool> {
+        Ok(false)
+    }
 }
 
 fn skippable(err: &io::Error) -> bool {
@@ -171,11 +186,7 @@ fn walk_contents(path: &Path, dir: &Dir, visit: &mut impl Visit) -> Result<(), P
             }
             Ok(())
         }
-        Dir::CsiVolume { uid, name } => {
-            let (vol_data, error) = read_vol_data(&path.join(VOL_DATA_FILE), Strictness::Walk);
-            report_volume(visit, uid, name, vol_data, error);
-            Ok(())
-        }
+        Dir::CsiVolume { .. } => read_volume(path, dir, visit),
         _ => {
             let list_error = |source| PodWatchError::List { path: path.to_path_buf(), source };
             let entries = match std::fs::read_dir(path) {
@@ -198,6 +209,29 @@ fn walk_contents(path: &Path, dir: &Dir, visit: &mut impl Visit) -> Result<(), P
             Ok(())
         }
     }
+}
+
+/// Reads the `vol_data.json` of CSI volume `dir` (at `path`) as a walk or
+/// its creation finds it, and reports the volume. If the file is there but
+/// not complete, the kubelet is likely writing it: its `IN_CLOSE_WRITE` is
+/// then awaited on a watch of the file itself (see `watcher`), and the file
+/// is read again in case it was closed before that watch existed.
+pub(crate) fn read_volume(path: &Path, dir: &Dir, visit: &mut impl Visit) -> Result<(), PodWatchError> {
+    let Dir::CsiVolume { uid, name } = dir else { return Ok(()) };
+    let file = path.join(VOL_DATA_FILE);
+    let mut read = read_vol_data(&file, Strictness::Walk);
+    if read.writing {
+        let file_dir = Dir::VolDataFile { uid: uid.clone(), name: name.clone() };
+        match visit.writing(&file, &file_dir) {
+            Ok(true) => read = read_vol_data(&file, Strictness::Walk),
+            Ok(false) => {}
+            // Gone since: its removal is an event of the volume directory.
+            Err(err) if skippable(&err) => {}
+            Err(source) => return Err(PodWatchError::watch(&file, source)),
+        }
+    }
+    report_volume(visit, uid, name, read.vol_data, read.error);
+    Ok(())
 }
 
 /// Sends what is known of a CSI volume: seen (with its data if readable),
@@ -226,27 +260,42 @@ pub(crate) fn report_volume(
     }
 }
 
-/// How to take an empty `vol_data.json`.
+/// How to take an empty or unparsable `vol_data.json`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Strictness {
-    /// Read while walking: an empty file is one the kubelet is writing
-    /// (`os.Create`, then one `write`); its `IN_CLOSE_WRITE` follows.
+    /// Read while walking or on `IN_CREATE`: such a file may be one the
+    /// kubelet is writing (`os.Create`, then one `write`); its
+    /// `IN_CLOSE_WRITE` follows.
     Walk,
     /// Read on `IN_CLOSE_WRITE` / `IN_MOVED_TO`: the file is complete.
     Complete,
 }
 
-pub(crate) fn read_vol_data(path: &Path, strictness: Strictness) -> (Option<VolData>, Option<VolDataError>) {
+/// What a read of a `vol_data.json` gave.
+pub(crate) struct VolDataRead {
+    pub(crate) vol_data: Option<VolData>,
+    pub(crate) error: Option<VolDataError>,
+    /// Read as a walk finds it, the file is there but empty or does not
+    /// parse: it may be being written.
+    pub(crate) writing: bool,
+}
+
+pub(crate) fn read_vol_data(path: &Path, strictness: Strictness) -> VolDataRead {
+    let read = |vol_data, error, writing| VolDataRead { vol_data, error, writing };
     let bytes = match vol_data::read_bytes(path) {
         Ok(bytes) => bytes,
-        Err(VolDataError::Read { source, .. }) if skippable(&source) => return (None, None),
-        Err(error) => return (None, Some(error)),
+        Err(VolDataError::Read { source, .. }) if skippable(&source) => return read(None, None, false),
+        Err(error) => return read(None, Some(error), false),
     };
-    if bytes.is_empty() && strictness == Strictness::Walk {
-        return (None, None);
+    let walk = strictness == Strictness::Walk;
+    if bytes.is_empty() && walk {
+        return read(None, None, true);
     }
     match VolData::parse(&bytes, path) {
-        Ok(vol_data) => (Some(vol_data), None),
-        Err(error) => (None, Some(error)),
+        Ok(vol_data) => read(Some(vol_data), None, false),
+        Err(error) => {
+            let cut_short = walk && matches!(error, VolDataError::Syntax { .. });
+            read(None, Some(error), cut_short)
+        }
     }
 }

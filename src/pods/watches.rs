@@ -32,7 +32,8 @@ struct Watch {
     kind: Kind,
     /// Empty for the pods directory and gaps.
     uid: Span,
-    /// The plugin, CSI volume or subPath volume directory's name;
+    /// The plugin, CSI volume (also for its `vol_data.json`) or subPath
+    /// volume directory's name;
     /// `<volume>/<container>` for a subPath container directory (a name
     /// holds no `/`).
     name: Span,
@@ -59,6 +60,7 @@ enum Kind {
     SubPaths,
     SubPathVolume,
     SubPathContainer,
+    VolDataFile,
 }
 
 impl WatchTable {
@@ -93,6 +95,7 @@ impl WatchTable {
                 let (volume, container) = self.str(watch.name).split_once('/')?;
                 Dir::SubPathContainer { uid: uid(), volume: volume.into(), container: container.into() }
             }
+            Kind::VolDataFile => Dir::VolDataFile { uid: uid(), name: name() },
         })
     }
 
@@ -114,6 +117,12 @@ impl WatchTable {
             Err(at) => self.entries.insert(at, watch),
         }
         true
+    }
+
+    /// How many watches it holds.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len() - self.gaps
     }
 
     /// Forgets `wd`.
@@ -202,6 +211,7 @@ impl WatchTable {
             Dir::SubPathContainer { volume, container, .. } => {
                 (Kind::SubPathContainer, self.add(&format!("{volume}/{container}")))
             }
+            Dir::VolDataFile { name, .. } => (Kind::VolDataFile, self.add(name)),
         };
         Watch { wd, kind, uid, name }
     }

@@ -1,8 +1,9 @@
 //! inotify on directories: a thin typed layer over rustix's safe calls.
 //!
-//! Watches are always added with `IN_ONLYDIR|IN_DONT_FOLLOW`: the trees
-//! watched (the kubelet's pod directories) are attacker-influenced, and a
-//! symlink put in place of a directory must not move a watch elsewhere.
+//! Watches are always added with `IN_DONT_FOLLOW` (and `IN_ONLYDIR` on
+//! directories): the trees watched (the kubelet's pod directories) are
+//! attacker-influenced, and a symlink put in place of a directory or file
+//! must not move a watch elsewhere.
 use std::ffi::OsStr;
 use std::io;
 use std::mem::MaybeUninit;
@@ -34,6 +35,12 @@ impl Inotify {
     /// it is gone, `ENOSPC` when `fs.inotify.max_user_watches` is reached.
     pub fn watch_dir(&self, path: &Path, mask: WatchFlags) -> io::Result<i32> {
         Ok(inotify::add_watch(&self.fd, path, mask | WatchFlags::ONLYDIR | WatchFlags::DONT_FOLLOW)?)
+    }
+
+    /// `inotify_add_watch(path, mask|IN_DONT_FOLLOW)` on a file: events on
+    /// the inode's own mark. A symlink is watched itself, never its target.
+    pub fn watch_file(&self, path: &Path, mask: WatchFlags) -> io::Result<i32> {
+        Ok(inotify::add_watch(&self.fd, path, mask | WatchFlags::DONT_FOLLOW)?)
     }
 
     /// `inotify_rm_watch`. `EINVAL` if the kernel dropped the watch already
