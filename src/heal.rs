@@ -412,10 +412,7 @@ impl Executor for MountExecutor {
     }
 
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
-        let (top, id) = self.mounter.resolve_target(&target.path)?;
-        if id != target.top_mount_id {
-            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
-        }
+        let top = self.mounter.open_planned(target)?;
         // The loop thread flattens alone here, on its own parking directory.
         self.mounter.flatten(target, stale.as_fd(), top.as_fd(), 0)
     }

@@ -806,17 +806,11 @@ impl<E: Executor> Supervisor<E> {
                 if self.held.contains_key(path) {
                     continue;
                 }
-                let broken_since = self.records.get(path).and_then(|record| record.broken_since);
-                let event =
-                    TargetEvent { target: path, pod_uid: &target.pod_uid, source: &mapping.source, broken_since };
                 // This scan may be the first to see the source's new mount.
-                let latency = match self.sources_seen_at.get(&mapping.source) {
-                    Some((dev, at)) if *dev == source.top().dev => at.elapsed(),
-                    _ => self.scan_started.elapsed(),
-                };
-                let outage = broken_since.and_then(|since| since.elapsed().ok());
-                let heal = HealReport { how: Healed::Propagated, latency, outage, layers_removed: 0 };
-                self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
+                let latency = self
+                    .since_source_seen(&mapping.source, source.top().dev)
+                    .unwrap_or_else(|| self.scan_started.elapsed());
+                self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
             }
         }
     }
@@ -1115,10 +1109,8 @@ impl<E: Executor> Supervisor<E> {
             }
         };
         // The pod of a target may have been deleted since it was planned
-        // (what was prepared for the batch no longer fits it then).
-        let planned = batch.targets.len();
+        // (the executor prepares again what no longer fits the batch).
         batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
-        let prepared = if batch.targets.len() == planned { prepared } else { Prepared::default() };
         self.heal(&batch, prepared, &handles);
         self.rescan();
     }
@@ -1128,15 +1120,27 @@ impl<E: Executor> Supervisor<E> {
     /// source that did not change.
     fn heal_latency(&self, batch: &HealBatch) -> Duration {
         let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
-        let source_seen = self
-            .sources_seen_at
-            .get(&batch.source.path)
-            .filter(|(dev, _)| *dev == batch.source.top().dev)
-            .map(|(_, at)| *at);
-        match source_seen {
-            Some(at) if !dead_target => at.elapsed(),
+        match self.since_source_seen(&batch.source.path, batch.source.top().dev) {
+            Some(latency) if !dead_target => latency,
             _ => self.woke_at.elapsed(),
         }
+    }
+
+    /// How long ago a scan first saw the mount on connection `dev` at
+    /// `source`; None if none has yet.
+    fn since_source_seen(&self, source: &Path, dev: Dev) -> Option<Duration> {
+        let (seen, at) = self.sources_seen_at.get(source)?;
+        (*seen == dev).then(|| at.elapsed())
+    }
+
+    /// Reports a target healed by the kernel's propagation of a mount over
+    /// its stale source, after `layers_removed` covered layers went.
+    fn report_propagated(&self, target: &Path, pod_uid: &str, source: &Path, latency: Duration, layers_removed: usize) {
+        let broken_since = self.records.get(target).and_then(|record| record.broken_since);
+        let event = TargetEvent { target, pod_uid, source, broken_since };
+        let outage = broken_since.and_then(|since| since.elapsed().ok());
+        let heal = HealReport { how: Healed::Propagated, latency, outage, layers_removed };
+        self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, handles: &crate::probe::SourceHandles) {

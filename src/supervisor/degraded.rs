@@ -13,10 +13,10 @@ use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
 use crate::daemons::{Aborted, DaemonEvent, Retraction};
-use crate::heal::{Executor, Healed};
+use crate::heal::Executor;
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
 use crate::process_watch::{Detection, ProcessEvent};
-use crate::report::{HealReport, Report, TargetEvent};
+use crate::report::{Report, TargetEvent};
 use crate::state::{DaemonDeath, TargetState};
 use crate::table::{Classified, Dev};
 
@@ -101,17 +101,10 @@ impl<E: Executor> Supervisor<E> {
     /// stopped answering), the recorded death goes, the stale-layer handles
     /// are let go.
     fn death_retracted(&mut self, Retraction { source, dev, pids }: Retraction) {
-        let mut targets: Vec<(PathBuf, String)> = self
-            .journal
-            .mappings()
-            .iter()
-            .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
-            .map(|(path, mapping)| (path.clone(), mapping.pod_uid.clone()))
-            .collect();
-        targets.sort_unstable();
         let mut restored = 0;
-        for (path, pod_uid) in &targets {
+        for path in &self.targets_on(&source, dev) {
             self.release_held(path);
+            let Some(pod_uid) = self.journal.get(path).map(|mapping| mapping.pod_uid.clone()) else { continue };
             // Only this death made a target Degraded; one broken since
             // (a later scan saw it otherwise) stays in its outage.
             let Some(record) = self.records.get(path) else { continue };
@@ -120,7 +113,7 @@ impl<E: Executor> Supervisor<E> {
             // Healthy targets have no record.
             self.records.remove(path);
             restored += 1;
-            let event = TargetEvent { target: path, pod_uid, source: &source, broken_since: Some(since) };
+            let event = TargetEvent { target: path, pod_uid: &pod_uid, source: &source, broken_since: Some(since) };
             self.reporters.report(&Report::DeathRetracted { target: &event, pids: &pids });
         }
         self.state_dirty |= self.journal.retract_death(&source, dev);
@@ -133,10 +126,8 @@ impl<E: Executor> Supervisor<E> {
         );
     }
 
-    /// Every target on the dead connection becomes Degraded, with the
-    /// death as the start of its outage.
-    fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
-        let since = wall_clock(at);
+    /// The targets recorded on connection `dev` of `source`, in path order.
+    fn targets_on(&self, source: &Path, dev: Dev) -> Vec<PathBuf> {
         let mut targets: Vec<PathBuf> = self
             .journal
             .mappings()
@@ -145,6 +136,14 @@ impl<E: Executor> Supervisor<E> {
             .map(|(path, _)| path.clone())
             .collect();
         targets.sort_unstable();
+        targets
+    }
+
+    /// Every target on the dead connection becomes Degraded, with the
+    /// death as the start of its outage.
+    fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
+        let since = wall_clock(at);
+        let targets = self.targets_on(source, dev);
         for path in &targets {
             let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
             // A target already broken, healing or failing is in an outage
@@ -292,19 +291,14 @@ impl<E: Executor> Supervisor<E> {
                     0
                 }
             };
-            let event = TargetEvent {
-                target: &heal.path,
-                pod_uid: &heal.pod_uid,
-                source: &source,
-                broken_since: record.broken_since,
-            };
             // The kernel healed it the instant the new mount appeared; this
             // is when the covered layer went.
             let latency =
                 self.sources_seen_at.get(&source).map_or_else(|| self.woke_at.elapsed(), |(_, at)| at.elapsed());
-            let report = HealReport { how: Healed::Propagated, latency, outage, layers_removed };
-            self.reporters.report(&Report::TargetHealed { target: &event, heal: &report });
-            record.broken_since = None;
+            self.report_propagated(&heal.path, &heal.pod_uid, &source, latency, layers_removed);
+            if let Some(record) = self.records.get_mut(&heal.path) {
+                record.broken_since = None;
+            }
         }
     }
 
