@@ -87,6 +87,14 @@ pub trait MountWatcher: Send {
 
     /// The handle that arms the watcher again, for the thread that reads the table.
     fn rearm_handle(&self) -> Arc<dyn Rearm>;
+
+    /// Unique IDs of mounts the last reported change attached or moved, where
+    /// the backend names them (fanotify; at most [`MountBatch::KEPT`]): the
+    /// loop can look at a new mount before it reads the whole table. Empty
+    /// when unknown.
+    fn attached(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 /// Arms a watcher again after it reported a change.
@@ -282,6 +290,11 @@ impl MountWatcher for FanotifyWatcher {
 
     fn rearm_handle(&self) -> Arc<dyn Rearm> {
         self.arm.clone()
+    }
+
+    fn attached(&self) -> Vec<u64> {
+        let read = self.arm.read.lock().unwrap_or_else(PoisonError::into_inner);
+        read.batch.events.iter().filter_map(MountEvent::appeared).collect()
     }
 }
 

@@ -71,7 +71,8 @@ impl MountInfo<'_> {
     }
 }
 
-fn is_fuse_type(fs_type: &str) -> bool {
+/// `fuse`, `fuseblk` and `fuse.<subtype>`: the types a FUSE daemon mounts.
+pub fn is_fuse_type(fs_type: &str) -> bool {
     match fs_type.strip_prefix("fuse") {
         Some(rest) => rest.is_empty() || rest == "blk" || rest.starts_with('.'),
         None => false,

@@ -111,6 +111,16 @@ pub enum MountEvent {
     Overflow,
 }
 
+impl MountEvent {
+    /// The mount that appeared somewhere: attached, or moved to a new place.
+    pub fn appeared(&self) -> Option<u64> {
+        match *self {
+            MountEvent::Attached(id) | MountEvent::Moved(id) => Some(id),
+            MountEvent::Detached(_) | MountEvent::Overflow => None,
+        }
+    }
+}
+
 /// A reusable buffer that reads events off a [`MountEvents`] group: no
 /// allocation after creation.
 pub struct MountEventReader {

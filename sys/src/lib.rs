@@ -19,3 +19,4 @@ pub mod probe;
 pub mod proc_connector;
 pub mod process;
 pub mod resolve;
+pub mod statmount;
