@@ -17,6 +17,7 @@ use fuse_supervisor_sys::{mount, ns, resolve};
 use tracing::{debug, warn};
 
 use crate::plan::{HealBatch, TargetHeal};
+use crate::priority::HealPriority;
 use crate::probe::SourceHandles;
 use crate::table::Dev;
 
@@ -332,7 +333,7 @@ impl FlattenPool {
     /// Helper `n` parks on parking directory `n` (the loop thread on 0).
     /// They start in the calling thread's mount namespace and enter
     /// `namespace` to be sure of it.
-    fn start(mounter: &Arc<Mounter>, namespace: &OwnedFd) -> Self {
+    fn start(mounter: &Arc<Mounter>, namespace: &OwnedFd, priority: HealPriority) -> Self {
         let queue = Arc::new(FlattenQueue::default());
         let mut threads = Vec::with_capacity(FLATTEN_THREADS - 1);
         for park in 1..FLATTEN_THREADS {
@@ -350,6 +351,7 @@ impl FlattenPool {
                     return;
                 }
                 drop(namespace);
+                priority.raise();
                 while let Some(job) = queue.next() {
                     mounter.run(job, park);
                 }
@@ -391,13 +393,14 @@ pub struct MountExecutor {
 impl MountExecutor {
     /// Must be called from the thread that mounts, once it is in the
     /// watched namespace.
-    pub fn new(kubelet_root: &Path, staging_dir: &Path) -> std::io::Result<Self> {
+    /// The flatten helpers run at `priority` (see [`crate::priority`]).
+    pub fn new(kubelet_root: &Path, staging_dir: &Path, priority: HealPriority) -> std::io::Result<Self> {
         let mounter = Arc::new(Mounter {
             kubelet_root: kubelet_root.to_path_buf(),
             kubelet_root_fd: resolve::open_dir(kubelet_root)?,
             staging: Staging::prepare(staging_dir)?,
         });
-        let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?);
+        let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?, priority);
         Ok(MountExecutor { mounter, pool })
     }
 }

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod mountinfo;
 pub mod plan;
 pub mod pods;
+pub mod priority;
 pub mod probe;
 pub mod process_watch;
 pub mod report;

@@ -16,6 +16,7 @@ use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::layout::{self, SourceLayouts};
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
+use fuse_supervisor::priority::HealPriority;
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::state::Journal;
@@ -138,6 +139,11 @@ struct NodeArgs {
     /// How long a FUSE source may take to answer a health probe.
     #[arg(long, default_value = "2s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_PROBE_TIMEOUT")]
     probe_timeout: Duration,
+    /// SCHED_FIFO priority of the threads that heal (the loop only while a
+    /// heal is due), so that a busy node's containers do not slow the heal
+    /// down; 0 runs them at the normal priority. Needs CAP_SYS_NICE.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=99), env = "FUSE_SUPERVISOR_REALTIME_PRIORITY")]
+    realtime_priority: u8,
     /// Fluid's mount root: sources at <root>/<runtime>/<namespace>/<dataset>/<runtime>-fuse.
     #[arg(long, default_value = layout::DEFAULT_FLUID_MOUNT_ROOT, env = "FUSE_SUPERVISOR_FLUID_MOUNT_ROOT")]
     fluid_mount_root: PathBuf,
@@ -172,6 +178,7 @@ impl NodeArgs {
             daemons: DaemonWatch::default(),
             watch: WatchMode::Events(TableEvents::Auto),
             health: Arc::default(),
+            heal_priority: HealPriority::realtime(self.realtime_priority),
         })
     }
 }

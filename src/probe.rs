@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::probe as sys;
 
+use crate::priority::HealPriority;
+
 /// Handles on a live source, opened by a probe: its root and every
 /// subdirectory that subPath targets need.
 #[derive(Debug)]
@@ -48,16 +50,24 @@ pub struct ProbeReport {
 #[derive(Debug)]
 pub struct Prober {
     timeout: Duration,
-    in_flight: HashMap<PathBuf, Instant>,
+    /// Probe threads wait for a daemon's answer and report it at once.
+    priority: HealPriority,
+    /// When each probe started, and the mount it probes.
+    in_flight: HashMap<PathBuf, (Instant, u32)>,
 }
 
 impl Prober {
-    pub fn new(timeout: Duration) -> Self {
-        Prober { timeout, in_flight: HashMap::new() }
+    pub fn new(timeout: Duration, priority: HealPriority) -> Self {
+        Prober { timeout, priority, in_flight: HashMap::new() }
     }
 
     pub fn in_flight(&self, source: &Path) -> bool {
         self.in_flight.contains_key(source)
+    }
+
+    /// Whether a probe of the mount `mount_id` at `source` is in flight.
+    pub fn in_flight_on(&self, source: &Path, mount_id: u32) -> bool {
+        self.in_flight.get(source).is_some_and(|(_, probed)| *probed == mount_id)
     }
 
     /// Probes the source `root` was opened on; `subdirs` are opened below
@@ -72,15 +82,17 @@ impl Prober {
         wrap: fn(ProbeReport) -> E,
     ) -> io::Result<()> {
         let reported = source.to_path_buf();
+        let priority = self.priority;
         std::thread::Builder::new()
             .name("probe".into())
             .spawn(move || {
+                priority.raise();
                 let outcome = probe(root, &subdirs);
                 // The loop may be gone on shutdown; nothing to report to then.
                 let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome }));
             })
             .map(drop)?;
-        self.in_flight.insert(source.to_path_buf(), Instant::now());
+        self.in_flight.insert(source.to_path_buf(), (Instant::now(), mount_id));
         Ok(())
     }
 
@@ -95,14 +107,14 @@ impl Prober {
         let now = Instant::now();
         self.in_flight
             .iter()
-            .filter(|(_, started)| now.duration_since(**started) >= self.timeout)
+            .filter(|(_, (started, _))| now.duration_since(*started) >= self.timeout)
             .map(|(path, _)| path.clone())
             .collect()
     }
 
     /// When each in-flight probe becomes overdue.
     pub fn deadlines(&self) -> impl Iterator<Item = (&Path, Instant)> {
-        self.in_flight.iter().map(|(source, started)| (source.as_path(), *started + self.timeout))
+        self.in_flight.iter().map(|(source, (started, _))| (source.as_path(), *started + self.timeout))
     }
 }
 

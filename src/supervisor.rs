@@ -15,7 +15,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use fuse_supervisor_sys::{ns, poll::Waker, resolve};
+use fuse_supervisor_sys::{ns, poll::Waker, resolve, statmount};
 use tracing::{debug, error, info, info_span, warn};
 
 use crate::confirm::{self, Answer, Asker, Verdict};
@@ -24,13 +24,14 @@ use crate::heal::{Executor, Healed, MountExecutor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kubelet::{KubeletClient, KubeletConfig};
 use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
-use crate::mountinfo::MountInfoReader;
+use crate::mountinfo::{MountInfoReader, is_fuse_type};
 use crate::plan::{self, Assessment, HealBatch};
 use crate::pods::{PodChange, PodWatcher, VolData};
+use crate::priority::{HealPriority, LoopPriority};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
-use crate::table::{Classified, Dev, Layout, Snapshot, Target, TargetKind};
+use crate::table::{Classified, Dev, Layout, Role, Snapshot, Target, TargetKind};
 use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
@@ -68,6 +69,8 @@ pub struct Config {
     pub watch: WatchMode,
     /// Answers liveness pings and says when the first scan is done.
     pub health: Arc<Health>,
+    /// Of the heal path's threads (see [`crate::priority`]).
+    pub heal_priority: HealPriority,
 }
 
 /// How restarts are confirmed with the kubelet.
@@ -143,7 +146,9 @@ impl Shutdown {
 }
 
 enum Event {
-    TableChanged,
+    /// With the unique IDs of the mounts the change attached, where the
+    /// watcher names them.
+    TableChanged(Vec<u64>),
     Probed(ProbeReport),
     Kubelet(Answer),
     Pods(PodChange),
@@ -283,7 +288,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
     let table_watch = watcher.rearm_handle();
-    let watcher_thread = spawn_watcher(watcher, events.clone())?;
+    let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
     let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -330,19 +335,25 @@ pub fn start_job_lifecycle(
     crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
-fn spawn_watcher(mut watcher: Box<dyn MountWatcher>, events: Sender<Event>) -> Result<JoinHandle<()>, SupervisorError> {
+fn spawn_watcher(
+    mut watcher: Box<dyn MountWatcher>,
+    events: Sender<Event>,
+    priority: HealPriority,
+) -> Result<JoinHandle<()>, SupervisorError> {
     std::thread::Builder::new()
         .name("watcher".into())
         .spawn(move || {
+            // One wake-up per burst of changes (see MountWatcher), little work each.
+            priority.raise();
             loop {
                 // A burst of changes becomes one rescan: the watcher stays
                 // disarmed from its report until the loop reads the table.
                 let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => Event::TableChanged,
+                    Ok(Wake::TableChanged) => Event::TableChanged(watcher.attached()),
                     Ok(Wake::Shutdown) => Event::Shutdown,
                     Err(err) => Event::WatchFailed(err),
                 };
-                let last = !matches!(event, Event::TableChanged);
+                let last = !matches!(event, Event::TableChanged(_));
                 if events.send(event).is_err() || last {
                     return;
                 }
@@ -410,6 +421,8 @@ struct Supervisor<E: Executor> {
     state_dirty: bool,
     /// None: saved on the loop (`heal --once`).
     state_writer: Option<StateWriter>,
+    /// Raised from a heal's probe to its end.
+    loop_priority: LoopPriority,
 }
 
 struct Confirmer {
@@ -422,20 +435,23 @@ struct Confirmer {
 impl Supervisor<MountExecutor> {
     fn new(config: &Config, reader: MountInfoReader, events: Sender<Event>) -> Result<Self, SupervisorError> {
         let executor =
-            MountExecutor::new(&config.kubelet_root, &config.staging_dir).map_err(|source| SupervisorError::Open {
-                what: format!(
-                    "kubelet root {} and staging mount {}",
-                    config.kubelet_root.display(),
-                    config.staging_dir.display()
-                ),
-                source,
+            MountExecutor::new(&config.kubelet_root, &config.staging_dir, config.heal_priority).map_err(|source| {
+                SupervisorError::Open {
+                    what: format!(
+                        "kubelet root {} and staging mount {}",
+                        config.kubelet_root.display(),
+                        config.staging_dir.display()
+                    ),
+                    source,
+                }
             })?;
         Ok(Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load(&config.state_dir)?,
             records: BTreeMap::new(),
             reader,
-            prober: Prober::new(config.probe_timeout),
+            prober: Prober::new(config.probe_timeout, config.heal_priority),
+            loop_priority: LoopPriority::new(config.heal_priority),
             executor,
             events,
             woke_at: Instant::now(),
@@ -474,6 +490,7 @@ impl<E: Executor> Supervisor<E> {
                     // delay a heal, unless a probe's answer (and its heal)
                     // is due any moment.
                     if !self.heal_imminent() {
+                        self.loop_priority.lower();
                         self.save_state();
                         // A scan of a large table frees megabytes scattered
                         // between long-lived allocations: give them back.
@@ -489,7 +506,7 @@ impl<E: Executor> Supervisor<E> {
                 }
             };
             match event {
-                Ok(Event::TableChanged) => {
+                Ok(Event::TableChanged(attached)) => {
                     if let Err(err) = table_watch.rearm() {
                         error!(?err, "mount-table watcher stopped");
                         return;
@@ -501,6 +518,7 @@ impl<E: Executor> Supervisor<E> {
                     // Poll mode scans on every tick, as polling healers do.
                     if self.polling || self.unscanned || self.reader.changed_since_read().unwrap_or(true) {
                         self.woke_at = Instant::now();
+                        self.probe_announced_sources(&attached);
                         self.rescan();
                     }
                 }
@@ -994,16 +1012,36 @@ impl<E: Executor> Supervisor<E> {
     /// Whether a probe of the batch's source was started.
     fn start_probe(&mut self, batch: &HealBatch) -> bool {
         let source = &batch.source.path;
-        if self.prober.in_flight(source) || batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
-            debug!(source = %source.display(), in_flight = self.prober.in_flight(source), "not probing");
+        let expected = batch.source.top().mount_id;
+        if batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
+            debug!(source = %source.display(), "not probing: every target is backing off");
             return false;
         }
-        let expected = batch.source.top().mount_id;
+        if self.prober.in_flight_on(source, expected) {
+            // Started when the watcher announced the mount: its answer heals this batch.
+            return true;
+        }
+        if self.prober.in_flight(source) {
+            debug!(source = %source.display(), "not probing: a probe of an earlier mount is in flight");
+            return false;
+        }
+        let subdirs = batch
+            .targets
+            .iter()
+            .filter(|t| !t.root_in_source.as_os_str().is_empty())
+            .map(|t| t.root_in_source.clone())
+            .collect();
+        self.launch_probe(source, expected, subdirs)
+    }
+
+    /// Probes the mount `mount_id` at `source` if it is still the one there,
+    /// opening `subdirs` below its root.
+    fn launch_probe(&mut self, source: &Path, mount_id: u32, subdirs: BTreeSet<PathBuf>) -> bool {
         let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
         let root = match opened {
-            Ok((id, fd)) if id == expected => fd,
+            Ok((id, fd)) if id == mount_id => fd,
             Ok((id, _)) => {
-                debug!(source = %source.display(), id, expected, "source changed while planning");
+                debug!(source = %source.display(), id, expected = mount_id, "source changed since it was seen");
                 return false;
             }
             Err(err) => {
@@ -1011,20 +1049,49 @@ impl<E: Executor> Supervisor<E> {
                 return false;
             }
         };
-        let subdirs: BTreeSet<PathBuf> = batch
-            .targets
-            .iter()
-            .filter(|t| !t.root_in_source.as_os_str().is_empty())
-            .map(|t| t.root_in_source.clone())
-            .collect();
-        debug!(source = %source.display(), mount_id = expected, "probing source");
+        debug!(source = %source.display(), mount_id, "probing source");
+        self.loop_priority.raise();
         if let Err(err) =
-            self.prober.start(source, expected, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
+            self.prober.start(source, mount_id, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
             error!(source = %source.display(), ?err, "cannot start probe");
             return false;
         }
         true
+    }
+
+    /// Probes a FUSE mount the watcher saw appear at the path of a source
+    /// whose recorded targets are on another connection, before the table is
+    /// read: the new daemon's first answer (its FUSE_INIT) takes longer than
+    /// the read, and the scan that plans the heal finds the probe under way
+    /// ([`Self::start_probe`]). Anything else waits for the scan.
+    fn probe_announced_sources(&mut self, attached: &[u64]) {
+        for &unique_id in attached {
+            // Gone again, or a kernel without statmount: the scan decides.
+            let Ok(mount) = statmount::mount_summary(unique_id) else { continue };
+            let source = mount.mount_point;
+            if !is_fuse_type(&mount.fs_type)
+                || self.layout.role(&source) != Role::Source
+                || self.prober.in_flight(&source)
+            {
+                continue;
+            }
+            let dev = Dev { major: mount.dev.0, minor: mount.dev.1 };
+            let mut stranded = false;
+            let mut subdirs = BTreeSet::new();
+            for (target, mapping) in self.journal.mappings() {
+                if mapping.source == source && mapping.dev != dev && !self.in_back_off(target) {
+                    stranded = true;
+                    if !mapping.root_in_source.as_os_str().is_empty() {
+                        subdirs.insert(mapping.root_in_source.clone());
+                    }
+                }
+            }
+            if stranded && self.launch_probe(&source, mount.mount_id, subdirs) {
+                // The heal's latency runs from this wake-up, not from the scan.
+                self.sources_seen_at.insert(source, (dev, self.woke_at));
+            }
+        }
     }
 
     /// A target on neither its source's connection nor the recorded one
@@ -1105,6 +1172,11 @@ impl<E: Executor> Supervisor<E> {
                 else {
                     return self.rescan();
                 };
+                // A probe started on the watcher's word alone runs before the
+                // kubelet has confirmed anything; its answer alone heals nothing.
+                if !self.confirmed(&batch) {
+                    return;
+                }
                 (batch, Prepared::default())
             }
         };

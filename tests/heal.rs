@@ -157,6 +157,89 @@ fn one_bindfs_pod_is_healed_woken_by_mountinfo_events() {
     one_pod_heals_with_table_events("mountinfo");
 }
 
+/// With fanotify naming the new global mount, its probe starts before the
+/// loop reads the table (the daemon's first answer is on its way while the
+/// table is read and planned), and the heal is the same.
+#[test]
+fn a_new_source_announced_by_fanotify_is_probed_before_the_table_is_read() {
+    let mut node = Node::new(Daemon::DemoFs, 2);
+    node.all_read(&node.source.expected_content());
+    node.start_supervisor_with(&["--kubelet", "none", "--table-events", "fanotify", "--log", "debug"]);
+    let baseline = node.mounts();
+
+    // Unmount, then mount once the loop has scanned the unmount and is
+    // waiting again, so that the mount arrives as an event of its own.
+    node.source.crash().unwrap();
+    let from = node.supervisor().log_len();
+    let path = node.source.path.clone();
+    node.sandbox.run(move || fuse_supervisor_sys::mount::detach(&path)).expect("unmount the global mount");
+    let scanned = |line: &str| line.contains("\"scanned\"");
+    node.supervisor().wait_for_lines(HEAL_TIMEOUT, from, 1, scanned).expect("the unmount is scanned");
+    let restart_at = node.supervisor().log_len();
+    node.source.restart(&node.sandbox, Restart::MountOverStale).unwrap();
+
+    node.all_read(&node.source.expected_content());
+    node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("\"healed\"")).unwrap();
+    node.settles_to(baseline, &node.targets.iter().collect::<Vec<_>>());
+    let log = node.supervisor().log();
+    let after = &log[restart_at..];
+    let first = |message: &str| after.iter().position(|line| line.contains(&format!("\"message\":\"{message}\"")));
+    let (probing, read) = (first("probing source"), first("table read"));
+    assert!(
+        probing.is_some() && (read.is_none() || probing < read),
+        "the probe did not start before the table read (lines {probing:?} and {read:?}):\n{}",
+        after.join("\n")
+    );
+}
+
+/// `(name, policy, real-time priority)` of every thread of process `pid`.
+fn thread_policies(pid: u32) -> Vec<(String, u32, u32)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the supervisor's threads");
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
+        .filter_map(|stat| {
+            let (head, rest) = stat.rsplit_once(") ")?;
+            let name = head.split_once(" (")?.1.to_owned();
+            // Fields 40 and 41 of stat(5); `rest` starts at field 3.
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            Some((name, fields.get(38)?.parse().ok()?, fields.get(37)?.parse().ok()?))
+        })
+        .collect()
+}
+
+fn policies_of(pid: u32, name: &str) -> Vec<(u32, u32)> {
+    thread_policies(pid).into_iter().filter(|(thread, ..)| thread == name).map(|(_, p, r)| (p, r)).collect()
+}
+
+const SCHED_OTHER: (u32, u32) = (0, 0);
+const SCHED_FIFO_1: (u32, u32) = (1, 1);
+
+/// The flatten helpers and the watcher run SCHED_FIFO for good; the loop
+/// only while a heal is due, so it is back to normal once the heal is done;
+/// `--realtime-priority 0` leaves every thread normal.
+#[test]
+fn heal_threads_run_realtime_and_the_loop_only_while_a_heal_is_due() {
+    let mut node = one_pod_heals(Daemon::DemoFs, &["--kubelet", "none"]);
+    let pid = node.supervisor().pid();
+    let flatten = policies_of(pid, "flatten");
+    assert!(!flatten.is_empty() && flatten.iter().all(|policy| *policy == SCHED_FIFO_1), "flatten: {flatten:?}");
+    assert_eq!(policies_of(pid, "watcher"), [SCHED_FIFO_1]);
+    scenario::wait_for("the loop back at the normal policy", HEAL_TIMEOUT, || {
+        policies_of(pid, "supervisor") == [SCHED_OTHER]
+    })
+    .unwrap();
+    for other in ["metrics", "pod-watcher", "state-writer", "discovery"] {
+        assert!(policies_of(pid, other).iter().all(|policy| *policy == SCHED_OTHER), "{other} runs real-time");
+    }
+
+    drop(node.supervisor.take());
+    node.start_supervisor_with(&["--kubelet", "none", "--realtime-priority", "0"]);
+    node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("\"supervising\"")).unwrap();
+    let threads = thread_policies(node.supervisor().pid());
+    assert!(threads.iter().any(|(name, ..)| name == "flatten"), "{threads:?}");
+    assert!(threads.iter().all(|(_, policy, priority)| (*policy, *priority) == SCHED_OTHER), "{threads:?}");
+}
+
 #[test]
 fn one_bindfs_pod_is_healed_in_poll_mode() {
     one_pod_heals(Daemon::Bindfs, &POLL_MODE);

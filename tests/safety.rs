@@ -5,6 +5,7 @@ use std::path::Path;
 
 use fuse_supervisor::heal::{Executor, HealError, MountExecutor, Prepared};
 use fuse_supervisor::plan::{HealBatch, TargetHeal};
+use fuse_supervisor::priority::HealPriority;
 use fuse_supervisor::probe::SourceHandles;
 use fuse_supervisor::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor::testbed::Sandbox;
@@ -48,7 +49,7 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
     let (kubelet_root, staging, source_path) =
         (sandbox.kubelet_root(), sandbox.root().join("staging"), source.path.clone());
     let outcomes = sandbox.run(move || {
-        let mut executor = MountExecutor::new(&kubelet_root, &staging).unwrap();
+        let mut executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
         let root = resolve::open_path(&source_path).unwrap();
         assert!(resolve::mount_id_of(root.as_fd()).is_ok());
         let handles = SourceHandles { root, subdirs: Default::default() };
@@ -101,7 +102,7 @@ fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
     let (kubelet_root, staging, other_path) =
         (sandbox.kubelet_root(), sandbox.root().join("staging"), other.path.clone());
     let outcomes = sandbox.run(move || {
-        let mut executor = MountExecutor::new(&kubelet_root, &staging).unwrap();
+        let mut executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
         let handles = SourceHandles { root: resolve::open_path(&other_path).unwrap(), subdirs: Default::default() };
         executor.heal(&batch, Prepared::default(), &handles)
     });

@@ -92,6 +92,41 @@ pub fn lower_thread_priority() -> io::Result<()> {
     Ok(rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19)?)
 }
 
+/// Schedules the calling thread (alone) `SCHED_FIFO` at `priority` (1-99),
+/// or back to `SCHED_OTHER` with `None`. `SCHED_RESET_ON_FORK` is set too,
+/// so threads it starts later begin at the normal policy. Needs
+/// `CAP_SYS_NICE` (or an `RLIMIT_RTPRIO`) to raise; lowering never fails
+/// for that reason.
+pub fn set_thread_realtime(priority: Option<u8>) -> io::Result<()> {
+    let (policy, priority) = match priority {
+        Some(priority) => (libc::SCHED_FIFO, libc::c_int::from(priority)),
+        None => (libc::SCHED_OTHER, 0),
+    };
+    let param = libc::sched_param { sched_priority: priority };
+    // SAFETY: pid 0 is the calling thread; `param` is a valid, initialised
+    // `sched_param` that the call only reads.
+    let ret = unsafe { libc::sched_setscheduler(0, policy | libc::SCHED_RESET_ON_FORK, &raw const param) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// The calling thread's `SCHED_FIFO` priority; None under any other policy.
+pub fn thread_fifo_priority() -> io::Result<Option<u8>> {
+    // SAFETY: pid 0 is the calling thread; the call takes no pointers.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if policy & !libc::SCHED_RESET_ON_FORK != libc::SCHED_FIFO {
+        return Ok(None);
+    }
+    let mut param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; `param` is writable.
+    if unsafe { libc::sched_getparam(0, &raw mut param) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(u8::try_from(param.sched_priority).ok())
+}
+
 /// The symbolic name of an errno value (`107` → `"ENOTCONN"`), for the errors
 /// a process reading a volume can meet; `None` for the rest.
 pub fn errno_name(errno: i32) -> Option<&'static str> {
@@ -123,4 +158,26 @@ pub fn errno_name(errno: i32) -> Option<&'static str> {
         libc::EXDEV => "EXDEV",
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a thread of its own: the policy belongs to the thread, and the
+    /// test runner's other threads keep theirs.
+    #[test]
+    fn realtime_is_per_thread_and_not_inherited() {
+        std::thread::spawn(|| {
+            set_thread_realtime(Some(1)).expect("SCHED_FIFO 1 (the tests run as root)");
+            assert_eq!(thread_fifo_priority().unwrap(), Some(1));
+            let child = std::thread::spawn(|| thread_fifo_priority().unwrap()).join().unwrap();
+            assert_eq!(child, None, "a thread it starts begins at the normal policy");
+            set_thread_realtime(None).unwrap();
+            assert_eq!(thread_fifo_priority().unwrap(), None);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(thread_fifo_priority().unwrap(), None);
+    }
 }
