@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -153,9 +153,18 @@ fn a_restart_the_kubelet_confirms_is_healed_and_its_owner_recorded() {
     assert!(node.kubelet.requests() >= 1);
     assert_eq!(metric(&node, "fuse_supervisor_daemon_restarts_total"), 1.0);
     assert!(metric(&node, r#"fuse_supervisor_kubelet_requests_total{code="200"}"#) >= 1.0);
+    // The state file is written when the loop has nothing else to do,
+    // after the heal: wait for it.
     let state_file = node.sandbox.root().join("state/state.json");
-    let state = node.sandbox.run(move || std::fs::read_to_string(state_file)).expect("state file");
-    assert!(state.contains(OWNER) && state.contains("containerd://"), "owner not recorded:\n{state}");
+    let recorded = || {
+        let state_file = state_file.clone();
+        let state = node.sandbox.run(move || std::fs::read_to_string(state_file)).unwrap_or_default();
+        state.contains(OWNER) && state.contains("containerd://")
+    };
+    if let Err(err) = wait_for("the owner in the state file", TIMEOUT, recorded) {
+        let state = node.sandbox.run(move || std::fs::read_to_string(state_file)).unwrap_or_default();
+        panic!("{err}; owner not recorded:\n{state}");
+    }
 }
 
 #[test]
