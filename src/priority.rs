@@ -70,9 +70,9 @@ impl LoopPriority {
         LoopPriority { priority, raised: false }
     }
 
-    /// A heal is due: one syscall the first time, none after.
+    /// A heal is due: one syscall the first time, none after (none when off).
     pub fn raise(&mut self) {
-        if !self.raised && !self.priority.is_off() {
+        if !self.raised {
             self.raised = self.priority.raise();
         }
     }

@@ -5,6 +5,8 @@
 //! wrappers; raw calls only for what no crate exposes yet.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod bytes;
+
 pub mod fanotify;
 pub mod fds;
 pub mod fuse;

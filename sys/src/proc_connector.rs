@@ -41,6 +41,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::net::netlink::SocketAddrNetlink;
 use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
 
+use crate::bytes::{u32_at, u64_at};
 use crate::process::ExitStatus;
 
 /// `CN_IDX_PROC` and `CN_VAL_PROC`: the connector id of process events, and
@@ -402,16 +403,6 @@ fn control_message(ack: u32, payload: &[u8]) -> Vec<u8> {
     message.extend_from_slice(&0u16.to_ne_bytes());
     message.extend_from_slice(payload);
     message
-}
-
-fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(bytes.get(offset..offset + 4)?.try_into().ok()?))
-}
-
-/// Read byte-wise: the `proc_event` sits at offset 36 of the datagram, so its
-/// 8-byte-aligned timestamp is not aligned in the buffer.
-fn u64_at(bytes: &[u8], offset: usize) -> Option<u64> {
-    Some(u64::from_ne_bytes(bytes.get(offset..offset + 8)?.try_into().ok()?))
 }
 
 /// The process-event messages of one datagram (normally exactly one).

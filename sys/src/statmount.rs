@@ -8,6 +8,8 @@ use std::mem::{offset_of, size_of};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
+use crate::bytes;
+
 use linux_raw_sys::general::{
     MNT_ID_REQ_SIZE_VER0, STATMOUNT_FS_TYPE, STATMOUNT_MNT_BASIC, STATMOUNT_MNT_POINT, STATMOUNT_SB_BASIC, mnt_id_req,
     statmount,
@@ -68,15 +70,8 @@ pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
 }
 
 fn decode(bytes: &[u8]) -> io::Result<MountSummary> {
-    let u32_at = |offset: usize| {
-        bytes.get(offset..offset + 4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])).ok_or_else(truncated)
-    };
-    let u64_at = |offset: usize| {
-        bytes
-            .get(offset..offset + 8)
-            .map(|b| u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-            .ok_or_else(truncated)
-    };
+    let u32_at = |offset: usize| bytes::u32_at(bytes, offset).ok_or_else(truncated);
+    let u64_at = |offset: usize| bytes::u64_at(bytes, offset).ok_or_else(truncated);
     let wanted = u64::from(STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE);
     if u64_at(offset_of!(statmount, mask))? & wanted != wanted {
         return Err(io::Error::new(io::ErrorKind::Unsupported, "statmount left out a field it was asked for"));
