@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
+use crate::priority::HealActivity;
 use crate::process_watch::fuse_server::{FuseServers, MountDevice};
 use crate::process_watch::{
     Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
@@ -213,6 +214,7 @@ impl Daemons {
     /// namespace: the threads keep this one's `/proc`.
     pub fn start(
         options: &DaemonWatch,
+        heal_activity: Arc<HealActivity>,
         send: impl Fn(DaemonEvent) -> bool + Send + Clone + 'static,
     ) -> Result<Option<Daemons>, DaemonError> {
         let want_exec = Arc::new(AtomicBool::new(false));
@@ -263,12 +265,13 @@ impl Daemons {
             std::thread::Builder::new()
                 .name("discovery".into())
                 .spawn(move || {
-                    // A new daemon is found while its mount is being healed:
-                    // the /proc scan must not take CPU from the heal.
+                    // A new daemon is looked for while its mount is being
+                    // healed: the /proc walk waits for the heal, and takes
+                    // no CPU another process wants.
                     if let Err(err) = fuse_supervisor_sys::process::lower_thread_priority() {
                         debug!(%err, "daemon discovery keeps the normal CPU priority");
                     }
-                    discovery_loop(&queue, &proc_root, &*watcher, &holders, send)
+                    discovery_loop(&queue, &proc_root, &*watcher, &holders, &heal_activity, send)
                 })
                 .map_err(DaemonError::Thread)?
         };
@@ -619,6 +622,7 @@ fn discovery_loop(
     proc_root: &Path,
     watcher: &dyn ProcessWatcher,
     holders: &Mutex<HashMap<u32, Holder>>,
+    heal_activity: &HealActivity,
     send: impl Fn(DaemonEvent) -> bool,
 ) {
     while let Ok(mut wanted) = queue.recv() {
@@ -627,7 +631,7 @@ fn discovery_loop(
         }
         wanted.sort_by_key(|(_, dev)| *dev);
         wanted.dedup_by_key(|(_, dev)| *dev);
-        let found = discover(proc_root, watcher, holders, wanted);
+        let found = discover(proc_root, watcher, holders, heal_activity, wanted);
         if !send(DaemonEvent::Discovered(found)) {
             return;
         }
@@ -641,10 +645,12 @@ fn discover(
     proc_root: &Path,
     watcher: &dyn ProcessWatcher,
     holders: &Mutex<HashMap<u32, Holder>>,
+    heal_activity: &HealActivity,
     wanted: Vec<(PathBuf, Dev)>,
 ) -> Vec<Discovered> {
+    heal_activity.wait_until_quiet();
     let scanned_at = Instant::now();
-    let servers = match FuseServers::scan(proc_root) {
+    let servers = match FuseServers::scan_between(proc_root, || heal_activity.wait_until_quiet()) {
         Ok(servers) => servers,
         Err(err) => {
             let err = err.to_string();

@@ -27,7 +27,7 @@ use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
 use crate::mountinfo::{MountInfoReader, is_fuse_type};
 use crate::plan::{self, Assessment, HealBatch};
 use crate::pods::{PodChange, PodWatcher, VolData};
-use crate::priority::{HealPriority, LoopPriority};
+use crate::priority::{HealActivity, HealPriority, HealWindow};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
@@ -264,7 +264,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // Before leaving for the namespace: the discovery thread reads this
     // process's /proc.
     let daemon_events = events.clone();
-    let daemons = Daemons::start(&config.daemons, move |event| daemon_events.send(Event::Daemon(event)).is_ok())?;
+    let heal_activity = Arc::new(HealActivity::default());
+    let daemons = Daemons::start(&config.daemons, Arc::clone(&heal_activity), move |event| {
+        daemon_events.send(Event::Daemon(event)).is_ok()
+    })?;
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
     let open_mountinfo = || {
@@ -289,7 +292,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     };
     let table_watch = watcher.rearm_handle();
     let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
-    let mut supervisor = Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone())?;
+    let mut supervisor =
+        Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone(), heal_activity)?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
@@ -421,8 +425,8 @@ struct Supervisor<E: Executor> {
     state_dirty: bool,
     /// None: saved on the loop (`heal --once`).
     state_writer: Option<StateWriter>,
-    /// Raised from a heal's probe to its end.
-    loop_priority: LoopPriority,
+    /// Open from a heal's probe to its end.
+    heal_window: HealWindow,
 }
 
 struct Confirmer {
@@ -433,7 +437,12 @@ struct Confirmer {
 }
 
 impl Supervisor<MountExecutor> {
-    fn new(config: &Config, reader: MountInfoReader, events: Sender<Event>) -> Result<Self, SupervisorError> {
+    fn new(
+        config: &Config,
+        reader: MountInfoReader,
+        events: Sender<Event>,
+        heal_activity: Arc<HealActivity>,
+    ) -> Result<Self, SupervisorError> {
         let executor =
             MountExecutor::new(&config.kubelet_root, &config.staging_dir, config.heal_priority).map_err(|source| {
                 SupervisorError::Open {
@@ -451,7 +460,7 @@ impl Supervisor<MountExecutor> {
             records: BTreeMap::new(),
             reader,
             prober: Prober::new(config.probe_timeout, config.heal_priority),
-            loop_priority: LoopPriority::new(config.heal_priority),
+            heal_window: HealWindow::new(config.heal_priority, heal_activity),
             executor,
             events,
             woke_at: Instant::now(),
@@ -490,7 +499,7 @@ impl<E: Executor> Supervisor<E> {
                     // delay a heal, unless a probe's answer (and its heal)
                     // is due any moment.
                     if !self.heal_imminent() {
-                        self.loop_priority.lower();
+                        self.heal_window.close();
                         self.save_state();
                         // A scan of a large table frees megabytes scattered
                         // between long-lived allocations: give them back.
@@ -1050,7 +1059,7 @@ impl<E: Executor> Supervisor<E> {
             }
         };
         debug!(source = %source.display(), mount_id, "probing source");
-        self.loop_priority.raise();
+        self.heal_window.open();
         if let Err(err) =
             self.prober.start(source, mount_id, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
@@ -1341,7 +1350,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     let reader = MountInfoReader::open(Path::new("/proc/thread-self/mountinfo"))
         .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })?;
     let (events, inbox) = mpsc::channel();
-    let mut supervisor = Supervisor::new(config, reader, events)?;
+    let mut supervisor = Supervisor::new(config, reader, events, Arc::default())?;
     let mut summary = OnceSummary::default();
     let Some(classified) = supervisor.read_table() else { return Ok(summary) };
     if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) {

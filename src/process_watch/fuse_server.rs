@@ -108,6 +108,13 @@ impl FuseServers {
     /// Scans `<proc_root>/*/fd`. Processes that vanish or change during the
     /// scan, or whose descriptors cannot be read, are left out.
     pub fn scan(proc_root: &Path) -> Result<FuseServers, FuseServerError> {
+        Self::scan_between(proc_root, || {})
+    }
+
+    /// [`FuseServers::scan`], calling `between` before each process: a walk
+    /// of a large node's processes can pause there for something more
+    /// urgent.
+    pub fn scan_between(proc_root: &Path, mut between: impl FnMut()) -> Result<FuseServers, FuseServerError> {
         let entries = fs::read_dir(proc_root)
             .map_err(|source| FuseServerError::ListProcesses { path: proc_root.to_path_buf(), source })?;
         let mut servers = FuseServers {
@@ -121,6 +128,7 @@ impl FuseServers {
             entries.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok()).collect();
         pids.sort_unstable();
         for pid in pids {
+            between();
             let Ok(Some(before)) = read_stat(proc_root, pid) else { continue };
             let held = match fuse_descriptors(proc_root, pid) {
                 Ok(held) => held,
@@ -385,6 +393,17 @@ mod tests {
         let err = proc.scan().serving(DEVICE_A).unwrap_err();
         assert!(matches!(&err, FuseServerError::Ambiguous { pids, .. } if *pids == vec![300, 301]), "{err:?}");
         assert!(err.to_string().contains("FUSE device 0:39"), "{err}");
+    }
+
+    #[test]
+    fn the_walk_can_pause_before_each_process() {
+        let proc = FakeProc::new("6.18.44-fc\n");
+        proc.process(100, Some(39), SHARED_NS, &["daemon-a"]);
+        proc.process(101, Some(40), SHARED_NS, &["daemon-b"]);
+        let mut pauses = 0;
+        let servers = FuseServers::scan_between(proc.root.path(), || pauses += 1).unwrap();
+        assert_eq!(pauses, 2);
+        assert_eq!(servers.serving(DEVICE_A).unwrap().processes.iter().map(|p| p.pid).collect::<Vec<_>>(), vec![100]);
     }
 
     #[test]
