@@ -312,7 +312,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         %table_events,
         "supervising"
     );
-    supervisor.serve(&inbox, &*table_watch, shutdown);
+    supervisor.table_watch = Some(table_watch);
+    supervisor.serve(&inbox, shutdown);
     // What changed last is written before the writer stops.
     supervisor.save_state();
     drop(supervisor);
@@ -427,6 +428,9 @@ struct Supervisor<E: Executor> {
     state_writer: Option<StateWriter>,
     /// Open from a heal's probe to its end.
     heal_window: HealWindow,
+    /// The table watcher's handle: re-armed after each report, paused for
+    /// a heal's own changes. None without a watcher (`heal --once`).
+    table_watch: Option<Arc<dyn Rearm>>,
 }
 
 struct Confirmer {
@@ -484,12 +488,13 @@ impl Supervisor<MountExecutor> {
             held: BTreeMap::new(),
             state_dirty: false,
             state_writer: None,
+            table_watch: None,
         })
     }
 }
 
 impl<E: Executor> Supervisor<E> {
-    fn serve(&mut self, inbox: &Receiver<Event>, table_watch: &dyn Rearm, shutdown: &Shutdown) {
+    fn serve(&mut self, inbox: &Receiver<Event>, shutdown: &Shutdown) {
         while !shutdown.requested() {
             let event = match inbox.try_recv() {
                 Ok(event) => Ok(event),
@@ -516,7 +521,7 @@ impl<E: Executor> Supervisor<E> {
             };
             match event {
                 Ok(Event::TableChanged(attached)) => {
-                    if let Err(err) = table_watch.rearm() {
+                    if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.rearm()) {
                         error!(?err, "mount-table watcher stopped");
                         return;
                     }
@@ -1232,7 +1237,18 @@ impl<E: Executor> Supervisor<E> {
                 record.state = TargetState::Healing;
             }
         }
+        // The heal's own changes need no report, and the rescan after it
+        // reads what anyone else changed meanwhile.
+        if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.pause()) {
+            warn!(%err, "the heal's own mount changes will be reported");
+        }
         let outcomes = self.executor.heal(batch, prepared, handles);
+        if let Some(watch) = &self.table_watch {
+            // Reported as one change, so that a rescan follows even if the
+            // one after the heal cannot read the table.
+            let resumed = watch.resume().map(|()| Event::TableChanged(Vec::new()));
+            let _ = self.events.send(resumed.unwrap_or_else(Event::WatchFailed));
+        }
         let latency = self.heal_latency(batch);
         let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {

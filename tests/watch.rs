@@ -194,6 +194,24 @@ fn mountinfo_is_silent_until_rearm_and_rearm_takes_in_earlier_changes() {
     one_shot_until_rearm(Backend::Mountinfo);
 }
 
+/// Paused for a heal: the kernel queues nothing for changes made then, and
+/// after `resume` changes are reported again.
+#[test]
+fn fanotify_paused_queues_nothing_until_resumed() {
+    let sandbox = Sandbox::new().unwrap();
+    let watching = Watching::start(Backend::Fanotify, &sandbox);
+    watching.rearm.pause().unwrap();
+    mount_tmpfs(&sandbox, "while-paused");
+    unmount(&sandbox, "while-paused");
+    watching.assert_quiet("reported while paused");
+    watching.rearm.resume().unwrap();
+    watching.assert_quiet("changes made while paused were queued");
+
+    let id = mount_tmpfs(&sandbox, "after-resume");
+    let batch = watching.report().unwrap();
+    assert_eq!(batch.events, [MountEvent::Attached(id)], "only the change after resume is in the batch");
+}
+
 #[test]
 fn fanotify_reports_a_queue_overflow_as_a_change() {
     let sandbox = Sandbox::new().unwrap();

@@ -74,13 +74,24 @@ impl MountEvents {
     /// kernels without mount events or for an fd that is not a mount
     /// namespace, `EPERM` without `CAP_SYS_ADMIN` over the namespace.
     pub fn watch_namespace(&self, namespace: BorrowedFd<'_>) -> io::Result<()> {
-        let flags = libc::FAN_MARK_ADD | FAN_MARK_MNTNS;
+        self.mark(libc::FAN_MARK_ADD, namespace)
+    }
+
+    /// `fanotify_mark(group, FAN_MARK_REMOVE|FAN_MARK_MNTNS, ...)`: the
+    /// namespace's changes are no longer queued, and with no mark left on it
+    /// the kernel no longer builds an event for each. Events already queued
+    /// stay. `ENOENT` if it was not watched.
+    pub fn unwatch_namespace(&self, namespace: BorrowedFd<'_>) -> io::Result<()> {
+        self.mark(libc::FAN_MARK_REMOVE, namespace)
+    }
+
+    fn mark(&self, action: libc::c_uint, namespace: BorrowedFd<'_>) -> io::Result<()> {
         // SAFETY: both fds are open for the duration of the call, and a null
         // path is what a mark on an fd (not a path beneath it) takes.
         let ret = unsafe {
             libc::fanotify_mark(
                 self.fd.as_raw_fd(),
-                flags,
+                action | FAN_MARK_MNTNS,
                 FAN_MNT_ATTACH | FAN_MNT_DETACH,
                 namespace.as_raw_fd(),
                 ptr::null(),
