@@ -505,6 +505,7 @@ impl<E: Executor> Supervisor<E> {
                     // is due any moment.
                     if !self.heal_imminent() {
                         self.heal_window.close();
+                        self.prober.keep_spare();
                         self.save_state();
                         // A scan of a large table frees megabytes scattered
                         // between long-lived allocations: give them back.
