@@ -81,8 +81,10 @@ impl Prepared {
 
 /// Carries out heal batches. The real one mounts; tests record.
 pub trait Executor {
-    /// What a heal of `batch` can do before its source answers.
-    fn prepare(&self, batch: &HealBatch) -> Prepared;
+    /// What a heal of `batch` can do before its source answers. `held` are
+    /// handles already taken on targets' planned tops, in batch order (None,
+    /// or missing at the end, where there is none): the rest are opened.
+    fn prepare(&self, batch: &HealBatch, held: Vec<Option<OwnedFd>>) -> Prepared;
 
     /// Heals `batch` from `source`; `prepared` is what [`Executor::prepare`]
     /// returned for this batch, or empty (then it is done here).
@@ -406,8 +408,15 @@ impl MountExecutor {
 }
 
 impl Executor for MountExecutor {
-    fn prepare(&self, batch: &HealBatch) -> Prepared {
-        Prepared { stale: batch.targets.iter().map(|target| self.mounter.open_planned(target)).collect() }
+    fn prepare(&self, batch: &HealBatch, held: Vec<Option<OwnedFd>>) -> Prepared {
+        let held = held.into_iter().chain(std::iter::repeat_with(|| None));
+        let stale = batch
+            .targets
+            .iter()
+            .zip(held)
+            .map(|(target, held)| held.map_or_else(|| self.mounter.open_planned(target), Ok))
+            .collect();
+        Prepared { stale }
     }
 
     fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
@@ -424,7 +433,7 @@ impl Executor for MountExecutor {
         let mounter = &*self.mounter;
         let source_dev = batch.source.top().dev;
         // Handles on every stale top, taken before the first stack covers them.
-        let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch) };
+        let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
         let mut outcomes = Vec::with_capacity(batch.targets.len());
         let mut flattens = Vec::with_capacity(batch.targets.len());
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {

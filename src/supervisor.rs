@@ -660,7 +660,7 @@ impl<E: Executor> Supervisor<E> {
         );
         for (batch, probing) in batches.into_iter().zip(probing) {
             if probing {
-                let prepared = self.executor.prepare(&batch);
+                let prepared = self.executor.prepare(&batch, self.held_tops(&batch));
                 self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
             }
         }
@@ -1192,7 +1192,8 @@ impl<E: Executor> Supervisor<E> {
                 if !self.confirmed(&batch) {
                     return;
                 }
-                (batch, Prepared::default())
+                let prepared = self.executor.prepare(&batch, self.held_tops(&batch));
+                (batch, prepared)
             }
         };
         // The pod of a target may have been deleted since it was planned

@@ -194,6 +194,20 @@ impl<E: Executor> Supervisor<E> {
         );
     }
 
+    /// Copies of the handles held on `batch`'s targets that are still their
+    /// planned tops (a held mount cannot be freed, so its ID is not reused
+    /// while held): a heal after a seen death opens none of them again.
+    pub(super) fn held_tops(&self, batch: &HealBatch) -> Vec<Option<OwnedFd>> {
+        batch
+            .targets
+            .iter()
+            .map(|target| {
+                let held = self.held.get(&target.path).filter(|held| held.mount_id == target.top_mount_id)?;
+                held.fd.try_clone().ok()
+            })
+            .collect()
+    }
+
     /// Takes a handle on each target's top while it is still the dead
     /// connection's mount: a new mount over the stale source will cover it.
     fn hold_stale_layers(&mut self, targets: &[PathBuf], dev: Dev) {
