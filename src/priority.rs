@@ -108,19 +108,19 @@ impl HealActivity {
 #[derive(Debug)]
 pub struct HealWindow {
     priority: HealPriority,
+    /// Open while it says a heal is under way (the window alone sets it).
     activity: Arc<HealActivity>,
-    open: bool,
     raised: bool,
 }
 
 impl HealWindow {
     pub fn new(priority: HealPriority, activity: Arc<HealActivity>) -> Self {
-        HealWindow { priority, activity, open: false, raised: false }
+        HealWindow { priority, activity, raised: false }
     }
 
     /// A heal is due: a few syscalls the first time, none after.
     pub fn open(&mut self) {
-        if !std::mem::replace(&mut self.open, true) {
+        if !self.activity.is_under_way() {
             self.activity.set(true);
             self.raised = self.priority.raise();
         }
@@ -128,7 +128,7 @@ impl HealWindow {
 
     /// No heal is due any more.
     pub fn close(&mut self) {
-        if std::mem::take(&mut self.open) {
+        if self.activity.is_under_way() {
             if std::mem::take(&mut self.raised) {
                 self.priority.lower();
             }

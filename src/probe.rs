@@ -59,11 +59,12 @@ pub struct Prober {
 
 type ProbeJob = Box<dyn FnOnce() + Send>;
 
-/// A probe thread started ahead of need, already at the heal priority and
-/// asleep: handing it a probe costs a wake-up. A thread started for the
-/// probe waited 0.75 ms on average (2 ms at worst) for a CPU on a 2-CPU
-/// node, behind the very daemon start-up the probe waits for. Each runs
-/// one probe and ends, so a probe stuck in a stopped daemon holds no other.
+/// A probe thread, at the heal priority and asleep until its probe comes.
+/// The loop starts one ahead of need, so handing it a probe costs a
+/// wake-up: a thread started for the probe waited 0.75 ms on average (2 ms
+/// at worst) for a CPU on a 2-CPU node, behind the very daemon start-up
+/// the probe waits for. Each runs one probe and ends, so a probe stuck in a
+/// stopped daemon holds no other.
 #[derive(Debug)]
 struct SpareThread {
     job: Sender<ProbeJob>,
@@ -126,22 +127,12 @@ impl Prober {
             // The loop may be gone on shutdown; nothing to report to then.
             let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome }));
         });
-        // A spare that is gone (it cannot be, short of a panic) hands the
-        // job back.
-        let unstarted = match self.spare.take() {
-            Some(spare) => spare.job.send(job).err().map(|returned| returned.0),
-            None => Some(job),
+        let thread = match self.spare.take() {
+            Some(spare) => spare,
+            None => SpareThread::start(self.priority)?,
         };
-        if let Some(job) = unstarted {
-            let priority = self.priority;
-            std::thread::Builder::new()
-                .name("probe".into())
-                .spawn(move || {
-                    priority.raise();
-                    job();
-                })
-                .map(drop)?;
-        }
+        // Only a panic before its first job ends a spare's thread.
+        thread.job.send(job).map_err(|_| io::Error::other("probe thread ended before its probe"))?;
         self.in_flight.insert(source.to_path_buf(), (Instant::now(), mount_id));
         Ok(())
     }
