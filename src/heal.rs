@@ -239,13 +239,25 @@ impl Mounter {
         park: usize,
     ) -> Result<usize, HealError> {
         let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
-        let park = self.staging.parks.get(park).ok_or_else(|| HealError::Mount {
-            step: "find a parking directory",
-            path: target.path.clone(),
-            source: std::io::Error::from(std::io::ErrorKind::NotFound),
-        })?;
         mount::make_private(stale).map_err(step("make stale layer private"))?;
-        mount::move_mount(new_top, park.as_fd()).map_err(step("park new top"))?;
+        self.park(target, new_top, park)?;
+        self.remove_under_parked(target, new_top)
+    }
+
+    fn park(&self, target: &TargetHeal, new_top: BorrowedFd<'_>, park: usize) -> Result<(), HealError> {
+        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
+        let park = self
+            .staging
+            .parks
+            .get(park)
+            .ok_or_else(|| step("find a parking directory")(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
+        mount::move_mount(new_top, park.as_fd()).map_err(step("park new top"))
+    }
+
+    /// With the new top parked: detaches each planned layer now on top at
+    /// the target (making the lower ones private first), then puts the new
+    /// top back, also when a removal failed. Returns the layers removed.
+    fn remove_under_parked(&self, target: &TargetHeal, new_top: BorrowedFd<'_>) -> Result<usize, HealError> {
         let mut removed = 0;
         let result = loop {
             let (fd, id) = match self.resolve_target(&target.path) {
@@ -263,6 +275,7 @@ impl Mounter {
             }
             removed += 1;
         };
+        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         // Whatever happened, the new top goes back: a parked mount serves no one.
         let restore_onto = match result {
             Ok(fd) => fd,
@@ -274,6 +287,56 @@ impl Mounter {
         };
         mount::move_mount(new_top, restore_onto.as_fd()).map_err(step("restore new top"))?;
         Ok(removed)
+    }
+
+    /// The first half of flattening a target whose only stale layer is the
+    /// (already private) planned top: parks the new top and slides it back
+    /// *beneath* the stale layer (`MOVE_MOUNT_BENEATH`), so the target's
+    /// final tree is in place and the stale layer sits on the root of a peer
+    /// of the new source, where [`Mounter::detach_slid`] removes it. Where
+    /// the kernel refuses the slide (before 6.5), the stale layer is removed
+    /// under the parked top instead: `Ok(Some(layers removed))`.
+    fn slide_beneath(
+        &self,
+        target: &TargetHeal,
+        stale: BorrowedFd<'_>,
+        new_top: BorrowedFd<'_>,
+    ) -> Result<Option<usize>, HealError> {
+        self.park(target, new_top, 0)?;
+        match mount::move_mount_beneath(new_top, stale) {
+            Ok(()) => Ok(None),
+            Err(err) => {
+                debug!(?err, path = %target.path.display(), "cannot slide the new top beneath; detaching the stale layer alone");
+                self.remove_under_parked(target, new_top).map(Some)
+            }
+        }
+    }
+
+    /// Removes the stale layer a slide left on top of `new_top`, unless an
+    /// earlier detach took it: a detach propagates to the same place on
+    /// every peer of the detached mount's parent, so the first detach of a
+    /// batch takes the stale layers of all the targets slid onto new tops
+    /// with the same root, in one RCU grace period. Nothing else is mounted
+    /// on the root of a peer of the source (the global mount, its copies in
+    /// pods, their slaves in containers, whose mount paths Kubernetes keeps
+    /// unique), and the kernel leaves a layer with mounts of its own on it
+    /// (a copy a stack propagated there) for this function to detach.
+    /// Returns whether it detached the layer itself.
+    fn detach_slid(&self, target: &TargetHeal, new_top: BorrowedFd<'_>) -> Result<bool, HealError> {
+        let resolve_error = |source| HealError::Resolve { path: target.path.clone(), source };
+        let new_id = resolve::mount_id_of(new_top).map_err(resolve_error)?;
+        let (fd, top) = self.resolve_target(&target.path)?;
+        if top == new_id {
+            return Ok(false);
+        }
+        if top != target.top_mount_id {
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+        }
+        mount::detach_top(fd.as_fd()).map(|()| true).map_err(|source| HealError::Mount {
+            step: "remove stale layer",
+            path: target.path.clone(),
+            source,
+        })
     }
 
     fn run(&self, job: FlattenJob, park: usize) {
@@ -438,26 +501,51 @@ impl Executor for MountExecutor {
         let mut flattens = Vec::with_capacity(batch.targets.len());
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
-            let result = match stacked {
-                Ok((stale, (how, new_top))) => {
-                    flattens.push((index, stale, new_top));
-                    Ok(how)
-                }
-                Err(err) => Err(err),
+            let mut outcome = TargetOutcome {
+                path: target.path.clone(),
+                result: Ok(Healed::Stacked),
+                layers_removed: 0,
+                flatten_error: None,
             };
-            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error: None });
+            match stacked {
+                Ok((stale, (how, new_top))) => {
+                    outcome.result = Ok(how);
+                    // Out of the old peer group as soon as the new mount is on
+                    // it: a later stack (a subPath's) can then no longer
+                    // propagate a copy onto this stale layer, a mount on it
+                    // that would keep it from going with the others.
+                    match mount::make_private(stale.as_fd()) {
+                        Ok(()) => flattens.push((index, stale, new_top)),
+                        Err(source) => {
+                            let step = "make stale layer private";
+                            outcome.flatten_error = Some(HealError::Mount { step, path: target.path.clone(), source });
+                        }
+                    }
+                }
+                Err(err) => outcome.result = Err(err),
+            }
+            outcomes.push(outcome);
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
         // Every stack before any flatten (as DESIGN.md verified it): a
         // flatten takes its stale layer out of the peer group that later
         // stacks propagate through.
-        let helpers = flattens.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).clamp(1, FLATTEN_THREADS) - 1;
+        //
+        // A target with one stale layer is flattened by sliding its new top
+        // beneath that layer and detaching the layers together (one grace
+        // period for the batch instead of one per target: a detach waits for
+        // one); older stacks of several layers are taken apart one by one,
+        // by the pool's threads beside this one.
+        let (slides, layered): (Vec<_>, Vec<_>) = flattens
+            .into_iter()
+            .partition(|(index, _, _)| batch.targets.get(*index).is_some_and(|target| target.layer_ids.len() == 1));
+        let helpers = layered.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).min(FLATTEN_THREADS - 1);
         let targets: Arc<[TargetHeal]> = batch.targets.clone().into();
         let (done, finished) = mpsc::channel();
         {
             let mut queue = self.pool.queue.lock();
-            for (index, stale, new_top) in flattens {
+            for (index, stale, new_top) in layered {
                 let targets = Arc::clone(&targets);
                 queue.jobs.push_back(FlattenJob { targets, index, stale, new_top, done: done.clone() });
             }
@@ -465,6 +553,26 @@ impl Executor for MountExecutor {
         drop(done);
         for _ in 0..helpers {
             self.pool.queue.ready.notify_one();
+        }
+        let mut slid = Vec::with_capacity(slides.len());
+        for (index, stale, new_top) in slides {
+            let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
+            match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {
+                Ok(None) => slid.push((index, new_top)),
+                Ok(Some(removed)) => outcome.layers_removed = removed,
+                Err(err) => outcome.flatten_error = Some(err),
+            }
+        }
+        let (slid_count, mut detaches) = (slid.len(), 0);
+        for (index, new_top) in slid {
+            let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
+            match mounter.detach_slid(target, new_top.as_fd()) {
+                Ok(detached) => {
+                    outcome.layers_removed = 1;
+                    detaches += usize::from(detached);
+                }
+                Err(err) => outcome.flatten_error = Some(err),
+            }
         }
         while let Some(job) = self.pool.queue.try_next() {
             mounter.run(job, 0);
@@ -477,7 +585,7 @@ impl Executor for MountExecutor {
                 Err(err) => outcome.flatten_error = Some(err),
             }
         }
-        debug!(targets = outcomes.len(), "flattened");
+        debug!(targets = outcomes.len(), slid = slid_count, detaches, "flattened");
         outcomes
     }
 }

@@ -1,0 +1,106 @@
+//! Flattening a batch: each new top slides beneath its stale layer, and one
+//! detach per root in the source takes the stale layers of every target with
+//! that root, by propagation, instead of one detach (and one RCU grace
+//! period) per target.
+use std::collections::BTreeSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use fuse_supervisor::heal::{Executor, Healed, MountExecutor, Prepared};
+use fuse_supervisor::plan::{learn, plan};
+use fuse_supervisor::priority::HealPriority;
+use fuse_supervisor::probe::SourceHandles;
+use fuse_supervisor::state::Journal;
+use fuse_supervisor::table::{Classified, Layout, Snapshot};
+use fuse_supervisor::testbed::Sandbox;
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
+use fuse_supervisor_sys::resolve;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+
+/// The executor's log lines, captured from the thread that heals.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
+    }
+}
+
+#[test]
+fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
+    let sandbox = Sandbox::new().unwrap();
+    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "data").unwrap();
+    let volumes: Vec<PathBuf> =
+        (0..20).map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod}"), "pv").unwrap()).collect();
+    let subpaths: Vec<PathBuf> =
+        (0..3).map(|pod| source.bind_subpath(&sandbox, &format!("pod-sub-{pod}"), "pv").unwrap()).collect();
+    let layout = Layout::new(&sandbox.kubelet_root());
+    let mut journal = Journal::in_memory();
+    let healthy = Snapshot::parse(sandbox.mountinfo().as_bytes()).unwrap();
+    assert!(learn(&Classified::new(&healthy, &layout), &layout, &mut journal));
+    let baseline = sandbox.count_mounts_under(&sandbox.kubelet_root());
+
+    source.restart(&sandbox, Restart::UnmountThenMount).unwrap();
+    let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).unwrap();
+    let batches = plan(&Classified::new(&snapshot, &layout), &journal, &BTreeSet::new());
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    let batch = batches.into_iter().next().unwrap();
+    assert_eq!(batch.targets.len(), volumes.len() + subpaths.len());
+
+    let log = Captured::default();
+    let writer = log.clone();
+    let (kubelet_root, staging, source_path) =
+        (sandbox.kubelet_root(), sandbox.root().join("staging"), source.path.clone());
+    let outcomes = sandbox.run(move || {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let mut executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
+            let handles = SourceHandles {
+                root: resolve::open_path(&source_path).unwrap(),
+                subdirs: [(PathBuf::from(SUBDIR), resolve::open_path(&source_path.join(SUBDIR)).unwrap())].into(),
+            };
+            executor.heal(&batch, Prepared::default(), &handles)
+        })
+    });
+
+    for outcome in &outcomes {
+        assert!(outcome.result.is_ok(), "{outcome:?}");
+        assert!(outcome.flatten_error.is_none(), "{outcome:?}");
+        assert_eq!(outcome.layers_removed, 1, "{outcome:?}");
+    }
+    // One stack per root; every other target was reached by propagation.
+    let stacked = outcomes.iter().filter(|outcome| matches!(outcome.result, Ok(Healed::Stacked))).count();
+    assert_eq!(stacked, 2, "{outcomes:?}");
+    let flattened = log.text().lines().find(|line| line.contains("flattened")).map(str::to_owned);
+    let flattened = flattened.unwrap_or_else(|| panic!("no flatten line in:\n{}", log.text()));
+    assert!(flattened.contains("slid=23 detaches=2"), "{flattened}");
+
+    for target in volumes.iter().chain(&subpaths) {
+        assert_eq!(layers_at(&sandbox, target), 1, "{}", target.display());
+    }
+    assert_eq!(sandbox.count_mounts_under(&sandbox.kubelet_root()), baseline);
+    let (volume, subpath) = (volumes[7].clone(), subpaths[2].clone());
+    let (data, inner) = sandbox.run(move || {
+        (std::fs::read_to_string(volume.join(DATA_FILE)), std::fs::read_to_string(subpath.join(SUBDIR_FILE)))
+    });
+    assert_eq!(data.unwrap(), source.expected_content());
+    assert!(inner.unwrap().contains(SUBDIR), "the subPath target shows its subdirectory");
+}
