@@ -25,6 +25,8 @@ const SYS_STATMOUNT: libc::c_long = 457;
 pub struct MountSummary {
     /// The mountinfo ID (`mnt_id_old`), as mount tables and `statx` name it.
     pub mount_id: u32,
+    /// The unique ID of the mount it is mounted on (its own, for the root).
+    pub parent_unique_id: u64,
     /// `(major, minor)` of the superblock: the FUSE connection.
     pub dev: (u32, u32),
     /// `fuse`, or `fuse.<subtype>` as mountinfo shows it.
@@ -84,6 +86,7 @@ fn decode(bytes: &[u8]) -> io::Result<MountSummary> {
     };
     Ok(MountSummary {
         mount_id: u32_at(offset_of!(statmount, mnt_id_old))?,
+        parent_unique_id: u64_at(offset_of!(statmount, mnt_parent_id))?,
         dev: (u32_at(offset_of!(statmount, sb_dev_major))?, u32_at(offset_of!(statmount, sb_dev_minor))?),
         fs_type: String::from_utf8_lossy(string_at(offset_of!(statmount, fs_type))?).into_owned(),
         mount_point: PathBuf::from(OsStr::from_bytes(string_at(offset_of!(statmount, mnt_point))?)),
@@ -105,6 +108,9 @@ mod tests {
         let unique = crate::fuse::top_mount_id(std::path::Path::new("/")).expect("statx of /");
         let summary = mount_summary(unique).expect("statmount of the root mount");
         assert_eq!(summary.mount_point, PathBuf::from("/"));
+        let proc = crate::fuse::top_mount_id(std::path::Path::new("/proc")).expect("statx of /proc");
+        let proc = mount_summary(proc).expect("statmount of /proc");
+        assert_eq!(proc.parent_unique_id, unique, "/proc is mounted on the root mount");
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         let id = summary.mount_id.to_string();
         let line = mountinfo
