@@ -528,9 +528,9 @@ impl Executor for MountExecutor {
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
-        // Every stack before any flatten (as DESIGN.md verified it): a
-        // flatten takes its stale layer out of the peer group that later
-        // stacks propagate through.
+        // Every stack before any flatten, as DESIGN.md verified it: the
+        // containers read again once the stacks are in place, and the
+        // flatten, which only the host sees, comes after.
         //
         // A target with one stale layer is flattened by sliding its new top
         // beneath that layer and detaching the layers together (one grace
