@@ -3,9 +3,7 @@
 //! that root, by propagation, instead of one detach (and one RCU grace
 //! period) per target.
 use std::collections::BTreeSet;
-use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
 
 use fuse_supervisor::heal::{Executor, Healed, MountExecutor, Prepared};
 use fuse_supervisor::plan::{learn, plan};
@@ -13,32 +11,11 @@ use fuse_supervisor::priority::HealPriority;
 use fuse_supervisor::probe::SourceHandles;
 use fuse_supervisor::state::Journal;
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
-use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
+use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
 use fuse_supervisor_sys::resolve;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
-
-/// The executor's log lines, captured from the thread that heals.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
-    }
-}
 
 #[test]
 fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
@@ -61,17 +38,13 @@ fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
     let batch = batches.into_iter().next().unwrap();
     assert_eq!(batch.targets.len(), volumes.len() + subpaths.len());
 
-    let log = Captured::default();
-    let writer = log.clone();
+    let log = CapturedLogs::default();
+    let captured = log.clone();
     let (kubelet_root, staging, source_path) =
         (sandbox.kubelet_root(), sandbox.root().join("staging"), source.path.clone());
+    // Slides and detaches happen on the thread that calls the executor.
     let outcomes = sandbox.run(move || {
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
+        captured.capture(tracing::Level::DEBUG, || {
             let mut executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
             let handles = SourceHandles {
                 root: resolve::open_path(&source_path).unwrap(),

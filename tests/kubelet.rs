@@ -3,12 +3,12 @@
 use std::fs;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use fuse_supervisor::kubelet::{
     KubeletAuthz, KubeletClient, KubeletConfig, KubeletError, KubeletTls, PodList, TimeoutPhase,
 };
+use fuse_supervisor::testbed::CapturedLogs;
 use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, full_node_pods, fuse_owner_pod, pod_list_body};
 use tempfile::TempDir;
 
@@ -285,33 +285,17 @@ fn bad_trust_files_fail_at_start() {
     }
 }
 
-/// Collects what the client logs.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[test]
 fn insecure_skip_verify_works_and_warns_on_every_start() {
     let node = Node::start();
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
-    tracing::subscriber::with_default(subscriber, || {
+    let logs = CapturedLogs::default();
+    logs.capture(tracing::Level::INFO, || {
         for _ in 0..2 {
             let client = KubeletClient::new(node.config(KubeletTls::InsecureSkipVerify)).unwrap();
             assert!(client.pods().is_ok());
         }
     });
-    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let logs = logs.text();
     let warnings: Vec<_> = logs.lines().filter(|line| line.contains("WARN")).collect();
     assert_eq!(warnings.len(), 2, "{logs}");
     assert!(warnings[0].contains("verification is off") && warnings[0].contains("127.0.0.1:"), "{logs}");

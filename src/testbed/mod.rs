@@ -12,10 +12,12 @@ pub mod apiserver;
 pub mod cgroup;
 pub mod container;
 pub mod kubelet;
+mod logs;
 mod reader;
 mod sandbox;
 pub mod scenario;
 
+pub use logs::CapturedLogs;
 pub use reader::{ContainerReader, Observation, Outcome};
 pub use sandbox::{Sandbox, SandboxChild};
 
