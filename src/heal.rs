@@ -44,6 +44,14 @@ pub enum HealError {
     },
 }
 
+impl HealError {
+    /// The error of mount step `step` on `path`, for `map_err` (the path is
+    /// copied only when the step fails).
+    fn mount<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> HealError + 'a {
+        move |source| HealError::Mount { step, path: path.to_path_buf(), source }
+    }
+}
+
 /// What happened to one target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Healed {
@@ -218,9 +226,8 @@ impl Mounter {
             path: target.path.clone(),
             root: target.root_in_source.clone(),
         })?;
-        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
-        let clone = mount::clone_mount(from.as_fd()).map_err(step("clone source"))?;
-        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(step("stack onto target"))?;
+        let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
+        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(HealError::mount("stack onto target", &target.path))?;
         // Attached now, the clone's fd is a handle on the target's new top.
         Ok((Healed::Stacked, clone))
     }
@@ -238,20 +245,19 @@ impl Mounter {
         new_top: BorrowedFd<'_>,
         park: usize,
     ) -> Result<usize, HealError> {
-        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
-        mount::make_private(stale).map_err(step("make stale layer private"))?;
+        mount::make_private(stale).map_err(HealError::mount("make stale layer private", &target.path))?;
         self.park(target, new_top, park)?;
         self.remove_under_parked(target, new_top)
     }
 
     fn park(&self, target: &TargetHeal, new_top: BorrowedFd<'_>, park: usize) -> Result<(), HealError> {
-        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         let park = self
             .staging
             .parks
             .get(park)
-            .ok_or_else(|| step("find a parking directory")(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
-        mount::move_mount(new_top, park.as_fd()).map_err(step("park new top"))
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))
+            .map_err(HealError::mount("find a parking directory", &target.path))?;
+        mount::move_mount(new_top, park.as_fd()).map_err(HealError::mount("park new top", &target.path))
     }
 
     /// With the new top parked: detaches each planned layer now on top at
@@ -271,21 +277,20 @@ impl Mounter {
             // private too. The planned top already is.
             let private = if id == target.top_mount_id { Ok(()) } else { mount::make_private(fd.as_fd()) };
             if let Err(err) = private.and_then(|()| mount::detach_top(fd.as_fd())) {
-                break Err(HealError::Mount { step: "remove stale layer", path: target.path.clone(), source: err });
+                break Err(HealError::mount("remove stale layer", &target.path)(err));
             }
             removed += 1;
         };
-        let step = |step| move |source| HealError::Mount { step, path: target.path.clone(), source };
         // Whatever happened, the new top goes back: a parked mount serves no one.
         let restore_onto = match result {
             Ok(fd) => fd,
             Err(err) => {
                 let (fd, _) = self.resolve_target(&target.path)?;
-                mount::move_mount(new_top, fd.as_fd()).map_err(step("restore new top"))?;
+                mount::move_mount(new_top, fd.as_fd()).map_err(HealError::mount("restore new top", &target.path))?;
                 return Err(err);
             }
         };
-        mount::move_mount(new_top, restore_onto.as_fd()).map_err(step("restore new top"))?;
+        mount::move_mount(new_top, restore_onto.as_fd()).map_err(HealError::mount("restore new top", &target.path))?;
         Ok(removed)
     }
 
@@ -332,11 +337,7 @@ impl Mounter {
         if top != target.top_mount_id {
             return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
         }
-        mount::detach_top(fd.as_fd()).map(|()| true).map_err(|source| HealError::Mount {
-            step: "remove stale layer",
-            path: target.path.clone(),
-            source,
-        })
+        mount::detach_top(fd.as_fd()).map(|()| true).map_err(HealError::mount("remove stale layer", &target.path))
     }
 
     fn run(&self, job: FlattenJob, park: usize) {
@@ -501,30 +502,24 @@ impl Executor for MountExecutor {
         let mut flattens = Vec::with_capacity(batch.targets.len());
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
-            let mut outcome = TargetOutcome {
-                path: target.path.clone(),
-                result: Ok(Healed::Stacked),
-                layers_removed: 0,
-                flatten_error: None,
-            };
-            match stacked {
+            let mut flatten_error = None;
+            let result = match stacked {
                 Ok((stale, (how, new_top))) => {
-                    outcome.result = Ok(how);
                     // Out of the old peer group as soon as the new mount is on
                     // it: a later stack (a subPath's) can then no longer
                     // propagate a copy onto this stale layer, a mount on it
                     // that would keep it from going with the others.
                     match mount::make_private(stale.as_fd()) {
                         Ok(()) => flattens.push((index, stale, new_top)),
-                        Err(source) => {
-                            let step = "make stale layer private";
-                            outcome.flatten_error = Some(HealError::Mount { step, path: target.path.clone(), source });
+                        Err(err) => {
+                            flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
                         }
                     }
+                    Ok(how)
                 }
-                Err(err) => outcome.result = Err(err),
-            }
-            outcomes.push(outcome);
+                Err(err) => Err(err),
+            };
+            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error });
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
