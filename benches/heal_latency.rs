@@ -30,6 +30,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use fuse_supervisor::mountinfo::is_fuse_type;
 use fuse_supervisor::priority::HealPriority;
 use fuse_supervisor::table::Dev;
 use fuse_supervisor::testbed::container::ContainerOptions;
@@ -215,8 +216,7 @@ fn top_mount(path: &Path) -> Option<MountSummary> {
 /// The device of the mount on top at `path`, without a lock and without
 /// asking its FUSE daemon.
 fn top_dev(path: &Path) -> Option<Dev> {
-    let (major, minor) = resolve::open_path(path).and_then(|fd| resolve::device_of(fd.as_fd())).ok()?;
-    Some(Dev { major, minor })
+    resolve::open_path(path).and_then(|fd| resolve::device_of(fd.as_fd())).ok().map(Dev::from)
 }
 
 impl Armed {
@@ -232,8 +232,8 @@ impl Armed {
     fn observe(&mut self, woke: (Instant, SystemTime)) {
         if self.seen.appeared.is_none() {
             let Some(top) = top_mount(&self.source) else { return };
-            let dev = Dev { major: top.dev.0, minor: top.dev.1 };
-            if !top.fs_type.starts_with("fuse") || dev == self.old_dev {
+            let dev = Dev::from(top.dev);
+            if !is_fuse_type(&top.fs_type) || dev == self.old_dev {
                 return;
             }
             self.seen.appeared = Some((woke.0, woke.1, dev));
@@ -247,9 +247,7 @@ impl Armed {
         }
         while let Some(target) = self.targets.get_mut(self.flat) {
             let top = top_mount(&target.path);
-            if !top.is_some_and(|top| {
-                Dev { major: top.dev.0, minor: top.dev.1 } == dev && top.parent_unique_id == target.base
-            }) {
+            if !top.is_some_and(|top| Dev::from(top.dev) == dev && top.parent_unique_id == target.base) {
                 break;
             }
             target.reached = true;
@@ -436,8 +434,7 @@ fn micros(duration: Duration) -> u64 {
 
 fn global_dev(sandbox: &Sandbox, source: &Path) -> Dev {
     let source = source.to_path_buf();
-    let top = sandbox.run(move || top_mount(&source)).expect("the global mount is in the table");
-    Dev { major: top.dev.0, minor: top.dev.1 }
+    Dev::from(sandbox.run(move || top_mount(&source)).expect("the global mount is in the table").dev)
 }
 
 /// `message` and the numeric `latency_us` of a JSON log line, if it has them.
@@ -487,7 +484,6 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
     let target_paths: Vec<PathBuf> = (0..targets)
         .map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod:05}"), "data").expect("bind a pod volume"))
         .collect();
-    let target_paths = Arc::new(target_paths);
     let readers_started = options.reader_indices(targets).len();
     let readers: Vec<ContainerReader> = options
         .reader_indices(targets)

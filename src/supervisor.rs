@@ -1091,7 +1091,7 @@ impl<E: Executor> Supervisor<E> {
             {
                 continue;
             }
-            let dev = Dev { major: mount.dev.0, minor: mount.dev.1 };
+            let dev = Dev::from(mount.dev);
             let mut stranded = false;
             let mut subdirs = BTreeSet::new();
             for (target, mapping) in self.journal.mappings() {

@@ -19,6 +19,13 @@ pub struct Dev {
     pub minor: u32,
 }
 
+/// From `(major, minor)`, as `statx` and `statmount` give it.
+impl From<(u32, u32)> for Dev {
+    fn from((major, minor): (u32, u32)) -> Self {
+        Dev { major, minor }
+    }
+}
+
 impl fmt::Display for Dev {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.major, self.minor)

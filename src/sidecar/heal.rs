@@ -166,8 +166,7 @@ fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, SidecarHealE
         resolve::open_beneath(root.as_fd(), inside).map_err(resolve_error)?
     };
     let found = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
-    let (major, minor) = resolve::device_of(fd.as_fd()).map_err(resolve_error)?;
-    let found_dev = Dev { major, minor };
+    let found_dev = Dev::from(resolve::device_of(fd.as_fd()).map_err(resolve_error)?);
     if found != recorded.mount_id || found_dev != recorded.dev {
         return Err(SidecarHealError::Changed {
             pid,
