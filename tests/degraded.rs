@@ -69,6 +69,14 @@ impl World {
         self.supervisor.as_ref().expect("supervisor running")
     }
 
+    /// Waits for the log line of the target's move to `state`.
+    fn wait_for_target_state(&self, state: &str) {
+        let (target, to) = (self.target.display().to_string(), format!("\"to\":\"{state}\""));
+        self.supervisor()
+            .wait_for_log(TIMEOUT, |line| line.contains(&target) && line.contains(&to))
+            .unwrap_or_else(|err| panic!("the target is not {state}: {err}"));
+    }
+
     fn reads_current(&self) {
         let expected = self.source.expected_content();
         self.reader().wait_until(TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("reader reads the source");
@@ -148,11 +156,8 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
         .expect("the death is logged");
     assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
     assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    world.wait_for_target_state("degraded");
     let target = world.target.display().to_string();
-    world
-        .supervisor()
-        .wait_for_log(TIMEOUT, |line| line.contains(&target) && line.contains("\"to\":\"degraded\""))
-        .expect("the target is degraded");
     let status = world.status();
     let row = status.lines().find(|line| line.contains(&target)).expect("the target in status");
     assert!(row.starts_with("degraded "), "{status}");
@@ -264,11 +269,7 @@ fn a_handed_off_connection_is_not_dead(backend: &str) {
         .expect("the death is retracted");
     assert_eq!(field(&retracted, "pids"), serde_json::json!(format!("[{successor}]")), "{retracted}");
     assert_eq!(field(&retracted, "targets"), serde_json::json!(1), "{retracted}");
-    let target = world.target.display().to_string();
-    world
-        .supervisor()
-        .wait_for_log(TIMEOUT, |line| line.contains(&target) && line.contains("\"to\":\"healthy\""))
-        .expect("the target is healthy again");
+    world.wait_for_target_state("healthy");
 
     // The state file is written in the background.
     wait_for("status without the retracted death", TIMEOUT, || {
