@@ -371,10 +371,9 @@ impl Daemons {
             // A holder found by a discovery of a dying connection exited
             // before its answer came: that answer is stale, the death
             // already reported.
-            let dying = matches!(self.known.get(&dev), Some((_, Known::Dying { .. })));
-            if let Some((_, known)) = self.known.get_mut(&dev) {
-                *known = Known::Dying { since: now };
-            }
+            let before =
+                self.known.get_mut(&dev).map(|(_, known)| std::mem::replace(known, Known::Dying { since: now }));
+            let dying = matches!(before, Some(Known::Dying { .. }));
             check.push((source.clone(), dev));
             if !dying {
                 deaths.push(Death { source, dev });

@@ -660,7 +660,7 @@ impl<E: Executor> Supervisor<E> {
         );
         for (batch, probing) in batches.into_iter().zip(probing) {
             if probing {
-                let prepared = self.executor.prepare(&batch, self.held_tops(&batch));
+                let prepared = self.prepare_heal(&batch);
                 self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
             }
         }
@@ -1192,7 +1192,7 @@ impl<E: Executor> Supervisor<E> {
                 if !self.confirmed(&batch) {
                     return;
                 }
-                let prepared = self.executor.prepare(&batch, self.held_tops(&batch));
+                let prepared = self.prepare_heal(&batch);
                 (batch, prepared)
             }
         };

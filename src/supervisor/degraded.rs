@@ -13,7 +13,7 @@ use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
 use crate::daemons::{Aborted, DaemonEvent, Retraction};
-use crate::heal::Executor;
+use crate::heal::{Executor, Prepared};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
 use crate::process_watch::{Detection, ProcessEvent};
 use crate::report::{Report, TargetEvent};
@@ -194,18 +194,20 @@ impl<E: Executor> Supervisor<E> {
         );
     }
 
-    /// Copies of the handles held on `batch`'s targets that are still their
+    /// What the executor can do for `batch` before its source answers, given
+    /// copies of the handles held on its targets that are still their
     /// planned tops (a held mount cannot be freed, so its ID is not reused
     /// while held): a heal after a seen death opens none of them again.
-    pub(super) fn held_tops(&self, batch: &HealBatch) -> Vec<Option<OwnedFd>> {
-        batch
+    pub(super) fn prepare_heal(&self, batch: &HealBatch) -> Prepared {
+        let held = batch
             .targets
             .iter()
             .map(|target| {
                 let held = self.held.get(&target.path).filter(|held| held.mount_id == target.top_mount_id)?;
                 held.fd.try_clone().ok()
             })
-            .collect()
+            .collect();
+        self.executor.prepare(batch, held)
     }
 
     /// Takes a handle on each target's top while it is still the dead
