@@ -158,12 +158,14 @@ const FLATTEN_THREADS: usize = 8;
 const TARGETS_PER_FLATTEN_THREAD: usize = 8;
 
 /// One target to flatten: its place in the batch, the handle on its planned
-/// top taken before the first stack, the handle on its new top, and where
-/// the outcome goes.
+/// top taken before the first stack (made private at the stack, and held
+/// open until the flatten ends: a held mount cannot be freed, so its ID,
+/// which the flatten looks for, is not handed to another), the handle on its
+/// new top, and where the outcome goes.
 struct FlattenJob {
     targets: Arc<[TargetHeal]>,
     index: usize,
-    stale: OwnedFd,
+    _stale: OwnedFd,
     new_top: OwnedFd,
     done: Sender<(usize, Result<usize, HealError>)>,
 }
@@ -233,19 +235,12 @@ impl Mounter {
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
-    /// was under it (made private first, so the removal does not propagate
-    /// into containers), and puts the new top back. `stale` is the handle on
-    /// the planned top taken before the first stack, `new_top` the one the
-    /// stack returned: both are moved and detached by handle, and the path is
-    /// resolved again only to see what lies under the parked top.
-    fn flatten(
-        &self,
-        target: &TargetHeal,
-        stale: BorrowedFd<'_>,
-        new_top: BorrowedFd<'_>,
-        park: usize,
-    ) -> Result<usize, HealError> {
-        mount::make_private(stale).map_err(HealError::mount("make stale layer private", &target.path))?;
+    /// was under it (private, so the removal does not propagate into
+    /// containers: the planned top already is, the covered ones are made so
+    /// on the way), and puts the new top back. `new_top` is the handle the
+    /// stack returned: it is moved by handle, and the path is resolved again
+    /// only to see what lies under the parked top.
+    fn flatten(&self, target: &TargetHeal, new_top: BorrowedFd<'_>, park: usize) -> Result<usize, HealError> {
         self.park(target, new_top, park)?;
         self.remove_under_parked(target, new_top)
     }
@@ -342,7 +337,7 @@ impl Mounter {
 
     fn run(&self, job: FlattenJob, park: usize) {
         let result = match job.targets.get(job.index) {
-            Some(target) => self.flatten(target, job.stale.as_fd(), job.new_top.as_fd(), park),
+            Some(target) => self.flatten(target, job.new_top.as_fd(), park),
             None => return,
         };
         // The heal waits for every job's outcome until all senders are gone.
@@ -489,8 +484,9 @@ impl Executor for MountExecutor {
 
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
         let top = self.mounter.open_planned(target)?;
+        mount::make_private(stale.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
         // The loop thread flattens alone here, on its own parking directory.
-        self.mounter.flatten(target, stale.as_fd(), top.as_fd(), 0)
+        self.mounter.flatten(target, top.as_fd(), 0)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
@@ -542,7 +538,7 @@ impl Executor for MountExecutor {
             let mut queue = self.pool.queue.lock();
             for (index, stale, new_top) in layered {
                 let targets = Arc::clone(&targets);
-                queue.jobs.push_back(FlattenJob { targets, index, stale, new_top, done: done.clone() });
+                queue.jobs.push_back(FlattenJob { targets, index, _stale: stale, new_top, done: done.clone() });
             }
         }
         drop(done);
