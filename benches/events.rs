@@ -59,6 +59,7 @@ fn report(c: &mut Criterion) {
     let heal = HealReport {
         how: Healed::Stacked,
         latency: Duration::from_micros(800),
+        source_wait: Some(Duration::from_micros(300)),
         outage: Some(Duration::from_millis(1_200)),
         layers_removed: 1,
     };

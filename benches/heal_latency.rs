@@ -412,6 +412,10 @@ struct Cycle {
     per_reader_us: Vec<u64>,
     /// The largest `latency_us` the supervisor logged for this restart.
     supervisor_us: Option<u64>,
+    /// The largest `source_wait_us`: the new daemon's time to answer.
+    source_wait_us: Option<u64>,
+    /// The largest `latency_us - source_wait_us`: the heal's own time.
+    after_source_us: Option<u64>,
     healed_lines: usize,
     table_wakes: u64,
     /// The watcher's longest pause between looks during the heal.
@@ -437,14 +441,25 @@ fn global_dev(sandbox: &Sandbox, source: &Path) -> Dev {
     Dev::from(sandbox.run(move || top_mount(&source)).expect("the global mount is in the table").dev)
 }
 
-/// `message` and the numeric `latency_us` of a JSON log line, if it has them.
-fn log_fields(line: &str) -> Option<(String, Option<u64>, Option<SystemTime>)> {
+/// What the bench reads of a JSON log line.
+struct LogLine {
+    message: String,
+    latency_us: Option<u64>,
+    source_wait_us: Option<u64>,
+    at: Option<SystemTime>,
+}
+
+/// The message and the numbers of a JSON log line; None for anything else.
+fn log_fields(line: &str) -> Option<LogLine> {
     let value: serde_json::Value = serde_json::from_str(line).ok()?;
     let fields = value.get("fields")?;
-    let message = fields.get("message")?.as_str()?.to_owned();
-    let latency = fields.get("latency_us").and_then(serde_json::Value::as_u64);
-    let at = value.get("timestamp").and_then(serde_json::Value::as_str).and_then(parse_rfc3339);
-    Some((message, latency, at))
+    let number = |name: &str| fields.get(name).and_then(serde_json::Value::as_u64);
+    Some(LogLine {
+        message: fields.get("message")?.as_str()?.to_owned(),
+        latency_us: number("latency_us"),
+        source_wait_us: number("source_wait_us"),
+        at: value.get("timestamp").and_then(serde_json::Value::as_str).and_then(parse_rfc3339),
+    })
 }
 
 /// `YYYY-MM-DDTHH:MM:SS[.fraction]Z` (what tracing-subscriber writes) as a
@@ -571,13 +586,18 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         std::thread::sleep(Duration::from_millis(100));
         let log = supervisor.log();
         let mut heal_latencies = Vec::new();
+        let mut source_waits = Vec::new();
         // Runs of one message in log order: (message, first offset, count).
         let mut events: Vec<(String, i64, usize)> = Vec::new();
-        for (message, latency, at) in log[log_start..].iter().filter_map(|line| log_fields(line)) {
+        for LogLine { message, latency_us, source_wait_us, at } in log[log_start..].iter().filter_map(|l| log_fields(l))
+        {
             if message == "healed"
-                && let Some(latency) = latency
+                && let Some(latency) = latency_us
             {
                 heal_latencies.push(latency);
+                if let Some(wait) = source_wait_us {
+                    source_waits.push((wait, latency.saturating_sub(wait)));
+                }
             }
             if let Some(at) = at {
                 let offset = match at.duration_since(anchor) {
@@ -592,6 +612,8 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         }
         result.healed_lines = heal_latencies.len();
         result.supervisor_us = heal_latencies.iter().copied().max();
+        result.source_wait_us = source_waits.iter().map(|(wait, _)| *wait).max();
+        result.after_source_us = source_waits.iter().map(|(_, after)| *after).max();
         result.table_wakes = watch.as_ref().map_or(0, TableWatch::wakes) - wakes_before;
         // The slowest cycle's timeline is the one worth reading.
         let slowest = results.iter().all(|earlier: &Cycle| earlier.supervisor_us <= result.supervisor_us);
@@ -678,6 +700,8 @@ fn report(results: &[SizeResult], options: &Options) {
     );
     println!("(b): container readers poll every {:?}; their own timestamps.", options.reader_interval);
     println!("supervisor: its logged latency_us (loop wake-up for the table change -> heal done), max per cycle;");
+    println!("  source_wait_us is the part spent waiting for the new daemon to answer the probe (its INIT and");
+    println!("  one statfs), which no heal may skip; the rest is the heal's own.");
     println!("  \"undisturbed\" rows are a second run without readers and without the watcher.");
     if options.modes.contains(&Mode::Poll) {
         println!(
@@ -721,6 +745,10 @@ fn report(results: &[SizeResult], options: &Options) {
         }
         let (values, missing) = collect(|c| c.supervisor_us);
         row("supervisor latency_us", result, values, missing, "");
+        let (values, missing) = collect(|c| c.source_wait_us);
+        row("  of which source_wait_us (the daemon)", result, values, missing, "");
+        let (values, missing) = collect(|c| c.after_source_us);
+        row("  the rest: the heal after the answer", result, values, missing, "");
     }
     println!();
     for result in results {

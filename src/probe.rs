@@ -44,6 +44,8 @@ pub struct ProbeReport {
     pub source: PathBuf,
     pub mount_id: u32,
     pub outcome: ProbeOutcome,
+    /// How long the source took to answer (or fail): the daemon's time.
+    pub waited: Duration,
 }
 
 /// Starts probes and remembers which are in flight and since when.
@@ -123,9 +125,11 @@ impl Prober {
     ) -> io::Result<()> {
         let reported = source.to_path_buf();
         let job: ProbeJob = Box::new(move || {
+            let asked = Instant::now();
             let outcome = probe(root, &subdirs);
+            let waited = asked.elapsed();
             // The loop may be gone on shutdown; nothing to report to then.
-            let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome }));
+            let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome, waited }));
         });
         let thread = match self.spare.take() {
             Some(spare) => spare,

@@ -71,6 +71,10 @@ pub struct HealReport {
     pub how: Healed,
     /// From the wake-up on the new global mount to this target healed.
     pub latency: Duration,
+    /// Of `latency`, the wait for the new source to answer its probe: the
+    /// FUSE daemon's own start-up, which no heal can shorten. None when the
+    /// heal needed no probe.
+    pub source_wait: Option<Duration>,
     /// From the start of the outage to this target healed, when known.
     pub outage: Option<Duration>,
     pub layers_removed: usize,

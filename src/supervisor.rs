@@ -840,9 +840,8 @@ impl<E: Executor> Supervisor<E> {
                     continue;
                 }
                 // This scan may be the first to see the source's new mount.
-                let latency = self
-                    .since_source_seen(&mapping.source, source.top().dev)
-                    .unwrap_or_else(|| self.scan_started.elapsed());
+                let latency =
+                    self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
                 self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
             }
         }
@@ -1199,7 +1198,7 @@ impl<E: Executor> Supervisor<E> {
         // The pod of a target may have been deleted since it was planned
         // (the executor prepares again what no longer fits the batch).
         batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
-        self.heal(&batch, prepared, &handles);
+        self.heal(&batch, prepared, &handles, report.waited);
         self.rescan();
     }
 
@@ -1208,17 +1207,17 @@ impl<E: Executor> Supervisor<E> {
     /// source that did not change.
     fn heal_latency(&self, batch: &HealBatch) -> Duration {
         let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
-        match self.since_source_seen(&batch.source.path, batch.source.top().dev) {
-            Some(latency) if !dead_target => latency,
+        match self.source_seen_at(&batch.source.path, batch.source.top().dev) {
+            Some(at) if !dead_target => at.elapsed(),
             _ => self.woke_at.elapsed(),
         }
     }
 
-    /// How long ago a scan first saw the mount on connection `dev` at
-    /// `source`; None if none has yet.
-    fn since_source_seen(&self, source: &Path, dev: Dev) -> Option<Duration> {
+    /// When a scan first saw the mount on connection `dev` at `source`;
+    /// None if none has yet.
+    fn source_seen_at(&self, source: &Path, dev: Dev) -> Option<Instant> {
         let (seen, at) = self.sources_seen_at.get(source)?;
-        (*seen == dev).then(|| at.elapsed())
+        (*seen == dev).then_some(*at)
     }
 
     /// Reports a target healed by the kernel's propagation of a mount over
@@ -1227,11 +1226,19 @@ impl<E: Executor> Supervisor<E> {
         let broken_since = self.records.get(target).and_then(|record| record.broken_since);
         let event = TargetEvent { target, pod_uid, source, broken_since };
         let outage = broken_since.and_then(|since| since.elapsed().ok());
-        let heal = HealReport { how: Healed::Propagated, latency, outage, layers_removed };
+        let heal = HealReport { how: Healed::Propagated, latency, source_wait: None, outage, layers_removed };
         self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
     }
 
-    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, handles: &crate::probe::SourceHandles) {
+    /// Heals `batch` from the source whose probe waited `source_wait` for
+    /// its answer.
+    fn heal(
+        &mut self,
+        batch: &HealBatch,
+        prepared: Prepared,
+        handles: &crate::probe::SourceHandles,
+        source_wait: Duration,
+    ) {
         let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
         let _entered = span.enter();
         for target in &batch.targets {
@@ -1252,6 +1259,9 @@ impl<E: Executor> Supervisor<E> {
             let _ = self.events.send(resumed.unwrap_or_else(Event::WatchFailed));
         }
         let latency = self.heal_latency(batch);
+        // A probe started on the watcher's word may have begun before the
+        // wake-up the latency runs from.
+        let source_wait = source_wait.min(latency);
         let mut healed_any = false;
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
             let record =
@@ -1271,13 +1281,20 @@ impl<E: Executor> Supervisor<E> {
                         how = match how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
                         layers_removed = outcome.layers_removed,
                         latency_us = latency.as_micros() as u64,
+                        source_wait_us = source_wait.as_micros() as u64,
                         outage_ms = outage.map(|outage| outage.as_millis() as u64),
                         "healed"
                     );
                     if let Some(err) = outcome.flatten_error {
                         warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
                     }
-                    let heal = HealReport { how, latency, outage, layers_removed: outcome.layers_removed };
+                    let heal = HealReport {
+                        how,
+                        latency,
+                        source_wait: Some(source_wait),
+                        outage,
+                        layers_removed: outcome.layers_removed,
+                    };
                     self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
                     record.state = TargetState::Healed { outage };
                     record.attempts = 0;

@@ -125,6 +125,7 @@ fn a_healed_mount_is_posted_about_its_pod() {
     let heal = HealReport {
         how: Healed::Stacked,
         latency: Duration::from_micros(2_700),
+        source_wait: Some(Duration::from_micros(1_100)),
         outage: Some(Duration::from_millis(1_400)),
         layers_removed: 1,
     };

@@ -368,8 +368,24 @@ fn a_stopped_daemon_does_not_hold_up_the_heal_of_another_source() {
     node.readers[1].wait_until(HEAL_TIMEOUT, reads(other.expected_content())).expect("the other source heals");
     assert!(node.readers[0].latest().is_some_and(|o| fails(&o)), "stopped source healed without answering");
 
+    // The stopped source's probe started at the scan that planned the
+    // other's heal, so it waits at least this long for the daemon.
+    let stopped_for = Duration::from_millis(300);
+    std::thread::sleep(stopped_for);
     node.source.resume().unwrap();
     node.readers[0].wait_until(HEAL_TIMEOUT, reads(node.source.expected_content())).expect("heals once resumed");
+    let target = node.targets[0].display().to_string();
+    let healed = node
+        .supervisor()
+        .wait_for_log(HEAL_TIMEOUT, |line| line.contains("\"healed\"") && line.contains(&target))
+        .expect("the heal is logged");
+    let micros = |name: &str| {
+        let line: serde_json::Value = serde_json::from_str(&healed).expect("a JSON log line");
+        Duration::from_micros(line["fields"][name].as_u64().unwrap_or_else(|| panic!("{name} in {healed}")))
+    };
+    let (latency, source_wait) = (micros("latency_us"), micros("source_wait_us"));
+    assert!(source_wait >= stopped_for, "the stopped daemon's time is the source's wait: {healed}");
+    assert!(source_wait <= latency, "the wait is part of the latency: {healed}");
     drop(other);
 }
 

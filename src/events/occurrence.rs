@@ -228,6 +228,7 @@ mod tests {
         let heal = HealReport {
             how: Healed::Stacked,
             latency: Duration::from_micros(2_700),
+            source_wait: Some(Duration::from_micros(1_100)),
             outage: Some(Duration::from_millis(1_400)),
             layers_removed: 1,
         };

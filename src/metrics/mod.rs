@@ -122,6 +122,8 @@ metrics! {
         "Heals of targets by result: stacked, propagated (the kernel's propagation had done it) or failed";
     heal_latency: Histogram = Histogram::new(LATENCY_BUCKETS), "heal_latency" in Seconds,
         "From the wake-up on the new global mount to the target healed";
+    heal_source_wait: Histogram = Histogram::new(LATENCY_BUCKETS), "heal_source_wait" in Seconds,
+        "Of heal_latency, the wait for the new global mount to answer its probe: the FUSE daemon's own start-up";
     heal_outage: Histogram = Histogram::new(OUTAGE_BUCKETS), "heal_outage" in Seconds,
         "From the start of the outage (the daemon's death when it was seen, else the target first seen broken) to healed";
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
@@ -229,6 +231,9 @@ impl Reporter for Metrics {
                     Healed::Propagated => "propagated",
                 });
                 self.heal_latency.observe(heal.latency.as_secs_f64());
+                if let Some(wait) = heal.source_wait {
+                    self.heal_source_wait.observe(wait.as_secs_f64());
+                }
                 if let Some(outage) = heal.outage {
                     self.heal_outage.observe(outage.as_secs_f64());
                 }
@@ -302,6 +307,7 @@ mod tests {
             "targets_broken",
             "heals",
             "heal_latency_seconds",
+            "heal_source_wait_seconds",
             "heal_outage_seconds",
             "stale_layers_removed",
             "daemon_restarts",
@@ -325,10 +331,17 @@ mod tests {
         let stacked = HealReport {
             how: Healed::Stacked,
             latency: Duration::from_millis(3),
+            source_wait: Some(Duration::from_millis(2)),
             outage: Some(Duration::from_secs(2)),
             layers_removed: 1,
         };
-        let propagated = HealReport { how: Healed::Propagated, outage: None, layers_removed: 2, ..stacked.clone() };
+        let propagated = HealReport {
+            how: Healed::Propagated,
+            source_wait: None,
+            outage: None,
+            layers_removed: 2,
+            ..stacked.clone()
+        };
         metrics.report(&Report::TargetBroken(&target()));
         metrics.report(&Report::TargetHealed { target: &target(), heal: &stacked });
         metrics.report(&Report::TargetHealed { target: &target(), heal: &propagated });
@@ -345,6 +358,10 @@ mod tests {
         assert_eq!(value(&metrics, "fuse_supervisor_heal_latency_seconds_count"), Some(2.0));
         assert_eq!(value(&metrics, r#"fuse_supervisor_heal_latency_seconds_bucket{le="0.0025"}"#), Some(0.0));
         assert_eq!(value(&metrics, r#"fuse_supervisor_heal_latency_seconds_bucket{le="0.005"}"#), Some(2.0));
+        // Only the heal that waited for its source's probe is observed.
+        assert_eq!(value(&metrics, "fuse_supervisor_heal_source_wait_seconds_count"), Some(1.0));
+        assert_eq!(value(&metrics, r#"fuse_supervisor_heal_source_wait_seconds_bucket{le="0.001"}"#), Some(0.0));
+        assert_eq!(value(&metrics, r#"fuse_supervisor_heal_source_wait_seconds_bucket{le="0.0025"}"#), Some(1.0));
         // Only the heal whose outage is known is observed.
         assert_eq!(value(&metrics, "fuse_supervisor_heal_outage_seconds_count"), Some(1.0));
         assert_eq!(value(&metrics, "fuse_supervisor_heal_outage_seconds_sum"), Some(2.0));

@@ -368,6 +368,8 @@ impl Sidecar<'_> {
                     let report = HealReport {
                         how: Healed::Stacked,
                         latency: possible.elapsed(),
+                        // No probe of the source preceded this heal.
+                        source_wait: None,
                         outage: outage.as_ref().map(|outage| outage.since.elapsed()),
                         // Replaced: the dead layer was detached under the new one.
                         layers_removed: usize::from(kept.is_none()),
