@@ -8,8 +8,10 @@
 //! README). The threads that do nothing but heal run real-time for good:
 //! the flatten helpers, the probes, and the watcher's wake-up of the loop.
 //! The loop itself is raised only from the moment a heal is due until it is
-//! done ([`HealWindow`]): between heals it scans tables of any size, and a
-//! storm of mount changes must not take a CPU from the kubelet making them.
+//! done ([`HealWindow`]), or while one is expected (a daemon's death was
+//! seen, for at most the 30 s its stale layers are held): between heals it
+//! scans tables of any size, and a storm of mount changes must not take a
+//! CPU from the kubelet making them.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
@@ -104,7 +106,8 @@ impl HealActivity {
 
 /// From the moment a heal is due (its probe starts) until no heal is: the
 /// loop runs at the heal priority, and background work holds off
-/// ([`HealActivity`]).
+/// ([`HealActivity`]). While a heal is only expected, the loop stays raised
+/// and background work goes on.
 #[derive(Debug)]
 pub struct HealWindow {
     priority: HealPriority,
@@ -122,17 +125,28 @@ impl HealWindow {
     pub fn open(&mut self) {
         if !self.activity.is_under_way() {
             self.activity.set(true);
-            self.raised = self.priority.raise();
+            if !self.raised {
+                self.raised = self.priority.raise();
+            }
         }
     }
 
-    /// No heal is due any more.
-    pub fn close(&mut self) {
+    /// No heal is due any more. While one is `expected` any moment (a
+    /// daemon died; its new mount will need a heal) the loop stays raised,
+    /// so that the heal does not start by waiting for a CPU: among 100 busy
+    /// containers, a new mount's probe started 3.1-7.3 ms (p99 of 200; up
+    /// to 14.5 ms) after the loop first saw the mount at the normal
+    /// priority, and 1.8-2.3 ms raised.
+    pub fn close(&mut self, expected: bool) {
         if self.activity.is_under_way() {
-            if std::mem::take(&mut self.raised) {
-                self.priority.lower();
-            }
             self.activity.set(false);
+        }
+        if expected {
+            if !self.raised {
+                self.raised = self.priority.raise();
+            }
+        } else if std::mem::take(&mut self.raised) {
+            self.priority.lower();
         }
     }
 
@@ -167,16 +181,24 @@ mod tests {
             assert!(activity.is_under_way());
             assert_eq!(fifo(), Some(1));
             window.open();
-            window.close();
+            window.close(true);
+            assert!(window.is_raised(), "raised while a heal is expected");
+            assert!(!activity.is_under_way(), "background work goes on meanwhile");
+            assert_eq!(fifo(), Some(1));
+            window.close(false);
             assert!(!window.is_raised());
             assert!(!activity.is_under_way());
+            assert_eq!(fifo(), None);
+            window.close(true);
+            assert_eq!(fifo(), Some(1), "an expected heal raises a lowered loop");
+            window.close(false);
             assert_eq!(fifo(), None);
             let mut off = HealWindow::new(HealPriority::OFF, Arc::clone(&activity));
             off.open();
             assert!(!off.is_raised());
             assert!(activity.is_under_way(), "background work holds off at any priority");
             assert_eq!(fifo(), None);
-            off.close();
+            off.close(false);
         })
         .join()
         .unwrap();
@@ -200,7 +222,7 @@ mod tests {
             waiting.recv_timeout(std::time::Duration::from_millis(100)).is_err(),
             "background work ran during a heal"
         );
-        window.close();
+        window.close(false);
         waiting.recv_timeout(std::time::Duration::from_secs(10)).expect("background work resumes after the heal");
         background.join().unwrap();
     }

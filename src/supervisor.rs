@@ -504,7 +504,9 @@ impl<E: Executor> Supervisor<E> {
                     // delay a heal, unless a probe's answer (and its heal)
                     // is due any moment.
                     if !self.heal_imminent() {
-                        self.heal_window.close();
+                        // A seen death's new mount is expected for as long
+                        // as its stale layers are held.
+                        self.heal_window.close(!self.held.is_empty());
                         self.prober.keep_spare();
                         self.save_state();
                         // A scan of a large table frees megabytes scattered

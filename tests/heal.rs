@@ -215,22 +215,41 @@ const SCHED_OTHER: (u32, u32) = (0, 0);
 const SCHED_FIFO_1: (u32, u32) = (1, 1);
 
 /// The flatten helpers and the watcher run SCHED_FIFO for good; the loop
-/// only while a heal is due, so it is back to normal once the heal is done;
-/// `--realtime-priority 0` leaves every thread normal.
+/// only while a heal is due or expected (from a seen death to the heal), so
+/// it is back to normal once the heal is done; `--realtime-priority 0`
+/// leaves every thread normal.
 #[test]
-fn heal_threads_run_realtime_and_the_loop_only_while_a_heal_is_due() {
+fn heal_threads_run_realtime_and_the_loop_only_while_a_heal_is_due_or_expected() {
     let mut node = one_pod_heals(Daemon::DemoFs, &["--kubelet", "none"]);
     let pid = node.supervisor().pid();
     let flatten = policies_of(pid, "flatten");
     assert!(!flatten.is_empty() && flatten.iter().all(|policy| *policy == SCHED_FIFO_1), "flatten: {flatten:?}");
     assert_eq!(policies_of(pid, "watcher"), [SCHED_FIFO_1]);
-    scenario::wait_for("the loop back at the normal policy", HEAL_TIMEOUT, || {
-        policies_of(pid, "supervisor") == [SCHED_OTHER]
-    })
-    .unwrap();
+    let loop_at = |policy: (u32, u32)| {
+        scenario::wait_for(&format!("the loop at {policy:?}"), HEAL_TIMEOUT, || {
+            policies_of(pid, "supervisor") == [policy]
+        })
+        .unwrap();
+    };
+    loop_at(SCHED_OTHER);
     for other in ["metrics", "pod-watcher", "state-writer", "discovery"] {
         assert!(policies_of(pid, other).iter().all(|policy| *policy == SCHED_OTHER), "{other} runs real-time");
     }
+
+    // A seen death raises the loop before the new mount appears: once the
+    // new daemon is watched, its crash is seen.
+    let daemon = format!("[{}]", node.source.pid().expect("daemon running"));
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);
+    node.supervisor().wait_for_log(HEAL_TIMEOUT, watched).unwrap();
+    let from = node.supervisor().log_len();
+    node.source.crash().unwrap();
+    let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"");
+    node.supervisor().wait_for_lines(HEAL_TIMEOUT, from, 1, died).unwrap();
+    loop_at(SCHED_FIFO_1);
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+    node.all_read(&node.source.expected_content());
+    node.supervisor().wait_for_lines(HEAL_TIMEOUT, from, 1, |line| line.contains("\"healed\"")).unwrap();
+    loop_at(SCHED_OTHER);
 
     drop(node.supervisor.take());
     node.start_supervisor_with(&["--kubelet", "none", "--realtime-priority", "0"]);
