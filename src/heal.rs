@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use fuse_supervisor_sys::{mount, ns, resolve};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::plan::{HealBatch, TargetHeal};
 use crate::priority::HealPriority;
@@ -294,8 +294,8 @@ impl Mounter {
     /// *beneath* the stale layer (`MOVE_MOUNT_BENEATH`), so the target's
     /// final tree is in place and the stale layer sits on the root of a peer
     /// of the new source, where [`Mounter::detach_slid`] removes it. Where
-    /// the kernel refuses the slide (before 6.5), the stale layer is removed
-    /// under the parked top instead: `Ok(Some(layers removed))`.
+    /// the kernel refuses this slide all the same, the stale layer is
+    /// removed under the parked top instead: `Ok(Some(layers removed))`.
     fn slide_beneath(
         &self,
         target: &TargetHeal,
@@ -449,6 +449,9 @@ impl std::fmt::Debug for FlattenPool {
 pub struct MountExecutor {
     mounter: Arc<Mounter>,
     pool: FlattenPool,
+    /// Whether the kernel slides mounts beneath others (6.5): without it,
+    /// every target is flattened on the pool.
+    mount_beneath: bool,
 }
 
 impl MountExecutor {
@@ -462,7 +465,17 @@ impl MountExecutor {
             staging: Staging::prepare(staging_dir)?,
         });
         let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?, priority);
-        Ok(MountExecutor { mounter, pool })
+        let mount_beneath = mount::move_mount_beneath_supported();
+        if !mount_beneath {
+            info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
+        }
+        Ok(MountExecutor { mounter, pool, mount_beneath })
+    }
+
+    /// Flattens as on a kernel that cannot slide a mount beneath another.
+    pub fn without_mount_beneath(mut self) -> Self {
+        self.mount_beneath = false;
+        self
     }
 }
 
@@ -526,11 +539,12 @@ impl Executor for MountExecutor {
         // A target with one stale layer is flattened by sliding its new top
         // beneath that layer and detaching the layers together (one grace
         // period for the batch instead of one per target: a detach waits for
-        // one); older stacks of several layers are taken apart one by one,
-        // by the pool's threads beside this one.
-        let (slides, layered): (Vec<_>, Vec<_>) = flattens
-            .into_iter()
-            .partition(|(index, _, _)| batch.targets.get(*index).is_some_and(|target| target.layer_ids.len() == 1));
+        // one); older stacks of several layers, and every target on a
+        // kernel that cannot slide, are taken apart one by one, by the
+        // pool's threads beside this one.
+        let (slides, layered): (Vec<_>, Vec<_>) = flattens.into_iter().partition(|(index, _, _)| {
+            self.mount_beneath && batch.targets.get(*index).is_some_and(|target| target.layer_ids.len() == 1)
+        });
         let helpers = layered.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).min(FLATTEN_THREADS - 1);
         let targets: Arc<[TargetHeal]> = batch.targets.clone().into();
         let (done, finished) = mpsc::channel();

@@ -1,7 +1,8 @@
 //! Flattening a batch: each new top slides beneath its stale layer, and one
 //! detach per root in the source takes the stale layers of every target with
 //! that root, by propagation, instead of one detach (and one RCU grace
-//! period) per target.
+//! period) per target. A kernel that cannot slide (before 6.5) has the
+//! flatten pool detach each stale layer alone.
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -19,6 +20,24 @@ const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 
 #[test]
 fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
+    flattens_every_target_to_one_layer(Kernel::SlidesBeneath, "slid=23 detaches=2");
+}
+
+/// Before 6.5 nothing slides: the pool takes each stale layer apart alone.
+#[test]
+fn without_move_mount_beneath_each_stale_layer_is_detached_alone() {
+    flattens_every_target_to_one_layer(Kernel::CannotSlide, "slid=0 detaches=0");
+}
+
+enum Kernel {
+    SlidesBeneath,
+    CannotSlide,
+}
+
+/// 20 whole-volume and 3 subPath targets of one source, healed in one
+/// batch: each ends with one layer, the mount count is back at its
+/// baseline, and the flatten's debug line contains `flattened`.
+fn flattens_every_target_to_one_layer(kernel: Kernel, flattened: &str) {
     let sandbox = Sandbox::new().unwrap();
     let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "data").unwrap();
     let volumes: Vec<PathBuf> =
@@ -45,7 +64,11 @@ fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
     // Slides and detaches happen on the thread that calls the executor.
     let outcomes = sandbox.run(move || {
         captured.capture(tracing::Level::DEBUG, || {
-            let mut executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
+            let executor = MountExecutor::new(&kubelet_root, &staging, HealPriority::OFF).unwrap();
+            let mut executor = match kernel {
+                Kernel::SlidesBeneath => executor,
+                Kernel::CannotSlide => executor.without_mount_beneath(),
+            };
             let handles = SourceHandles {
                 root: resolve::open_path(&source_path).unwrap(),
                 subdirs: [(PathBuf::from(SUBDIR), resolve::open_path(&source_path.join(SUBDIR)).unwrap())].into(),
@@ -62,9 +85,9 @@ fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
     // One stack per root; every other target was reached by propagation.
     let stacked = outcomes.iter().filter(|outcome| matches!(outcome.result, Ok(Healed::Stacked))).count();
     assert_eq!(stacked, 2, "{outcomes:?}");
-    let flattened = log.text().lines().find(|line| line.contains("flattened")).map(str::to_owned);
-    let flattened = flattened.unwrap_or_else(|| panic!("no flatten line in:\n{}", log.text()));
-    assert!(flattened.contains("slid=23 detaches=2"), "{flattened}");
+    let line = log.text().lines().find(|line| line.contains("flattened")).map(str::to_owned);
+    let line = line.unwrap_or_else(|| panic!("no flatten line in:\n{}", log.text()));
+    assert!(line.contains(flattened), "{line}");
 
     for target in volumes.iter().chain(&subpaths) {
         assert_eq!(layers_at(&sandbox, target), 1, "{}", target.display());

@@ -71,6 +71,15 @@ pub fn move_mount_beneath(mount: BorrowedFd<'_>, onto: BorrowedFd<'_>) -> io::Re
     Ok(rustix::mount::move_mount(mount, c"", onto, c"", flags)?)
 }
 
+/// Whether this kernel knows `MOVE_MOUNT_BENEATH` (6.5, or a backport). The
+/// call names no mount: a kernel that knows the flag fails the lookup of the
+/// empty path (`ENOENT`), one that does not refuses the flag first (`EINVAL`).
+pub fn move_mount_beneath_supported() -> bool {
+    let flags = MoveMountFlags::MOVE_MOUNT_BENEATH;
+    let refused = rustix::mount::move_mount(rustix::fs::CWD, c"", rustix::fs::CWD, c"", flags);
+    !matches!(refused, Err(rustix::io::Errno::INVAL))
+}
+
 /// `mount_setattr(mount, "", AT_EMPTY_PATH, {propagation})`, non-recursive.
 ///
 /// Acts on exactly the mount the fd is on, even when other mounts are stacked

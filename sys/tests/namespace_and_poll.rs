@@ -175,3 +175,14 @@ fn signal_stops_continues_and_terminates() {
     process::signal(child.id(), Signal::Term).unwrap();
     assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGTERM));
 }
+
+#[test]
+fn move_mount_beneath_is_known_from_linux_6_5() {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
+    let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    // A backport may add it to an older kernel; none removes it from a newer.
+    if version >= (6, 5) {
+        assert!(mount::move_mount_beneath_supported(), "Linux {release}");
+    }
+}
