@@ -748,7 +748,7 @@ fn report(results: &[SizeResult], options: &Options) {
         let (values, missing) = collect(|c| c.source_wait_us);
         row("  of which source_wait_us (the daemon)", result, values, missing, "");
         let (values, missing) = collect(|c| c.after_source_us);
-        row("  the rest: the heal after the answer", result, values, missing, "");
+        row("  the rest: the supervisor's own", result, values, missing, "");
     }
     println!();
     for result in results {

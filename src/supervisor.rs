@@ -1209,10 +1209,11 @@ impl<E: Executor> Supervisor<E> {
     /// source that did not change.
     fn heal_latency(&self, batch: &HealBatch) -> Duration {
         let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
-        match self.source_seen_at(&batch.source.path, batch.source.top().dev) {
-            Some(at) if !dead_target => at.elapsed(),
-            _ => self.woke_at.elapsed(),
-        }
+        let since = match self.source_seen_at(&batch.source.path, batch.source.top().dev) {
+            Some(at) if !dead_target => at,
+            _ => self.woke_at,
+        };
+        since.elapsed()
     }
 
     /// When a scan first saw the mount on connection `dev` at `source`;
