@@ -414,7 +414,7 @@ struct Cycle {
     supervisor_us: Option<u64>,
     /// The largest `source_wait_us`: the new daemon's time to answer.
     source_wait_us: Option<u64>,
-    /// The largest `latency_us - source_wait_us`: the heal's own time.
+    /// The largest `latency_us - source_wait_us`: the supervisor's own time.
     after_source_us: Option<u64>,
     healed_lines: usize,
     table_wakes: u64,

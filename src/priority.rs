@@ -125,9 +125,7 @@ impl HealWindow {
     pub fn open(&mut self) {
         if !self.activity.is_under_way() {
             self.activity.set(true);
-            if !self.raised {
-                self.raised = self.priority.raise();
-            }
+            self.raise();
         }
     }
 
@@ -142,11 +140,15 @@ impl HealWindow {
             self.activity.set(false);
         }
         if expected {
-            if !self.raised {
-                self.raised = self.priority.raise();
-            }
+            self.raise();
         } else if std::mem::take(&mut self.raised) {
             self.priority.lower();
+        }
+    }
+
+    fn raise(&mut self) {
+        if !self.raised {
+            self.raised = self.priority.raise();
         }
     }
 

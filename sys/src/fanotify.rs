@@ -10,6 +10,8 @@ use std::mem::{offset_of, size_of};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
+use crate::bytes::{u16_at, u32_at, u64_at};
+
 /// `FAN_REPORT_MNT`: the group reports mount events, each with a
 /// [`FAN_EVENT_INFO_TYPE_MNT`] record (init flag).
 const FAN_REPORT_MNT: libc::c_uint = 0x0000_4000;
@@ -181,35 +183,20 @@ fn invalid(what: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what)
 }
 
-fn u16_at(bytes: &[u8], at: usize) -> u16 {
-    u16::from_ne_bytes([bytes[at], bytes[at + 1]])
-}
-
-fn u32_at(bytes: &[u8], at: usize) -> u32 {
-    let mut raw = [0; 4];
-    raw.copy_from_slice(&bytes[at..at + 4]);
-    u32::from_ne_bytes(raw)
-}
-
-fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    let mut raw = [0; 8];
-    raw.copy_from_slice(&bytes[at..at + 8]);
-    u64::from_ne_bytes(raw)
-}
-
 /// Decodes the event at the start of `bytes` (what one `read` returned from
 /// there on): the event and its length. Bounds are checked before each field
 /// is read.
 fn parse_event(bytes: &[u8]) -> io::Result<(MountEvent, usize)> {
     type Metadata = libc::fanotify_event_metadata;
+    let short = || invalid(format!("fanotify read left {} bytes, less than an event header", bytes.len()));
     if bytes.len() < METADATA_LEN {
-        return Err(invalid(format!("fanotify read left {} bytes, less than an event header", bytes.len())));
+        return Err(short());
     }
-    let event_len = u32_at(bytes, offset_of!(Metadata, event_len)) as usize;
+    let event_len = u32_at(bytes, offset_of!(Metadata, event_len)).ok_or_else(short)? as usize;
     let version = bytes[offset_of!(Metadata, vers)];
-    let metadata_len = usize::from(u16_at(bytes, offset_of!(Metadata, metadata_len)));
-    let mask = u64_at(bytes, offset_of!(Metadata, mask));
-    let fd = u32_at(bytes, offset_of!(Metadata, fd)) as i32;
+    let metadata_len = usize::from(u16_at(bytes, offset_of!(Metadata, metadata_len)).ok_or_else(short)?);
+    let mask = u64_at(bytes, offset_of!(Metadata, mask)).ok_or_else(short)?;
+    let fd = u32_at(bytes, offset_of!(Metadata, fd)).ok_or_else(short)? as i32;
     if version != libc::FANOTIFY_METADATA_VERSION {
         return Err(invalid(format!(
             "fanotify event has metadata version {version}, not {}",
@@ -247,12 +234,12 @@ fn mount_id(mut records: &[u8]) -> Option<u64> {
     type Header = libc::fanotify_event_info_header;
     while records.len() >= INFO_HEADER_LEN {
         let info_type = records[offset_of!(Header, info_type)];
-        let len = usize::from(u16_at(records, offset_of!(Header, len)));
+        let len = usize::from(u16_at(records, offset_of!(Header, len))?);
         if len < INFO_HEADER_LEN || len > records.len() {
             return None;
         }
         if info_type == FAN_EVENT_INFO_TYPE_MNT && len >= size_of::<InfoMnt>() {
-            return Some(u64_at(records, offset_of!(InfoMnt, mnt_id)));
+            return u64_at(records, offset_of!(InfoMnt, mnt_id));
         }
         records = &records[len..];
     }
