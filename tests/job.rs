@@ -13,7 +13,7 @@ use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
 };
-use fuse_supervisor::testbed::{Sandbox, SandboxChild};
+use fuse_supervisor::testbed::{Sandbox, SandboxChild, system};
 use serde_json::{Value, json};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -91,7 +91,7 @@ impl JobPod {
             }
             Daemon::Bindfs => {
                 let (b, m) = (backing.display().to_string(), mount.display().to_string());
-                fuse_cgroup.command(Path::new("bindfs"), &["-f", "-o", "allow_other", &b, &m], ignore_term)
+                fuse_cgroup.command(&system::program("bindfs"), &["-f", "-o", "allow_other", &b, &m], ignore_term)
             }
         };
         let daemon = sandbox.spawn(command).expect("start the FUSE daemon");
@@ -284,7 +284,7 @@ fn a_daemon_that_outlives_its_unmount_and_ignores_sigterm_is_killed_after_the_gr
     // namespace of its own holds a copy of the mount, so the connection
     // survives the unmount and the daemon keeps serving.
     let mut pod = JobPod::new("Never", false, Daemon::Bindfs, true, 0);
-    let mut holder = Command::new("unshare");
+    let mut holder = Command::new(system::program("unshare"));
     holder.args(["--mount", "--propagation", "private", "sleep", "600"]);
     let holder = pod.sandbox.spawn(holder).expect("holder");
     pod.start_supervisor("1s");

@@ -11,6 +11,7 @@ use fuse_supervisor::mountinfo::{
     Escaped, Field, MountInfo, MountInfoReader, ParseErrorKind, Propagation, parse_line, parse_lines, parse_table,
     parse_table_with, synthetic_table,
 };
+use fuse_supervisor::testbed::system;
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -504,7 +505,7 @@ fn priority_event_reports_a_change_and_read_consumes_it() {
     std::fs::create_dir(&target).unwrap();
     let script =
         format!("echo ready; read _; mount -t tmpfs pollpri-test '{}' && echo mounted; read _", target.display());
-    let child = Command::new("unshare")
+    let child = Command::new(system::program("unshare"))
         .args(["-m", "--propagation", "private", "sh", "-c", &script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -15,8 +15,8 @@ use fuse_supervisor::process_watch::{
     ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher,
 };
-use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
+use fuse_supervisor::testbed::{Sandbox, system};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -240,7 +240,7 @@ fn lost_events_resync_reports_a_daemon_killed_during_a_burst() {
 /// Runs the test `name` of this binary again under `unshare flags`, with
 /// `CHILD_MODE` set to `mode`, and returns its stdout once it passed.
 fn run_in_child(name: &str, flags: &[&str], mode: &str) -> String {
-    let output = Command::new("unshare")
+    let output = Command::new(system::program("unshare"))
         .args(flags)
         .arg(std::env::current_exe().unwrap())
         .args(["--exact", name, "--nocapture", "--test-threads", "1"])

@@ -23,7 +23,7 @@ use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::container::ContainerOptions;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox, SandboxChild};
+use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox, SandboxChild, system};
 use fuse_supervisor_sys::process::{self, Signal};
 use serde_json::json;
 
@@ -77,9 +77,13 @@ fn command_in(wrapper: &[OsString], cgroup: Option<&ContainerCgroup>, program: &
 /// (in `cgroup`, when given). Returns the `nsenter` child and the
 /// container's first process.
 fn fuse_container(sandbox: &Sandbox, pause: &SandboxChild, cgroup: Option<&ContainerCgroup>) -> (SandboxChild, u32) {
-    let in_pod = ["nsenter".into(), format!("--pid=/proc/{}/ns/pid_for_children", pause.pid()).into(), "--".into()];
+    let in_pod = [
+        system::program("nsenter").into(),
+        format!("--pid=/proc/{}/ns/pid_for_children", pause.pid()).into(),
+        "--".into(),
+    ];
     let args = ["--mount", "--propagation", "slave", "sleep", "infinity"];
-    let command = command_in(&in_pod, cgroup, Path::new("unshare"), &args);
+    let command = command_in(&in_pod, cgroup, &system::program("unshare"), &args);
     let nsenter = sandbox.spawn(command).expect("fuse container");
     let pid = child_of(nsenter.pid());
     // Its namespace is made once `unshare` has become `sleep`.
@@ -147,7 +151,7 @@ impl Pod {
             })
             .unwrap();
         // The pod's pid namespace, with a proc of its own for the supervisor.
-        let mut pause = Command::new("unshare");
+        let mut pause = Command::new(system::program("unshare"));
         pause
             .args(["--pid", "--fork", "--kill-child", "sh", "-c"])
             .arg(format!("mount -t proc proc '{}' && exec sleep infinity", proc_root.display()));
@@ -179,7 +183,11 @@ impl Pod {
     }
 
     fn in_pod(&self) -> Vec<OsString> {
-        vec!["nsenter".into(), format!("--pid=/proc/{}/ns/pid_for_children", self.pause.pid()).into(), "--".into()]
+        vec![
+            system::program("nsenter").into(),
+            format!("--pid=/proc/{}/ns/pid_for_children", self.pause.pid()).into(),
+            "--".into(),
+        ]
     }
 
     fn in_fuse_container(&self) -> Vec<OsString> {
@@ -203,10 +211,12 @@ impl Pod {
         let before = fuse_mounts(&self.fuse_container_table()).len();
         let (backing, mountpoint) = (self.backing.display().to_string(), self.mountpoint.display().to_string());
         let (program, args) = match self.daemon_kind {
-            Daemon::DemoFs => (BINARY, vec!["internal", "demofs", "--backing", &backing, "--mountpoint", &mountpoint]),
-            Daemon::Bindfs => ("bindfs", vec!["-f", "-o", "allow_other", &backing, &mountpoint]),
+            Daemon::DemoFs => {
+                (PathBuf::from(BINARY), vec!["internal", "demofs", "--backing", &backing, "--mountpoint", &mountpoint])
+            }
+            Daemon::Bindfs => (system::program("bindfs"), vec!["-f", "-o", "allow_other", &backing, &mountpoint]),
         };
-        let mut command = command_in(&self.in_fuse_container(), self.fuse_cgroup.as_ref(), Path::new(program), &args);
+        let mut command = command_in(&self.in_fuse_container(), self.fuse_cgroup.as_ref(), &program, &args);
         command.stdin(Stdio::null()).stdout(Stdio::null());
         self.daemon = Some(self.sandbox.spawn(command).expect("demofs"));
         scenario::wait_for("demofs mounted in the FUSE container", TIMEOUT, || {
@@ -226,9 +236,11 @@ impl Pod {
     fn restart(&mut self, how: Restart) {
         match how {
             Restart::SameContainer => {
-                let status = Command::new("nsenter")
+                let status = Command::new(system::program("nsenter"))
                     .arg(format!("--mount=/proc/{}/ns/mnt", self.fuse_container_pid))
-                    .args(["--", "umount", "-l"])
+                    .arg("--")
+                    .arg(system::program("umount"))
+                    .arg("-l")
                     .arg(&self.mountpoint)
                     .status()
                     .unwrap();
@@ -317,7 +329,7 @@ impl Drop for Pod {
 fn job_app(pod: &Pod, cgroup: &ContainerCgroup, trigger: &Path) -> SandboxChild {
     let wait = format!("while [ ! -e '{}' ]; do sleep 0.02; done", trigger.display());
     let args = ["--mount", "--propagation", "slave", "sh", "-c", &wait];
-    let command = command_in(&pod.in_fuse_container(), Some(cgroup), Path::new("unshare"), &args);
+    let command = command_in(&pod.in_fuse_container(), Some(cgroup), &system::program("unshare"), &args);
     let app = pod.sandbox.spawn(command).expect("app");
     let pid = child_of(app.pid());
     scenario::wait_for("the app's FUSE mount", TIMEOUT, || {

@@ -16,6 +16,7 @@ mod logs;
 mod reader;
 mod sandbox;
 pub mod scenario;
+pub mod system;
 
 pub use logs::CapturedLogs;
 pub use reader::{ContainerReader, Observation, Outcome};

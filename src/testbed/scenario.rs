@@ -240,7 +240,7 @@ impl FuseSource {
                 command
             }
             Daemon::Bindfs => {
-                let mut command = Command::new("bindfs");
+                let mut command = Command::new(super::system::program("bindfs"));
                 command.args(["-f", "-o", "allow_other"]).arg(&self.backing).arg(&self.path);
                 command
             }

@@ -1,0 +1,159 @@
+//! `cargo xtask test [ARGS…]`: installs the system packages the tests run
+//! programs from (as root, with the distribution's package manager), or stops
+//! with one line naming what is missing; then runs `cargo test --workspace
+//! ARGS…`.
+
+mod system_packages;
+
+use std::env;
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::process::{Command, ExitCode};
+
+use system_packages::{PackageManager, SystemPackage, missing_message, missing_packages};
+
+const USAGE: &str = "usage: cargo xtask test [ARGS…]
+  installs the system packages the tests need (as root), then runs `cargo test --workspace ARGS…`";
+
+fn main() -> ExitCode {
+    let mut args = env::args_os().skip(1);
+    match args.next().as_deref().and_then(OsStr::to_str) {
+        Some("test") => test(args.collect()),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn test(cargo_args: Vec<OsString>) -> ExitCode {
+    if let Err(message) = ensure_test_packages() {
+        eprintln!("xtask: {message}");
+        return ExitCode::from(2);
+    }
+    // The cargo that runs this task, so a toolchain override carries over.
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    match Command::new(&cargo).args(["test", "--workspace"]).args(&cargo_args).status() {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(status) => ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).unwrap_or(1)),
+        Err(err) => {
+            eprintln!("xtask: cannot run {}: {err}", cargo.to_string_lossy());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Installs what `TEST_PACKAGES` lacks here, or says in one line why not.
+fn ensure_test_packages() -> Result<(), String> {
+    let search_path = env::var_os("PATH").unwrap_or_default();
+    let missing = missing_packages(&search_path);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let manager = PackageManager::find(&search_path);
+    let Some(manager) = manager.filter(|_| is_root()) else {
+        return Err(missing_message(&missing, manager));
+    };
+    for package in &missing {
+        eprintln!(
+            "xtask: installing {} with {}: the tests run {} as {}",
+            manager.package_of(package),
+            manager.program(),
+            package.program,
+            package.used_for
+        );
+    }
+    install(manager, &missing)?;
+    let still_missing = missing_packages(&search_path);
+    if still_missing.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("installed, yet still missing: {}", missing_message(&still_missing, Some(manager))))
+    }
+}
+
+fn install(manager: PackageManager, missing: &[SystemPackage]) -> Result<(), String> {
+    let packages = manager.packages_for(missing);
+    let steps: Vec<Vec<&str>> = match manager {
+        // A fresh machine's package lists are empty or stale.
+        PackageManager::Apt => vec![vec!["update", "-qq"], [&["install", "-y", "-qq"][..], &packages].concat()],
+        PackageManager::Dnf => vec![[&["install", "-y", "-q"][..], &packages].concat()],
+    };
+    for step in steps {
+        let status = Command::new(manager.program())
+            .args(&step)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .map_err(|err| format!("cannot run {}: {err}", manager.program()))?;
+        if !status.success() {
+            return Err(format!("`{} {}` failed ({status})", manager.program(), step.join(" ")));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the effective user is root, from `/proc/self/status` (the
+/// standard library has no `geteuid`, and this crate takes no dependency).
+fn is_root() -> bool {
+    fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            .is_some_and(|effective| effective == "0")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::system_packages::*;
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn package(program: &str) -> SystemPackage {
+        *TEST_PACKAGES.iter().find(|package| package.program == program).unwrap()
+    }
+
+    #[test]
+    fn the_message_names_each_program_its_package_and_one_install_line() {
+        let missing = [package("bindfs"), package("unshare"), package("nsenter")];
+        let message = missing_message(&missing, Some(PackageManager::Apt));
+        assert_eq!(
+            message,
+            "the tests need programs that are not installed: \
+             bindfs (package bindfs: the third-party FUSE daemon of the heal tests), \
+             unshare (package util-linux: the private namespaces of the process and sidecar tests), \
+             nsenter (package util-linux: entering a pod's namespaces in the sidecar tests); \
+             install them with `apt-get install -y bindfs util-linux`, or run `cargo xtask test` as root, which does"
+        );
+        assert!(!message.contains('\n'));
+        assert_eq!(PackageManager::Dnf.install_line(&[package("umount")]), "dnf install -y util-linux");
+    }
+
+    #[test]
+    fn without_a_known_package_manager_the_message_still_names_the_programs() {
+        let message = missing_message(&[package("bindfs")], None);
+        assert!(message.contains("bindfs (the third-party FUSE daemon"), "{message}");
+        assert!(message.contains("the distribution's package manager"), "{message}");
+    }
+
+    #[test]
+    fn only_executable_files_on_the_search_path_count() {
+        let dir = std::env::temp_dir().join(format!("xtask-path-{}", std::process::id()));
+        fs::create_dir_all(dir.join("bindfs-is-a-directory/bindfs")).unwrap();
+        fs::write(dir.join("bindfs"), "").unwrap();
+        fs::write(dir.join("unshare"), "#!/bin/sh\n").unwrap();
+        fs::set_permissions(dir.join("unshare"), fs::Permissions::from_mode(0o755)).unwrap();
+        let search_path = std::env::join_paths([dir.join("bindfs-is-a-directory"), dir.clone()]).unwrap();
+
+        assert_eq!(find_program("unshare", &search_path), Some(dir.join("unshare")));
+        assert_eq!(find_program("bindfs", &search_path), None, "neither a directory nor a file without x");
+        let missing: Vec<&str> = missing_packages(&search_path).iter().map(|package| package.program).collect();
+        assert_eq!(missing, ["bindfs", "fusermount3", "nsenter", "umount"]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
