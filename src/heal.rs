@@ -4,8 +4,9 @@
 //! target so running containers (slaves of the target's peer group) receive
 //! it, skip targets a previous stack already reached by propagation, then
 //! flatten so the host keeps exactly one layer per target. Every mount call
-//! goes through an fd that was resolved beneath the kubelet root and checked
-//! to be, at that moment, the mount the plan recorded.
+//! goes through an fd that was resolved without symlinks (beneath the kubelet
+//! root, for everything under it) and checked to be, at that moment, the
+//! mount the plan recorded.
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -23,9 +24,9 @@ use crate::table::Dev;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealError {
-    #[error("target {path} is not beneath the kubelet root {root}")]
-    OutsideRoot { path: PathBuf, root: PathBuf },
-    #[error("cannot resolve target {path} beneath the kubelet root")]
+    #[error("target {path} is not an absolute path")]
+    NotAbsolute { path: PathBuf },
+    #[error("cannot resolve target {path} without symlinks")]
     Resolve {
         path: PathBuf,
         #[source]
@@ -170,24 +171,34 @@ struct FlattenJob {
     done: Sender<(usize, Result<usize, HealError>)>,
 }
 
-/// What every flattening thread needs: the kubelet root to resolve targets
+/// What every flattening thread needs: the roots to resolve targets
 /// beneath, and the parking directories.
 #[derive(Debug)]
 struct Mounter {
     kubelet_root: PathBuf,
     kubelet_root_fd: OwnedFd,
+    /// The namespace's root, for a source's binds outside the kubelet tree.
+    root_fd: OwnedFd,
     staging: Staging,
 }
 
 impl Mounter {
-    /// Resolves a target beneath the kubelet root (no symlinks, no magic
-    /// links, no escaping) and returns it with the ID of its top mount.
+    /// Resolves a target (no symlinks, no magic links, no escaping) and
+    /// returns it with the ID of its top mount. Pod targets and CSI staging
+    /// binds lie beneath the kubelet root and are resolved from it; a
+    /// source's bind elsewhere (learned from the table as the source's peer,
+    /// never from anything a pod wrote) from the namespace's root.
     fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
-        let relative = path
-            .strip_prefix(&self.kubelet_root)
-            .map_err(|_| HealError::OutsideRoot { path: path.to_path_buf(), root: self.kubelet_root.clone() })?;
+        let (base, relative) = match path.strip_prefix(&self.kubelet_root) {
+            Ok(relative) => (self.kubelet_root_fd.as_fd(), relative),
+            Err(_) => {
+                let relative =
+                    path.strip_prefix("/").map_err(|_| HealError::NotAbsolute { path: path.to_path_buf() })?;
+                (self.root_fd.as_fd(), relative)
+            }
+        };
         let resolve_error = |source| HealError::Resolve { path: path.to_path_buf(), source };
-        let fd = resolve::open_beneath(self.kubelet_root_fd.as_fd(), relative).map_err(resolve_error)?;
+        let fd = resolve::open_beneath(base, relative).map_err(resolve_error)?;
         let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
         Ok((fd, id))
     }
@@ -462,6 +473,7 @@ impl MountExecutor {
         let mounter = Arc::new(Mounter {
             kubelet_root: kubelet_root.to_path_buf(),
             kubelet_root_fd: resolve::open_dir(kubelet_root)?,
+            root_fd: resolve::open_dir(Path::new("/"))?,
             staging: Staging::prepare(staging_dir)?,
         });
         let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?, priority);

@@ -866,7 +866,7 @@ fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Resu
         None => "in the live mount table".to_owned(),
     })?;
     let layout = Layout::new(&node.kubelet_root);
-    let classified = Classified::new(&snapshot, &layout);
+    let mut classified = Classified::new(&snapshot, &layout);
     // The state file tells where stale targets came from (offline too, when
     // the report came with one); without it only peer groups can.
     let mut journal = match Journal::load(&node.state_dir) {
@@ -876,7 +876,7 @@ fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Resu
             Journal::in_memory()
         }
     };
-    let status = Status::new(&classified, &layout, &mut journal);
+    let status = Status::new(&mut classified, &layout, &mut journal);
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

@@ -1,6 +1,8 @@
 //! Heal planning: a pure function of a classified table and the journal.
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+
+use tracing::info;
 
 use crate::state::{Journal, Mapping};
 use crate::table::{Classified, Layout, Stack, Target, TargetKind, root_within};
@@ -35,6 +37,50 @@ impl Assessment {
             Assessment::Unmanaged => "unmanaged",
         }
     }
+}
+
+/// Tells the binds of a global mount outside the pods (a CSI staging
+/// `globalmount`, a driver's second path) from the daemon's own mount, and
+/// moves every known bind among the targets. A bind is learned while it is
+/// healthy, as the source's peer; after a crash it stays on the dead
+/// connection, so it is never anyone's source: it is healed like a whole
+/// volume, from the source it was learned from. Forgets the binds that are
+/// no longer mounted. Returns whether the journal changed.
+pub fn separate_source_binds(classified: &mut Classified, layout: &Layout, journal: &mut Journal) -> bool {
+    let is_bind = |journal: &Journal, path: &Path| journal.get(path).is_some_and(|m| m.kind == TargetKind::SourceBind);
+    let mut groups: BTreeMap<u32, Vec<&Stack>> = BTreeMap::new();
+    for (path, source) in &classified.sources {
+        if let Some(group) = source.top().peer_group.filter(|_| !is_bind(journal, path)) {
+            groups.entry(group).or_default().push(source);
+        }
+    }
+    let mut learned = Vec::new();
+    for sources in groups.values().filter(|sources| sources.len() > 1) {
+        let Some(&primary) = sources.iter().min_by_key(|source| layout.source_precedence(source)) else { continue };
+        for bind in sources.iter().filter(|bind| bind.path != primary.path) {
+            let Some(root_in_source) = root_within(&primary.top().root, &bind.top().root) else { continue };
+            let mapping = Mapping {
+                source: primary.path.clone(),
+                root_in_source,
+                source_mount_id: primary.top().mount_id,
+                peer_group: primary.top().peer_group,
+                dev: primary.top().dev,
+                pod_uid: String::new(),
+                kind: TargetKind::SourceBind,
+            };
+            learned.push((bind.path.clone(), mapping));
+        }
+    }
+    let mut changed = false;
+    for (path, mapping) in learned {
+        info!(bind = %path.display(), source = %mapping.source.display(), "a bind of a source outside the pods");
+        changed |= journal.record(&path, mapping);
+    }
+    let binds: Vec<PathBuf> = classified.sources.keys().filter(|path| is_bind(journal, path)).cloned().collect();
+    classified.move_to_targets(&binds);
+    changed
+        | journal
+            .retain(|path, mapping| mapping.kind != TargetKind::SourceBind || classified.targets.contains_key(path))
 }
 
 /// Learns mappings from targets that share a peer group with a source.
@@ -263,6 +309,60 @@ mod tests {
         let batches = plan(&classified, &journal, &BTreeSet::new());
         assert_eq!(batches[0].targets.len(), 1);
         assert_eq!(batches[0].targets[0].path, Path::new(SUB));
+    }
+
+    const STAGING: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi/csi.juicefs.com/0a1b/globalmount";
+    const EXTRA: &str = "/var/lib/juicefs/volume/data";
+
+    /// The daemon's mount, a CSI staging bind of it and a second path
+    /// outside the kubelet tree (on a reused, lower mount ID: only its place
+    /// in the table says it came later), then the pods (bound from the
+    /// staging path).
+    fn staged() -> String {
+        base()
+            + &fuse(10, 1, 50, "/", GLOBAL, 7)
+            + &fuse(14, 1, 50, "/", STAGING, 7)
+            + &fuse(5, 1, 50, "/", EXTRA, 7)
+            + &fuse(11, 1, 50, "/", POD_A, 7)
+            + &fuse(13, 1, 50, "/sub", SUB, 7)
+    }
+
+    fn classify_with(table: &str, journal: &mut Journal) -> Classified {
+        let layout = Layout::new(Path::new(KUBELET));
+        let mut classified = classify(table);
+        separate_source_binds(&mut classified, &layout, journal);
+        learn(&classified, &layout, journal);
+        classified
+    }
+
+    #[test]
+    fn binds_of_a_source_outside_the_pods_are_healed_with_its_targets_never_taken_for_it() {
+        let mut journal = Journal::in_memory();
+        let classified = classify_with(&staged(), &mut journal);
+        assert_eq!(classified.sources.keys().collect::<Vec<_>>(), [Path::new(GLOBAL)]);
+        for path in [STAGING, EXTRA, POD_A, SUB] {
+            assert_eq!(journal.get(Path::new(path)).unwrap().source, Path::new(GLOBAL), "{path}");
+        }
+        assert_eq!(classified.targets[Path::new(STAGING)].kind, TargetKind::SourceBind);
+
+        // The daemon unmounted its dead mount and mounted anew: the binds
+        // stay on the dead connection, alone in its peer group.
+        let crashed = staged().replace(&fuse(10, 1, 50, "/", GLOBAL, 7), "") + &fuse(20, 1, 51, "/", GLOBAL, 9);
+        let classified = classify_with(&crashed, &mut journal);
+        for path in [STAGING, EXTRA, POD_A, SUB] {
+            let target = &classified.targets[Path::new(path)];
+            assert_eq!(journal.get(Path::new(path)).unwrap().source, Path::new(GLOBAL), "{path}");
+            assert_eq!(assess(target, journal.get(Path::new(path)), &classified), Assessment::Broken, "{path}");
+        }
+        let batches = plan(&classified, &journal, &BTreeSet::new());
+        let order: Vec<&Path> = batches[0].targets.iter().map(|t| t.path.as_path()).collect();
+        assert_eq!(order, [Path::new(EXTRA), Path::new(STAGING), Path::new(POD_A), Path::new(SUB)]);
+
+        // A bind that is unmounted is forgotten.
+        let unstaged = crashed.replace(&fuse(14, 1, 50, "/", STAGING, 7), "");
+        classify_with(&unstaged, &mut journal);
+        assert!(journal.get(Path::new(STAGING)).is_none());
+        assert!(journal.get(Path::new(EXTRA)).is_some());
     }
 
     #[test]

@@ -44,6 +44,19 @@ pub enum Report<'a> {
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }
 
+impl Report<'_> {
+    /// The target a report is about, if it is about one.
+    pub fn target(&self) -> Option<&TargetEvent<'_>> {
+        match self {
+            Report::TargetBroken(target)
+            | Report::TargetHealed { target, .. }
+            | Report::HealFailed { target, .. }
+            | Report::DeathRetracted { target, .. } => Some(target),
+            _ => None,
+        }
+    }
+}
+
 /// Targets by state and sources, after a scan.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ScanCounts {
@@ -59,6 +72,7 @@ pub struct ScanCounts {
 #[derive(Debug)]
 pub struct TargetEvent<'a> {
     pub target: &'a Path,
+    /// Empty for a source's bind outside the pods (a CSI staging path).
     pub pod_uid: &'a str,
     pub source: &'a Path,
     /// When the outage began: the target was first seen broken then.

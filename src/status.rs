@@ -44,7 +44,9 @@ pub struct Status {
 impl Status {
     /// Learns what it can from the table into `journal` (a copy of the
     /// state file, or an empty one) and reports.
-    pub fn new(classified: &Classified, layout: &Layout, journal: &mut Journal) -> Self {
+    pub fn new(classified: &mut Classified, layout: &Layout, journal: &mut Journal) -> Self {
+        plan::separate_source_binds(classified, layout, journal);
+        let classified = &*classified;
         plan::learn(classified, layout, journal);
         let sources = classified
             .sources
@@ -129,10 +131,7 @@ impl Status {
             "STATE", "DEV", "GROUP", "LAYERS", "POD", "KIND"
         );
         for t in &self.targets {
-            let kind = match t.kind {
-                TargetKind::Volume => "volume",
-                TargetKind::Subpath => "subpath",
-            };
+            let kind = t.kind.name();
             let source = t.source.as_ref().map_or("?".to_owned(), |s| s.display().to_string());
             let _ = writeln!(
                 out,

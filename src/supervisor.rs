@@ -621,7 +621,8 @@ impl<E: Executor> Supervisor<E> {
         };
         match Snapshot::parse(table) {
             Ok(snapshot) => {
-                let classified = Classified::from_snapshot(snapshot, &self.layout);
+                let mut classified = Classified::from_snapshot(snapshot, &self.layout);
+                self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);
                 debug!(took_us = self.scan_started.elapsed().as_micros() as u64, "table read");
                 Some(classified)
             }
@@ -718,7 +719,12 @@ impl<E: Executor> Supervisor<E> {
         let fresh = || Confirmation {
             mount_id,
             stuck_on,
-            target_pods: batch.targets.iter().map(|target| target.pod_uid.clone()).collect(),
+            target_pods: batch
+                .targets
+                .iter()
+                .filter(|target| target.kind != TargetKind::SourceBind)
+                .map(|target| target.pod_uid.clone())
+                .collect(),
             waiting: Waiting::Asking,
             attempts: 0,
             failing_since: None,
@@ -858,7 +864,8 @@ impl<E: Executor> Supervisor<E> {
     fn forget_targets(&mut self, gone: impl Fn(&str) -> bool) -> bool {
         let records = &mut self.records;
         self.journal.retain(|target, mapping| {
-            let keep = !gone(&mapping.pod_uid);
+            // A source's bind has no pod: it goes when it is unmounted.
+            let keep = mapping.kind == TargetKind::SourceBind || !gone(&mapping.pod_uid);
             if !keep {
                 info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
                 records.remove(target);
@@ -911,7 +918,11 @@ impl<E: Executor> Supervisor<E> {
     /// after the crash) to the source their layout names. Such a target is
     /// judged by a probe: the mapping carries no connection of its own.
     fn locate_unmapped(&mut self, classified: &Classified) -> bool {
-        let sources: Vec<SourceMount<'_>> = classified.sources.values().map(SourceMount::from).collect();
+        // A layout may name a known bind of a source (the CSI staging path):
+        // the target is then mapped to the source the bind is of.
+        let binds = classified.targets.values().filter(|target| target.kind == TargetKind::SourceBind);
+        let sources: Vec<SourceMount<'_>> =
+            classified.sources.values().chain(binds.map(|bind| &bind.stack)).map(SourceMount::from).collect();
         let mut changed = false;
         let mut unmapped_pods = BTreeSet::new();
         if !self.pods_watched {
@@ -936,9 +947,13 @@ impl<E: Executor> Supervisor<E> {
                 layout = %located.layout,
                 "source located by layout"
             );
+            let (source, root_in_source) = match self.journal.get(&located.path) {
+                Some(bind) => (bind.source.clone(), bind.root_in_source.join(&located.root_in_source)),
+                None => (located.path, located.root_in_source),
+            };
             let mapping = Mapping {
-                source: located.path,
-                root_in_source: located.root_in_source,
+                source,
+                root_in_source,
                 source_mount_id: 0,
                 peer_group: None,
                 dev: Dev { major: 0, minor: 0 },
@@ -1391,7 +1406,8 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     let mut supervisor = Supervisor::new(config, reader, events, Arc::default())?;
     let mut summary = OnceSummary::default();
     let Some(classified) = supervisor.read_table() else { return Ok(summary) };
-    if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) {
+    // The read may have learned binds of sources too.
+    if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) | supervisor.state_dirty {
         supervisor.journal.save()?;
     }
     let batches = plan::plan(&classified, &supervisor.journal, &BTreeSet::new());
@@ -1404,11 +1420,14 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     for batch in &batches {
         for target in &batch.targets {
             summary.planned += 1;
+            let owner = match target.kind {
+                TargetKind::SourceBind => "a bind of the source".to_owned(),
+                _ => format!("pod {}", target.pod_uid),
+            };
             let _ = writeln!(
                 out,
-                "  {} (pod {}) <- {}{}{}",
+                "  {} ({owner}) <- {}{}{}",
                 target.path.display(),
-                target.pod_uid,
                 batch.source.path.display(),
                 if target.root_in_source.as_os_str().is_empty() { "" } else { "/" },
                 target.root_in_source.display()
@@ -1457,7 +1476,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
         }
     }
     if let Some(classified) = supervisor.read_table()
-        && plan::learn(&classified, &supervisor.layout, &mut supervisor.journal)
+        && (plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) | supervisor.state_dirty)
     {
         supervisor.journal.save()?;
     }

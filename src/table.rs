@@ -45,6 +45,12 @@ pub struct FuseMount {
     pub master: Option<u32>,
     pub fs_type: String,
     pub source: String,
+    /// The mount's place in the table. The kernel lists a namespace's
+    /// mounts in the order they were made (by unique mount ID, from Linux
+    /// 6.8; by attachment before), so a bind comes after what it binds,
+    /// which the 32-bit mount ID does not tell: it is reused.
+    #[serde(default)]
+    pub table_order: u32,
 }
 
 /// All FUSE mounts of one table, in table order, plus the table's size.
@@ -58,7 +64,9 @@ pub struct Snapshot {
 impl Snapshot {
     /// Parses a mountinfo table, keeping the FUSE mounts.
     pub fn parse(table: &[u8]) -> Result<Self, ParseError> {
+        let mut table_order = 0;
         let kept = mountinfo::parse_table_with(table, |entry| {
+            table_order += 1;
             entry.is_fuse().then(|| FuseMount {
                 mount_id: entry.mount_id,
                 parent_id: entry.parent_id,
@@ -69,6 +77,7 @@ impl Snapshot {
                 master: entry.propagation.master,
                 fs_type: entry.fs_type.to_owned(),
                 source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
+                table_order,
             })
         })?;
         Ok(Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts })
@@ -83,6 +92,20 @@ pub enum TargetKind {
     Volume,
     /// `pods/<uid>/volume-subpaths/**`: one subdirectory of a volume.
     Subpath,
+    /// A bind of a global mount outside the pods directory: a CSI staging
+    /// `globalmount`, a driver's second path, an operator's bind. It belongs
+    /// to no pod; the kubelet binds new pods from it, so it is healed too.
+    SourceBind,
+}
+
+impl TargetKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetKind::Volume => "volume",
+            TargetKind::Subpath => "subpath",
+            TargetKind::SourceBind => "source-bind",
+        }
+    }
 }
 
 /// What a mount point is to the supervisor.
@@ -120,6 +143,14 @@ impl Layout {
 
     pub fn pods_dir(&self) -> &Path {
         &self.pods_dir
+    }
+
+    /// Of several sources in one peer group, the lowest is the daemon's own
+    /// mount and the others are binds of it: outside the kubelet tree comes
+    /// first (a CSI staging bind is inside), then the oldest (a bind is made
+    /// after what it binds).
+    pub fn source_precedence(&self, source: &Stack) -> (bool, u32) {
+        (source.path.starts_with(&self.kubelet_root), source.top().table_order)
     }
 
     pub fn role(&self, mount_point: &Path) -> Role {
@@ -232,15 +263,26 @@ impl Classified {
         Classified { sources: sources.into_iter().collect(), targets: targets.into_iter().collect(), total_mounts }
     }
 
-    /// The source a healthy target shares its peer group with. When a
-    /// group has several sources (a CSI staging bind of a runtime mount),
-    /// the one outside the kubelet tree is the real global mount.
+    /// The source a healthy target shares its peer group with: of several
+    /// (binds of it outside the pods not yet known as such), the first by
+    /// [`Layout::source_precedence`].
     pub fn source_of_peer(&self, target: &Target, layout: &Layout) -> Option<&Stack> {
         let group = target.stack.top().peer_group?;
         self.sources
             .values()
             .filter(|source| source.top().peer_group == Some(group))
-            .min_by_key(|source| (source.path.starts_with(&layout.kubelet_root), source.top().mount_id))
+            .min_by_key(|source| layout.source_precedence(source))
+    }
+
+    /// Moves the source stacks at `binds` among the targets, as binds of
+    /// no pod.
+    pub fn move_to_targets(&mut self, binds: &[PathBuf]) {
+        for path in binds {
+            if let Some(stack) = self.sources.remove(path) {
+                let bind = Target { stack, pod_uid: String::new(), kind: TargetKind::SourceBind };
+                self.targets.insert(path.clone(), bind);
+            }
+        }
     }
 }
 
@@ -360,6 +402,7 @@ mod tests {
             master: None,
             fs_type: "fuse.x".into(),
             source: "x".into(),
+            table_order: id,
         }
     }
 

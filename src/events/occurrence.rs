@@ -90,6 +90,9 @@ pub struct Occurrence {
 impl Occurrence {
     /// The event a report calls for, if any; `now` stands in for unknown times.
     pub fn from_report(report: &Report<'_>, now: SystemTime) -> Option<Occurrence> {
+        if report.target().is_some_and(|target| target.pod_uid.is_empty()) {
+            return None; // A source's bind outside the pods: no pod to tell (its log lines say it).
+        }
         let (reason, regarding, note, at) = match report {
             Report::TargetBroken(target) => (
                 Reason::MountBroken,
