@@ -157,13 +157,20 @@ struct NodeArgs {
 }
 
 impl NodeArgs {
-    fn config(&self) -> anyhow::Result<Config> {
-        let mut layouts = SourceLayouts::new(&self.kubelet_root)
+    /// The built-in layouts and the rules of `--layout-config`, which must
+    /// read and parse.
+    fn layouts(&self) -> anyhow::Result<SourceLayouts> {
+        let layouts = SourceLayouts::new(&self.kubelet_root)
             .with_fluid_mount_root(&self.fluid_mount_root)
             .with_juicefs_mount_root(&self.juicefs_mount_root);
-        if let Some(rules) = &self.layout_config {
-            layouts = layouts.with_rules_from(rules)?;
+        match &self.layout_config {
+            Some(rules) => Ok(layouts.with_rules_from(rules)?),
+            None => Ok(layouts),
         }
+    }
+
+    fn config(&self) -> anyhow::Result<Config> {
+        let layouts = self.layouts()?;
         Ok(Config {
             kubelet_root: self.kubelet_root.clone(),
             state_dir: self.state_dir.clone(),
@@ -857,6 +864,9 @@ fn heal_once(config: &Config, dry_run: bool) -> anyhow::Result<()> {
 }
 
 fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Result<()> {
+    // Checked as `run` checks it, so that a broken file shows before it is
+    // deployed; the report itself locates no source by layout.
+    node.layouts()?;
     let table = match mountinfo {
         Some(file) => fs::read(file).with_context(|| format!("cannot read {}", file.display()))?,
         None => read_namespace_table(&node.mount_namespace)?,

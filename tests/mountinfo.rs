@@ -375,6 +375,39 @@ fn malformed_lines_name_line_and_field() {
     }
 }
 
+/// A NUL in a path, a relative mount point and a CRLF line end: lines the
+/// kernel never writes, refused like any other malformed line.
+#[test]
+fn what_the_kernel_never_writes_is_refused() {
+    let good = "1 0 0:1 / / rw - ext4 /dev/sda rw\n";
+    let cases: &[(&str, Field, &str)] = &[
+        ("36 35 98:0 /a\\000b /m rw - ext3 /dev/root rw", Field::Root, "NUL"),
+        ("36 35 98:0 / /m\\000 rw - ext3 /dev/root rw", Field::MountPoint, "NUL"),
+        ("36 35 98:0 / /m rw - ext3 /dev/r\\000t rw", Field::Source, "NUL"),
+        ("36 35 98:0 / m rw - ext3 /dev/root rw", Field::MountPoint, "relative path `m`"),
+        ("36 35 98:0 / .\\040m rw - ext3 /dev/root rw", Field::MountPoint, "relative path `.\\040m`"),
+        ("36 35 98:0 / /m rw - ext3 /dev/root rw\r", Field::SuperOptions, "carriage return"),
+    ];
+    for (line, field, says) in cases {
+        let text = format!("{good}{}{line}\n{}", good.replace("1 0", "2 1"), good.replace("1 0", "3 1"));
+        let err = parse_table(text.as_bytes()).expect_err(line);
+        assert_eq!((err.line, err.field), (3, *field), "{line:?}");
+        assert!(err.to_string().contains(says), "{line:?}: {err}");
+        assert_eq!(parse_lines(text.as_bytes()).filter(Result::is_err).count(), 1, "{line:?}");
+        let err = parse_line(line.as_bytes(), 7).expect_err(line);
+        assert_eq!((err.line, err.field), (7, *field), "{line:?}");
+    }
+    // CRLF on every line, and on a last line without its newline.
+    let crlf = format!("{}\r\n{}\r\n", VALID, VALID.replace("36 35", "37 35"));
+    assert_eq!(parse_table(crlf.as_bytes()).expect_err("CRLF").line, 1);
+    assert_eq!(parse_table(format!("{VALID}\n{VALID}\r").as_bytes()).expect_err("CR at the end").line, 2);
+    // Escapes the kernel does write, `#` among them (`mangle` escapes it), still decode.
+    let line = "36 35 98:0 / /m\\040\\011\\012\\134 rw - tmpfs a\\043b rw";
+    let mount = parse_line(line.as_bytes(), 1).unwrap();
+    assert_eq!(path(&mount.mount_point), Path::new("/m \t\n\\"));
+    assert_eq!(&*mount.source.unescaped(), b"a#b");
+}
+
 #[test]
 fn not_utf8_options() {
     let err = parse_line(b"1 0 0:1 / / r\xffw - ext4 /dev/sda rw", 1).unwrap_err();

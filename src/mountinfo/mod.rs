@@ -21,6 +21,12 @@
 //! adds none, and since Linux 3.18 unlinking a mount point (from a namespace
 //! where it is not one) detaches every mount on it, so a deleted mount point
 //! never appears in the table (verified on 6.18).
+//!
+//! Refused as malformed, because the kernel never writes them: an escaped NUL
+//! (`\000`; no path or name holds one), a mount point that does not start
+//! with `/` (it prints them from the reader's root, and skips mounts outside
+//! it), and a line ending in a carriage return (CRLF: a table that went
+//! through another system's tools).
 
 mod dedup;
 mod escaped;
@@ -150,6 +156,12 @@ pub enum ParseErrorKind {
     InvalidDevice(String),
     /// A backslash not followed by three octal digits (`\000`–`\377`).
     InvalidEscape(String),
+    /// `\000`: a NUL byte, which no path or name can hold.
+    EscapedNul(String),
+    /// A mount point that does not start with `/`.
+    RelativePath(String),
+    /// The line ends in `\r` (a CRLF line end).
+    CarriageReturn,
     NotUtf8(String),
     /// `parse_line` was given more than one line.
     EmbeddedNewline,
@@ -168,6 +180,13 @@ impl fmt::Display for ParseErrorKind {
             }
             ParseErrorKind::InvalidEscape(text) => {
                 write!(f, "invalid escape in `{text}`, expected a backslash and three octal digits")
+            }
+            ParseErrorKind::EscapedNul(text) => write!(f, "escaped NUL byte (`\\000`) in `{text}`"),
+            ParseErrorKind::RelativePath(text) => {
+                write!(f, "relative path `{text}`, the kernel prints mount points from `/`")
+            }
+            ParseErrorKind::CarriageReturn => {
+                f.write_str("the line ends in a carriage return (CRLF); the kernel ends lines with a newline alone")
             }
             ParseErrorKind::NotUtf8(text) => write!(f, "not UTF-8: `{text}`"),
             ParseErrorKind::EmbeddedNewline => f.write_str("newline inside the line"),
@@ -355,6 +374,9 @@ impl<'a> Fields<'a> {
             None => (root, false),
         };
         let mount_point = self.escaped(Field::MountPoint)?;
+        if mount_point.raw().first() != Some(&b'/') {
+            return Err(self.error(Field::MountPoint, ParseErrorKind::RelativePath(quote(mount_point.raw()))));
+        }
         let mount_options = self.text(Field::MountOptions)?;
         let propagation = self.optional_fields()?;
         let fs_type = self.text(Field::FsType)?;
@@ -506,11 +528,12 @@ impl<'a> Fields<'a> {
             if line.get(at) != Some(&b'\\') {
                 return Ok(at);
             }
-            if escaped::decode_escape(&line[at + 1..]).is_none() {
-                let bad = &self.text[self.pos..self.field_end()];
-                return Err(self.error(field, ParseErrorKind::InvalidEscape(quote(bad))));
+            let bad = || quote(&self.text[self.pos..self.field_end()]);
+            match escaped::decode_escape(&line[at + 1..]) {
+                Some(0) => return Err(self.error(field, ParseErrorKind::EscapedNul(bad()))),
+                Some(_) => at += 4,
+                None => return Err(self.error(field, ParseErrorKind::InvalidEscape(bad()))),
             }
-            at += 4;
         }
     }
 
@@ -531,6 +554,9 @@ impl<'a> Fields<'a> {
             return Err(self.missing(field));
         }
         let (start, text) = (self.pos, self.remaining());
+        if text.last() == Some(&b'\r') {
+            return Err(self.error(field, ParseErrorKind::CarriageReturn));
+        }
         self.pos = self.end;
         self.ended = true;
         self.utf8(field, start, text)

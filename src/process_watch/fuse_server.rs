@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use tracing::debug;
 
 use super::{ProcessId, read_stat};
+use crate::mountinfo;
 
 /// Kernel release from which every attached `/dev/fuse` descriptor surely
 /// shows its connection in fdinfo (the later of the two it may have landed
@@ -182,13 +183,12 @@ impl FuseServers {
 
     /// The fallback for kernels that do not name the connection.
     fn serving_by_namespace(&self, device: MountDevice) -> Result<Serving, FuseServerError> {
-        let wanted = device.to_string();
         let in_namespace: Vec<(ProcessId, Vec<PathBuf>)> = self
             .unattributed
             .iter()
             .filter_map(|&process| {
-                let table = fs::read_to_string(self.proc_root.join(process.pid.to_string()).join("mountinfo")).ok()?;
-                let points = mount_points_of(&table, &wanted);
+                let table = fs::read(self.proc_root.join(process.pid.to_string()).join("mountinfo")).ok()?;
+                let points = mount_points_of(&table, device);
                 (!points.is_empty()).then_some((process, points))
             })
             .collect();
@@ -246,40 +246,14 @@ fn kernel_release(proc_root: &Path) -> Option<(u32, u32)> {
     Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
 }
 
-/// Mount points (field 5, unescaped) of the mounts on device `wanted`
-/// (field 3, `major:minor`) in a mountinfo text.
-fn mount_points_of(table: &str, wanted: &str) -> Vec<PathBuf> {
-    table
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split(' ');
-            let device = fields.nth(2)?;
-            let point = fields.nth(1)?;
-            (device == wanted).then(|| PathBuf::from(unescape(point)))
-        })
+/// Mount points of the mounts on device `wanted` in a mountinfo text, read
+/// by the crate's parser: a line it refuses names no mount point.
+fn mount_points_of(table: &[u8], wanted: MountDevice) -> Vec<PathBuf> {
+    mountinfo::parse_lines(table)
+        .filter_map(Result::ok)
+        .filter(|mount| mount.dev() == (wanted.major, wanted.minor))
+        .map(|mount| mount.mount_point.to_path().into_owned())
         .collect()
-}
-
-/// mountinfo's `\NNN` octal escapes (space, tab, newline, backslash).
-fn unescape(field: &str) -> String {
-    let mut out = String::with_capacity(field.len());
-    let mut rest = field;
-    while let Some(at) = rest.find('\\') {
-        out.push_str(&rest[..at]);
-        let code = rest.get(at + 1..at + 4).and_then(|digits| u8::from_str_radix(digits, 8).ok());
-        match code {
-            Some(byte) => {
-                out.push(char::from(byte));
-                rest = &rest[at + 4..];
-            }
-            None => {
-                out.push('\\');
-                rest = &rest[at + 1..];
-            }
-        }
-    }
-    out.push_str(rest);
-    out
 }
 
 fn command_line(proc_root: &Path, pid: u32) -> Option<Vec<String>> {
@@ -313,9 +287,12 @@ mod tests {
         let info = "pos:\t0\nflags:\t0100002\nmnt_id:\t58\nino:\t90\nfuse_connection:\t39\n";
         assert_eq!(fdinfo_connection(info), Some(39));
         assert_eq!(fdinfo_connection("pos:\t0\nflags:\t0100002\n"), None);
-        let table = "36 35 0:39 / /mnt/with\\040space rw - fuse.bindfs bindfs rw\n37 35 0:40 / /other rw - fuse x rw\n";
-        assert_eq!(mount_points_of(table, "0:39"), vec![PathBuf::from("/mnt/with space")]);
-        assert!(mount_points_of(table, "0:41").is_empty());
+        let table = "36 35 0:39 / /mnt/with\\040space rw - fuse.bindfs bindfs rw\n37 35 0:40 / /other rw - fuse x rw\n\
+                     38 35 0:39 / /mnt/nul\\000 rw - fuse.bindfs bindfs rw\n39 35 0:39 / /mnt/\u{e9} rw - fuse x rw\n";
+        let device = |minor| MountDevice { major: 0, minor };
+        let points = [PathBuf::from("/mnt/with space"), PathBuf::from("/mnt/\u{e9}")];
+        assert_eq!(mount_points_of(table.as_bytes(), device(39)), points, "the NUL line is refused");
+        assert!(mount_points_of(table.as_bytes(), device(41)).is_empty());
     }
 
     /// A fake `/proc` for the cases a 6.18 kernel cannot produce.

@@ -1,0 +1,49 @@
+//! `fuse-supervisor status` offline, on a captured table: what it says about
+//! the files it is given. Mounts nothing.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use tempfile::TempDir;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+
+fn fixture(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(path)
+}
+
+/// `status --mountinfo <the layouts fixture>` with a state directory of its
+/// own (empty unless the test writes one) and `extra` arguments.
+fn status(state_dir: &Path, extra: &[&Path]) -> Output {
+    Command::new(BINARY)
+        .arg("status")
+        .arg("--mountinfo")
+        .arg(fixture("mountinfo/layouts.txt"))
+        .arg("--state-dir")
+        .arg(state_dir)
+        .args(extra)
+        // Only what the test gives counts, whatever the environment sets.
+        .env_remove("FUSE_SUPERVISOR_LAYOUT_CONFIG")
+        .output()
+        .expect("run status")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn status_refuses_a_layout_config_that_run_refuses() {
+    let state = TempDir::new().unwrap();
+    let missing = state.path().join("no-such-rules.toml");
+    for (config, says) in [
+        (missing.as_path(), "cannot read layout config".to_owned()),
+        (&fixture("layout-config/bad-syntax.toml"), "bad-syntax.toml line 3".to_owned()),
+        (&fixture("layout-config/unknown-placeholder.toml"), "unknown-placeholder.toml line 7".to_owned()),
+    ] {
+        let output = status(state.path(), &[Path::new("--layout-config"), config]);
+        assert!(!output.status.success(), "{} accepted: {}", config.display(), stderr(&output));
+        assert!(stderr(&output).contains(&says), "{}: {}", config.display(), stderr(&output));
+    }
+    let output = status(state.path(), &[Path::new("--layout-config"), &fixture("layout-config/rules.toml")]);
+    assert!(output.status.success(), "{}", stderr(&output));
+}
