@@ -12,6 +12,7 @@ pub mod health;
 pub mod job;
 pub mod kubelet;
 pub mod layout;
+pub mod locate;
 pub mod metrics;
 pub mod mountinfo;
 pub mod plan;

@@ -865,8 +865,9 @@ fn heal_once(config: &Config, dry_run: bool) -> anyhow::Result<()> {
 
 fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Result<()> {
     // Checked as `run` checks it, so that a broken file shows before it is
-    // deployed; the report itself locates no source by layout.
-    node.layouts()?;
+    // deployed; the report locates by them the sources of targets that no
+    // peer group or state file maps.
+    let layouts = node.layouts()?;
     let table = match mountinfo {
         Some(file) => fs::read(file).with_context(|| format!("cannot read {}", file.display()))?,
         None => read_namespace_table(&node.mount_namespace)?,
@@ -886,7 +887,7 @@ fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Resu
             Journal::in_memory()
         }
     };
-    let status = Status::new(&mut classified, &layout, &mut journal);
+    let status = Status::new(&mut classified, &layout, &layouts, &mut journal);
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

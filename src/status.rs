@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::layout::SourceLayouts;
+use crate::locate::{self, VolDataCache};
 use crate::plan::{self, Assessment};
 use crate::state::{DaemonDeath, Journal, Owner};
 use crate::table::{Classified, Dev, Layout, TargetKind};
@@ -29,6 +31,10 @@ pub struct TargetRow {
     pub kind: TargetKind,
     pub state: &'static str,
     pub source: Option<PathBuf>,
+    /// The layout that named the source of a target never seen as its peer
+    /// (none when the peer group or the state file did).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub located_by: Option<String>,
     pub dev: Dev,
     pub peer_group: Option<u32>,
     pub layers: usize,
@@ -43,11 +49,21 @@ pub struct Status {
 
 impl Status {
     /// Learns what it can from the table into `journal` (a copy of the
-    /// state file, or an empty one) and reports.
-    pub fn new(classified: &mut Classified, layout: &Layout, journal: &mut Journal) -> Self {
+    /// state file, or an empty one), locates the sources of the targets it
+    /// still has no mapping for by their layouts (with the `vol_data.json`s
+    /// under the kubelet root where there are any, from the target path
+    /// alone otherwise) and reports.
+    pub fn new(classified: &mut Classified, layout: &Layout, layouts: &SourceLayouts, journal: &mut Journal) -> Self {
         plan::separate_source_binds(classified, layout, journal);
         let classified = &*classified;
         plan::learn(classified, layout, journal);
+        let mut vol_data = VolDataCache::new(layout.pods_dir().to_path_buf());
+        let (located, _) = locate::locate_unmapped(classified, journal, layouts, layout, &mut vol_data);
+        let mut located_by = std::collections::HashMap::new();
+        for found in located {
+            located_by.insert(found.target.clone(), found.layout.to_string());
+            journal.record(&found.target, found.mapping);
+        }
         let sources = classified
             .sources
             .values()
@@ -73,8 +89,12 @@ impl Status {
                     .and_then(|mapping| journal.source(&mapping.source))
                     .and_then(|record| record.daemon_died)
                     .is_some_and(|death| death.dev == target.stack.top().dev);
+                let located_by = located_by.remove(path);
                 let state = match assessment {
                     Assessment::Healthy | Assessment::SourceDown if dead => "degraded",
+                    // The running supervisor would probe it; a report says
+                    // what the table shows: not on its source's connection.
+                    Assessment::Unknown if located_by.is_some() => Assessment::Broken.name(),
                     _ => assessment.name(),
                 };
                 TargetRow {
@@ -83,6 +103,7 @@ impl Status {
                     kind: target.kind,
                     state,
                     source: mapping.map(|m| m.source.clone()),
+                    located_by,
                     dev: target.stack.top().dev,
                     peer_group: target.stack.top().peer_group,
                     layers: target.stack.layers.len(),
@@ -132,7 +153,10 @@ impl Status {
         );
         for t in &self.targets {
             let kind = t.kind.name();
-            let source = t.source.as_ref().map_or("?".to_owned(), |s| s.display().to_string());
+            let mut source = t.source.as_ref().map_or("?".to_owned(), |s| s.display().to_string());
+            if let Some(layout) = &t.located_by {
+                let _ = write!(source, "  (located by layout {layout})");
+            }
             let _ = writeln!(
                 out,
                 "{:<13} {:<8} {:<6} {:<6} {:<36} {:<8} {}  <-  {}",

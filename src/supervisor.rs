@@ -23,21 +23,19 @@ use crate::daemons::{DaemonEvent, DaemonWatch, Daemons};
 use crate::heal::{Executor, Healed, MountExecutor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kubelet::{KubeletClient, KubeletConfig};
-use crate::layout::{SourceLayouts, SourceMount, TargetInfo};
+use crate::layout::SourceLayouts;
+use crate::locate::{self, Located, VolDataCache};
 use crate::mountinfo::{MountInfoReader, is_fuse_type};
 use crate::plan::{self, Assessment, HealBatch};
-use crate::pods::{PodChange, PodWatcher, VolData};
+use crate::pods::{PodChange, PodWatcher};
 use crate::priority::{HealActivity, HealPriority, HealWindow};
 use crate::probe::{ProbeOutcome, ProbeReport, Prober};
 use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
-use crate::table::{Classified, Dev, Layout, Role, Snapshot, Target, TargetKind};
+use crate::table::{Classified, Dev, Layout, Role, Snapshot, TargetKind};
 use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
 
 mod degraded;
-mod vol_data;
-
-use vol_data::VolDataCache;
 
 /// How `run` is set up.
 #[derive(Debug, Clone)]
@@ -918,49 +916,22 @@ impl<E: Executor> Supervisor<E> {
     /// after the crash) to the source their layout names. Such a target is
     /// judged by a probe: the mapping carries no connection of its own.
     fn locate_unmapped(&mut self, classified: &Classified) -> bool {
-        // A layout may name a known bind of a source (the CSI staging path):
-        // the target is then mapped to the source the bind is of.
-        let binds = classified.targets.values().filter(|target| target.kind == TargetKind::SourceBind);
-        let sources: Vec<SourceMount<'_>> =
-            classified.sources.values().chain(binds.map(|bind| &bind.stack)).map(SourceMount::from).collect();
-        let mut changed = false;
-        let mut unmapped_pods = BTreeSet::new();
         if !self.pods_watched {
             // No changes arrive to keep what is known current.
             self.vol_data.clear();
         }
-        for (path, target) in &classified.targets {
-            if self.journal.get(path).is_some() {
-                continue;
-            }
-            let top = target.stack.top();
-            let Some(info) = TargetInfo::from_path(self.layout.pods_dir(), path, &top.root) else { continue };
-            let vol_data = vol_data_of(&mut self.vol_data, &self.layout, classified, target, &info);
-            let Some(located) = self.layouts.locate(&info.with_vol_data(vol_data), &sources) else {
-                unmapped_pods.insert(target.pod_uid.clone());
-                continue;
-            };
+        let (located, unmapped_pods) =
+            locate::locate_unmapped(classified, &self.journal, &self.layouts, &self.layout, &mut self.vol_data);
+        let mut changed = false;
+        for Located { target, mapping, layout } in located {
             info!(
-                target = %path.display(),
-                pod = %target.pod_uid,
-                source = %located.path.display(),
-                layout = %located.layout,
+                target = %target.display(),
+                pod = %mapping.pod_uid,
+                source = %mapping.source.display(),
+                %layout,
                 "source located by layout"
             );
-            let (source, root_in_source) = match self.journal.get(&located.path) {
-                Some(bind) => (bind.source.clone(), bind.root_in_source.join(&located.root_in_source)),
-                None => (located.path, located.root_in_source),
-            };
-            let mapping = Mapping {
-                source,
-                root_in_source,
-                source_mount_id: 0,
-                peer_group: None,
-                dev: Dev { major: 0, minor: 0 },
-                pod_uid: target.pod_uid.clone(),
-                kind: target.kind,
-            };
-            changed |= self.journal.record(path, mapping);
+            changed |= self.journal.record(&target, mapping);
         }
         self.vol_data.retain(&unmapped_pods);
         self.unmapped_pods = unmapped_pods;
@@ -1352,39 +1323,6 @@ impl<E: Executor> Supervisor<E> {
         }
         self.state_dirty |= healed_any;
     }
-}
-
-/// The `vol_data.json` behind a target. A subPath directory is named after
-/// the pod spec's volume, a CSI volume directory after the PV, so a subPath
-/// takes the one of its pod's whole-volume target on the same device.
-fn vol_data_of<'a>(
-    cache: &'a mut VolDataCache,
-    layout: &Layout,
-    classified: &Classified,
-    target: &Target,
-    info: &TargetInfo<'_>,
-) -> Option<&'a VolData> {
-    if target.kind == TargetKind::Volume {
-        cache.load(info.pod_uid, info.volume);
-        return cache.get(info.pod_uid, info.volume);
-    }
-    let dev = target.stack.top().dev;
-    let volumes: Vec<(&str, &str)> = classified
-        .targets
-        .iter()
-        .filter(|(_, volume)| {
-            volume.kind == TargetKind::Volume && volume.pod_uid == target.pod_uid && volume.stack.top().dev == dev
-        })
-        .filter_map(|(path, volume)| {
-            let info = TargetInfo::from_path(layout.pods_dir(), path, &volume.stack.top().root)?;
-            Some((info.pod_uid, info.volume))
-        })
-        .collect();
-    for (uid, volume) in &volumes {
-        cache.load(uid, volume);
-    }
-    let cache = &*cache;
-    volumes.into_iter().find_map(|(uid, volume)| cache.get(uid, volume))
 }
 
 /// What `heal --once` did.

@@ -28,7 +28,8 @@ impl From<(u32, u32)> for Dev {
 
 impl fmt::Display for Dev {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.major, self.minor)
+        // Padded as a whole, for `status`'s columns.
+        f.pad(&format!("{}:{}", self.major, self.minor))
     }
 }
 

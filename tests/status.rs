@@ -47,3 +47,29 @@ fn status_refuses_a_layout_config_that_run_refuses() {
     let output = status(state.path(), &[Path::new("--layout-config"), &fixture("layout-config/rules.toml")]);
     assert!(output.status.success(), "{}", stderr(&output));
 }
+
+/// A captured Fluid node (the two mounts of Fluid's own recovery design)
+/// with no kubelet tree and no state file: the pod's CSI volume is named
+/// `<namespace>-<dataset>`, which the Fluid layout turns into the dataset's
+/// global mount, and the target is not on that mount's connection.
+#[test]
+fn status_of_a_captured_fluid_node_locates_the_source_by_layout_and_calls_the_target_broken() {
+    let state = TempDir::new().unwrap();
+    let output = Command::new(BINARY)
+        .args(["status", "--json", "--mountinfo"])
+        .arg(fixture("mountinfo/fluid-example.txt"))
+        .arg("--state-dir")
+        .arg(state.path())
+        .args(["--kubelet-root", "/var/lib/kubelet", "--fluid-mount-root", "/runtime-mnt"])
+        .env_remove("FUSE_SUPERVISOR_LAYOUT_CONFIG")
+        .output()
+        .expect("run status");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let targets = report["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), 1, "{report}");
+    let target = &targets[0];
+    assert_eq!(target["state"], "broken", "{target}");
+    assert_eq!(target["source"], "/runtime-mnt/jindo/default/shared-data/jindofs-fuse", "{target}");
+    assert_eq!(target["located_by"], "fluid", "{target}");
+}

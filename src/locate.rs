@@ -1,5 +1,6 @@
-//! The `vol_data.json` of CSI volumes, for the loop's targets without a
-//! mapping (whose source a layout locates).
+//! Where the source of a target without a mapping is, by its volume's
+//! layout (a supervisor started after the crash, a lost state file), and the
+//! `vol_data.json` of CSI volumes that some layouts need.
 //!
 //! The loop keeps no model of the pod directories: on a large node that copy
 //! was a third of its idle memory, and only unmapped targets (after a
@@ -10,23 +11,79 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 
+use crate::layout::{LayoutName, SourceLayouts, SourceMount, TargetInfo};
 use crate::pods::{CSI_PLUGIN_DIR, PodChange, VOL_DATA_FILE, VolData};
+use crate::state::{Journal, Mapping};
+use crate::table::{Classified, Dev, Layout, Target, TargetKind};
+
+/// A target's source, as its volume's layout names it.
+#[derive(Debug)]
+pub struct Located {
+    pub target: PathBuf,
+    /// Carries no connection (device 0:0): a probe judges the target.
+    pub mapping: Mapping,
+    /// Which layout named the source.
+    pub layout: LayoutName,
+}
+
+/// The sources of the targets `journal` has no mapping for, and the pods of
+/// the targets no layout located. A layout may name a known bind of a source
+/// (the CSI staging path): the target is then mapped to the source the bind
+/// is of.
+pub fn locate_unmapped(
+    classified: &Classified,
+    journal: &Journal,
+    layouts: &SourceLayouts,
+    layout: &Layout,
+    vol_data: &mut VolDataCache,
+) -> (Vec<Located>, BTreeSet<String>) {
+    let binds = classified.targets.values().filter(|target| target.kind == TargetKind::SourceBind);
+    let sources: Vec<SourceMount<'_>> =
+        classified.sources.values().chain(binds.map(|bind| &bind.stack)).map(SourceMount::from).collect();
+    let (mut located, mut unmapped_pods) = (Vec::new(), BTreeSet::new());
+    for (path, target) in &classified.targets {
+        if journal.get(path).is_some() {
+            continue;
+        }
+        let Some(info) = TargetInfo::from_path(layout.pods_dir(), path, &target.stack.top().root) else { continue };
+        let data = vol_data_of(vol_data, layout, classified, target, &info);
+        let Some(found) = layouts.locate(&info.with_vol_data(data), &sources) else {
+            unmapped_pods.insert(target.pod_uid.clone());
+            continue;
+        };
+        let (source, root_in_source) = match journal.get(&found.path) {
+            Some(bind) => (bind.source.clone(), bind.root_in_source.join(&found.root_in_source)),
+            None => (found.path, found.root_in_source),
+        };
+        let mapping = Mapping {
+            source,
+            root_in_source,
+            source_mount_id: 0,
+            peer_group: None,
+            dev: Dev { major: 0, minor: 0 },
+            pod_uid: target.pod_uid.clone(),
+            kind: target.kind,
+        };
+        located.push(Located { target: path.clone(), mapping, layout: found.layout });
+    }
+    (located, unmapped_pods)
+}
 
 /// Known `vol_data.json`s by pod UID and CSI volume directory name; `None`:
 /// none, or not valid.
 #[derive(Debug)]
-pub(super) struct VolDataCache {
+pub struct VolDataCache {
     pods_dir: PathBuf,
     pods: HashMap<Box<str>, HashMap<Box<str>, Option<VolData>>>,
 }
 
 impl VolDataCache {
-    pub(super) fn new(pods_dir: PathBuf) -> Self {
+    pub fn new(pods_dir: PathBuf) -> Self {
         VolDataCache { pods_dir, pods: HashMap::new() }
     }
 
     /// Reads the volume's data unless it is known already.
-    pub(super) fn load(&mut self, uid: &str, volume: &str) {
+    pub fn load(&mut self, uid: &str, volume: &str) {
         let known = self.pods.entry(uid.into()).or_default();
         if !known.contains_key(volume) {
             let path = self.pods_dir.join(uid).join("volumes").join(CSI_PLUGIN_DIR).join(volume).join(VOL_DATA_FILE);
@@ -37,13 +94,13 @@ impl VolDataCache {
     }
 
     /// The volume's data, if [`VolDataCache::load`]ed and valid.
-    pub(super) fn get(&self, uid: &str, volume: &str) -> Option<&VolData> {
+    pub fn get(&self, uid: &str, volume: &str) -> Option<&VolData> {
         self.pods.get(uid)?.get(volume)?.as_ref()
     }
 
     /// Follows a change reported by the pod watcher: what it read from disk
     /// replaces what is known of the volumes of the pods kept.
-    pub(super) fn apply(&mut self, change: &PodChange) {
+    pub fn apply(&mut self, change: &PodChange) {
         match change {
             PodChange::VolumeSeen { uid, plugin, name, vol_data } if plugin == CSI_PLUGIN_DIR => {
                 if let Some(known) = self.pods.get_mut(uid.as_str()) {
@@ -67,7 +124,7 @@ impl VolDataCache {
     }
 
     /// Keeps only the data of these pods.
-    pub(super) fn retain(&mut self, pods: &BTreeSet<String>) {
+    pub fn retain(&mut self, pods: &BTreeSet<String>) {
         self.pods.retain(|uid, _| pods.contains(&**uid));
         if self.pods.is_empty() {
             // A burst of unmapped targets must not keep its table for good.
@@ -76,9 +133,42 @@ impl VolDataCache {
     }
 
     /// Forgets everything: the next asks read from disk.
-    pub(super) fn clear(&mut self) {
+    pub fn clear(&mut self) {
         self.pods = HashMap::new();
     }
+}
+
+/// The `vol_data.json` behind a target. A subPath directory is named after
+/// the pod spec's volume, a CSI volume directory after the PV, so a subPath
+/// takes the one of its pod's whole-volume target on the same device.
+fn vol_data_of<'a>(
+    cache: &'a mut VolDataCache,
+    layout: &Layout,
+    classified: &Classified,
+    target: &Target,
+    info: &TargetInfo<'_>,
+) -> Option<&'a VolData> {
+    if target.kind == TargetKind::Volume {
+        cache.load(info.pod_uid, info.volume);
+        return cache.get(info.pod_uid, info.volume);
+    }
+    let dev = target.stack.top().dev;
+    let volumes: Vec<(&str, &str)> = classified
+        .targets
+        .iter()
+        .filter(|(_, volume)| {
+            volume.kind == TargetKind::Volume && volume.pod_uid == target.pod_uid && volume.stack.top().dev == dev
+        })
+        .filter_map(|(path, volume)| {
+            let info = TargetInfo::from_path(layout.pods_dir(), path, &volume.stack.top().root)?;
+            Some((info.pod_uid, info.volume))
+        })
+        .collect();
+    for (uid, volume) in &volumes {
+        cache.load(uid, volume);
+    }
+    let cache = &*cache;
+    volumes.into_iter().find_map(|(uid, volume)| cache.get(uid, volume))
 }
 
 #[cfg(test)]
