@@ -4,7 +4,9 @@
 
 pub mod confirm;
 pub mod daemons;
+#[cfg(feature = "testbed")]
 pub mod demo;
+#[cfg(feature = "testbed")]
 pub mod demofs;
 pub mod events;
 pub mod heal;
@@ -26,6 +28,7 @@ pub mod state;
 pub mod status;
 pub mod supervisor;
 pub mod table;
+#[cfg(feature = "testbed")]
 pub mod testbed;
 pub mod watch;
 pub mod webhook;

@@ -9,7 +9,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
+#[cfg(feature = "testbed")]
 use fuse_supervisor::demo::DemoOptions;
+#[cfg(feature = "testbed")]
 use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole};
 use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::job;
@@ -23,7 +25,9 @@ use fuse_supervisor::state::Journal;
 use fuse_supervisor::status::Status;
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
 use fuse_supervisor::table::{Classified, Layout, Snapshot};
+#[cfg(feature = "testbed")]
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
+#[cfg(feature = "testbed")]
 use fuse_supervisor::testbed::scenario::Daemon;
 use fuse_supervisor::watch::{TableEvents, WatchMode};
 use fuse_supervisor::webhook::{self, Selection, WebhookConfig};
@@ -98,6 +102,7 @@ enum Command {
     /// A self-contained demo in a private mount namespace: a FUSE daemon
     /// crashes and restarts while the supervisor heals three pods (needs
     /// root and /dev/fuse; never touches the machine's own mounts).
+    #[cfg(feature = "testbed")]
     Demo {
         /// Kill/restart cycles of the FUSE daemon.
         #[arg(long, default_value_t = 4)]
@@ -110,10 +115,12 @@ enum Command {
         no_mount_over_stale: bool,
     },
     /// Building blocks of the demo and the tests; not for users.
+    #[cfg(feature = "testbed")]
     #[command(hide = true, subcommand)]
     Internal(Internal),
 }
 
+#[cfg(feature = "testbed")]
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DemoDaemon {
     Demofs,
@@ -632,6 +639,7 @@ impl LogArgs {
     }
 }
 
+#[cfg(feature = "testbed")]
 #[derive(Debug, Subcommand)]
 enum Internal {
     /// Serve the built-in FUSE filesystem.
@@ -748,7 +756,9 @@ fn main() -> ExitCode {
             log.init();
             webhook::run(webhook.config()).map_err(Into::into)
         }
+        #[cfg(feature = "testbed")]
         Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
+        #[cfg(feature = "testbed")]
         Command::Internal(Internal::Demofs { backing, mountpoint, name, hand_off_on_signal, device_on_stdin }) => {
             let role = match hand_off_on_signal {
                 Some(pid_file) => DemoFsRole::HandOffOnSignal { pid_file },
@@ -757,6 +767,7 @@ fn main() -> ExitCode {
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }
+        #[cfg(feature = "testbed")]
         Command::Internal(Internal::Container { volume, rootfs, hide, read, interval_ms }) => {
             container::run(&ContainerOptions {
                 volume,
@@ -777,6 +788,7 @@ fn main() -> ExitCode {
     }
 }
 
+#[cfg(feature = "testbed")]
 fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Result<()> {
     let binary = std::env::current_exe().context("cannot find the fuse-supervisor binary")?;
     let daemon = match daemon {

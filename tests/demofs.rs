@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use fuse_supervisor::mountinfo::parse_table;
+use fuse_supervisor::testbed::scenario;
 use fuse_supervisor::testbed::{Sandbox, SandboxChild};
 use fuse_supervisor_sys::mount as sys_mount;
 use fuse_supervisor_sys::process::Signal;
@@ -52,6 +53,23 @@ impl Daemon {
 
     fn signal(&self, signal: Signal) {
         self.child.signal(signal).expect("signal the demofs daemon");
+    }
+
+    /// SIGSTOP, and waits until every thread has stopped: a thread busy when
+    /// the signal came stops only on its way back to user space, and may
+    /// answer one more request before it does.
+    fn stop(&self) {
+        self.signal(Signal::Stop);
+        let tasks = format!("/proc/{}/task", self.child.pid());
+        let all_stopped = || {
+            fs::read_dir(&tasks).is_ok_and(|tasks| {
+                tasks.filter_map(Result::ok).all(|task| {
+                    let stat = fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+                    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+                })
+            })
+        };
+        scenario::wait_for("the daemon stopped", Duration::from_secs(10), all_stopped).expect("stopped");
     }
 
     fn wait(&self) -> ExitStatus {
@@ -257,7 +275,7 @@ fn stopped_daemon_makes_requests_hang_until_continued() {
     let backing = make_backing(&sandbox);
     let mountpoint = make_mountpoint(&sandbox);
     let daemon = Daemon::start(&sandbox, &backing, &mountpoint);
-    daemon.signal(Signal::Stop);
+    daemon.stop();
 
     // The file was never looked up, so no cached entry can answer for the
     // daemon.

@@ -32,6 +32,7 @@ mod dedup;
 mod escaped;
 mod reader;
 mod scan;
+#[cfg(feature = "testbed")]
 mod synthetic;
 
 use std::fmt;
@@ -41,6 +42,7 @@ use dedup::SeenIds;
 pub use escaped::Escaped;
 pub use reader::MountInfoReader;
 #[doc(hidden)]
+#[cfg(feature = "testbed")]
 pub use synthetic::synthetic_table;
 
 /// One line of a mountinfo table, borrowed from the buffer it was parsed from.
