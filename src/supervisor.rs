@@ -797,7 +797,8 @@ impl<E: Executor> Supervisor<E> {
                     confirmed |= self.journal.confirm_owner(source, Some(owner));
                 }
                 Verdict::NoOwner => {
-                    info!(source = %source.display(), "no pod on this node owns the source; healing on mount evidence");
+                    // The owner may be among the pods that could not be read.
+                    info!(source = %source.display(), unreadable_pods = pods.skipped.len(), "no pod on this node owns the source; healing on mount evidence");
                     confirmation.waiting = Waiting::Go;
                     confirmed |= self.journal.confirm_owner(source, None);
                 }
