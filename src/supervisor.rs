@@ -460,7 +460,7 @@ impl Supervisor<MountExecutor> {
             })?;
         Ok(Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
-            journal: Journal::load(&config.state_dir)?,
+            journal: Journal::load_or_set_aside(&config.state_dir),
             records: BTreeMap::new(),
             reader,
             prober: Prober::new(config.probe_timeout, config.heal_priority),

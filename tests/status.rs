@@ -47,3 +47,21 @@ fn status_refuses_a_layout_config_that_run_refuses() {
     let output = status(state.path(), &[Path::new("--layout-config"), &fixture("layout-config/rules.toml")]);
     assert!(output.status.success(), "{}", stderr(&output));
 }
+
+#[test]
+fn status_with_a_bad_state_file_says_where_it_is_bad_and_goes_on() {
+    let state = TempDir::new().unwrap();
+    let file = state.path().join("state.json");
+    for (contents, says) in [
+        (&b"{\"version\": 1, \"targets\": {,}}"[..], "key must be a string at line 1 column 28"),
+        (b"", "EOF while parsing a value at line 1 column 0"),
+    ] {
+        std::fs::write(&file, contents).unwrap();
+        let output = status(state.path(), &[]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let stderr = stderr(&output);
+        assert!(stderr.contains(&file.display().to_string()) && stderr.contains(says), "{says}: {stderr}");
+        assert!(String::from_utf8_lossy(&output.stdout).contains("FUSE targets"), "no report");
+        assert_eq!(std::fs::read(&file).unwrap(), contents, "status changed the state file");
+    }
+}
