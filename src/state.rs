@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use tracing::{error, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::table::{Dev, TargetKind};
 
@@ -409,7 +409,9 @@ fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StateError> {
 /// milliseconds on a node's disk; on the loop they would delay every heal
 /// that follows a change of state (a new source connection is one).
 /// Only the latest contents matter: one submitted while another waits
-/// replaces it.
+/// replaces it. A save that fails is logged once, when saves start failing,
+/// and again when one works: healing does not need the file, and a log line
+/// per save would bury everything else.
 #[derive(Debug)]
 pub struct StateWriter {
     shared: Arc<(Mutex<Pending>, Condvar)>,
@@ -423,13 +425,19 @@ struct Pending {
     stop: bool,
 }
 
+/// Told when saves start failing (with the error) and when one works again
+/// (None).
+pub type SaveOutcome = Box<dyn Fn(Option<&StateError>) + Send>;
+
 impl StateWriter {
     /// The thread inherits the caller's mount namespace: start it from the
     /// thread whose view of the state directory counts.
-    pub fn spawn() -> io::Result<Self> {
+    pub fn spawn(on_change: SaveOutcome) -> io::Result<Self> {
         let shared: Arc<(Mutex<Pending>, Condvar)> = Arc::default();
         let writer = Arc::clone(&shared);
-        let thread = std::thread::Builder::new().name("state-writer".into()).spawn(move || write_submitted(&writer))?;
+        let thread = std::thread::Builder::new()
+            .name("state-writer".into())
+            .spawn(move || write_submitted(&writer, &on_change))?;
         Ok(StateWriter { shared, thread: Some(thread) })
     }
 
@@ -463,16 +471,32 @@ impl Drop for StateWriter {
     }
 }
 
-fn write_submitted(shared: &(Mutex<Pending>, Condvar)) {
+fn write_submitted(shared: &(Mutex<Pending>, Condvar), on_change: &SaveOutcome) {
     let (pending, changed) = shared;
+    let mut failing = false;
     let mut guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
     loop {
         match guard.next.take() {
             Some((path, contents)) => {
                 guard.writing = true;
                 drop(guard);
-                if let Err(err) = write_atomically(&path, &contents) {
-                    error!(%err, "cannot save state");
+                match (write_atomically(&path, &contents), failing) {
+                    (Ok(()), false) => {}
+                    (Ok(()), true) => {
+                        info!(path = %path.display(), "state saved again");
+                        failing = false;
+                        on_change(None);
+                    }
+                    (Err(err), false) => {
+                        error!(
+                            path = %path.display(),
+                            ?err,
+                            "cannot save state; healing goes on, but a restarted supervisor will not know what this one learned"
+                        );
+                        failing = true;
+                        on_change(Some(&err));
+                    }
+                    (Err(err), true) => debug!(path = %path.display(), ?err, "state still cannot be saved"),
                 }
                 drop(contents);
                 guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
@@ -560,7 +584,7 @@ mod tests {
     #[test]
     fn the_writer_thread_writes_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = StateWriter::spawn().unwrap();
+        let writer = StateWriter::spawn(Box::new(|_| {})).unwrap();
         let mut journal = Journal::load(dir.path()).unwrap();
         for pod in ["a", "b", "c"] {
             journal.record(&PathBuf::from(format!("/k/pods/{pod}/volumes/v/mount")), mapping());

@@ -298,8 +298,14 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
     // From this thread: the writer sees the state directory as the loop does.
-    supervisor.state_writer =
-        Some(StateWriter::spawn().map_err(|source| SupervisorError::Thread { name: "state writer", source })?);
+    let health = Arc::clone(&config.health);
+    let report_save = move |err: Option<&StateError>| {
+        health.set_state_problem(err.map(|err| crate::webhook::error_chain(err)));
+    };
+    supervisor.state_writer = Some(
+        StateWriter::spawn(Box::new(report_save))
+            .map_err(|source| SupervisorError::Thread { name: "state writer", source })?,
+    );
     if let Some(change) = first_pod_scan {
         supervisor.on_pods(change);
     }
