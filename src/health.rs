@@ -15,6 +15,9 @@ type Ping = Box<dyn Fn(Pong) -> bool + Send>;
 #[derive(Default)]
 pub struct Health {
     ready: AtomicBool,
+    /// Why the state file cannot be saved, while it cannot: healing goes
+    /// on, so the supervisor stays ready, but `/readyz` says it.
+    state_problem: Mutex<Option<String>>,
     /// Puts a ping into the loop's channel; false when the loop is gone.
     ping: Mutex<Option<Ping>>,
 }
@@ -54,6 +57,16 @@ impl Health {
 
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Called by the state writer when saves start failing and when one
+    /// works again (None).
+    pub fn set_state_problem(&self, problem: Option<String>) {
+        *self.state_problem.lock().unwrap_or_else(PoisonError::into_inner) = problem;
+    }
+
+    pub fn state_problem(&self) -> Option<String> {
+        self.state_problem.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Whether the loop answered a ping within `wait`.

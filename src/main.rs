@@ -891,11 +891,12 @@ fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Resu
     let layout = Layout::new(&node.kubelet_root);
     let mut classified = Classified::new(&snapshot, &layout);
     // The state file tells where stale targets came from (offline too, when
-    // the report came with one); without it only peer groups can.
+    // the report came with one); without it only peer groups can. A bad one
+    // is only reported (with where it is bad): `status` changes nothing.
     let mut journal = match Journal::load(&node.state_dir) {
         Ok(journal) => journal,
         Err(err) => {
-            eprintln!("fuse-supervisor: {err:#}; going on without it");
+            eprintln!("fuse-supervisor: {:#}; going on without it", anyhow::Error::new(err));
             Journal::in_memory()
         }
     };

@@ -9,7 +9,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
-use tracing::error;
+use time::OffsetDateTime;
+use tracing::{debug, error, info, warn};
 
 use crate::table::{Dev, TargetKind};
 
@@ -134,6 +135,16 @@ pub enum StateError {
     },
 }
 
+impl StateError {
+    /// Line and column (1-based) of where a state file stops being valid JSON.
+    pub fn position(&self) -> Option<(usize, usize)> {
+        match self {
+            StateError::Invalid { source, .. } => Some((source.line(), source.column())),
+            _ => None,
+        }
+    }
+}
+
 /// The mapping of every known target, persisted under `--state-dir`.
 ///
 /// A hash map: every scan looks up every target, and at 10,000 targets
@@ -163,6 +174,41 @@ impl Journal {
             Err(source) => return Err(StateError::Read { path, source }),
         };
         Ok(Journal { path, mappings: file.targets, sources: file.sources })
+    }
+
+    /// Loads the state file for `run`. One that cannot be used (unreadable,
+    /// empty, not valid, another version) is renamed aside, to
+    /// `state.json.corrupt-<UTC time>`, with one warning saying where it is
+    /// bad, and the journal starts empty: the mount table and the layouts
+    /// are enough to go on, where an error would stop the node agent and
+    /// restart it into the same file until someone deleted it.
+    pub fn load_or_set_aside(state_dir: &Path) -> Self {
+        let err = match Journal::load(state_dir) {
+            Ok(journal) => return journal,
+            Err(err) => err,
+        };
+        let path = state_dir.join(STATE_FILE);
+        let (line, column) = err.position().unzip();
+        match set_aside(&path) {
+            Ok(kept_as) => warn!(
+                path = %path.display(),
+                kept_as = %kept_as.display(),
+                line,
+                column,
+                ?err,
+                "state file cannot be used; kept aside, starting from the mount table and the layouts"
+            ),
+            // Then the next save replaces it, if the directory lets it.
+            Err(rename) => warn!(
+                path = %path.display(),
+                line,
+                column,
+                ?err,
+                ?rename,
+                "state file cannot be used, nor renamed aside; starting from the mount table and the layouts"
+            ),
+        }
+        Journal { path, mappings: HashMap::new(), sources: BTreeMap::new() }
     }
 
     /// A journal that never touches disk (offline `status`).
@@ -320,6 +366,29 @@ impl Journal {
     }
 }
 
+/// Renames a state file that cannot be used to `state.json.corrupt-<UTC
+/// time>` beside it (with `-2`, `-3`… when taken), where it stays for
+/// whoever looks into it and no save overwrites it.
+fn set_aside(path: &Path) -> io::Result<PathBuf> {
+    let now = OffsetDateTime::now_utc();
+    let (year, month, day, hour, minute, second) =
+        (now.year(), u8::from(now.month()), now.day(), now.hour(), now.minute(), now.second());
+    let stamp = format!("{year:04}{month:02}{day:02}T{hour:02}{minute:02}{second:02}Z");
+    for attempt in 1..=100 {
+        let suffix = if attempt == 1 { String::new() } else { format!("-{attempt}") };
+        let aside = path.with_file_name(format!("{STATE_FILE}.corrupt-{stamp}{suffix}"));
+        match fs::symlink_metadata(&aside) {
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                fs::rename(path, &aside)?;
+                return Ok(aside);
+            }
+            Err(err) => return Err(err),
+            Ok(_) => continue,
+        }
+    }
+    Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("100 files named {STATE_FILE}.corrupt-{stamp}*")))
+}
+
 /// Write, fsync, rename, fsync of the directory: a crash leaves the old
 /// file or the new one, never a mix.
 fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StateError> {
@@ -340,7 +409,9 @@ fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StateError> {
 /// milliseconds on a node's disk; on the loop they would delay every heal
 /// that follows a change of state (a new source connection is one).
 /// Only the latest contents matter: one submitted while another waits
-/// replaces it.
+/// replaces it. A save that fails is logged once, when saves start failing,
+/// and again when one works: healing does not need the file, and a log line
+/// per save would bury everything else.
 #[derive(Debug)]
 pub struct StateWriter {
     shared: Arc<(Mutex<Pending>, Condvar)>,
@@ -354,13 +425,19 @@ struct Pending {
     stop: bool,
 }
 
+/// Told when saves start failing (with the error) and when one works again
+/// (None).
+pub type SaveOutcome = Box<dyn Fn(Option<&StateError>) + Send>;
+
 impl StateWriter {
     /// The thread inherits the caller's mount namespace: start it from the
     /// thread whose view of the state directory counts.
-    pub fn spawn() -> io::Result<Self> {
+    pub fn spawn(on_change: SaveOutcome) -> io::Result<Self> {
         let shared: Arc<(Mutex<Pending>, Condvar)> = Arc::default();
         let writer = Arc::clone(&shared);
-        let thread = std::thread::Builder::new().name("state-writer".into()).spawn(move || write_submitted(&writer))?;
+        let thread = std::thread::Builder::new()
+            .name("state-writer".into())
+            .spawn(move || write_submitted(&writer, &on_change))?;
         Ok(StateWriter { shared, thread: Some(thread) })
     }
 
@@ -394,16 +471,32 @@ impl Drop for StateWriter {
     }
 }
 
-fn write_submitted(shared: &(Mutex<Pending>, Condvar)) {
+fn write_submitted(shared: &(Mutex<Pending>, Condvar), on_change: &SaveOutcome) {
     let (pending, changed) = shared;
+    let mut failing = false;
     let mut guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
     loop {
         match guard.next.take() {
             Some((path, contents)) => {
                 guard.writing = true;
                 drop(guard);
-                if let Err(err) = write_atomically(&path, &contents) {
-                    error!(%err, "cannot save state");
+                match (write_atomically(&path, &contents), failing) {
+                    (Ok(()), false) => {}
+                    (Ok(()), true) => {
+                        info!(path = %path.display(), "state saved again");
+                        failing = false;
+                        on_change(None);
+                    }
+                    (Err(err), false) => {
+                        error!(
+                            path = %path.display(),
+                            ?err,
+                            "cannot save state; healing goes on, but a restarted supervisor will not know what this one learned"
+                        );
+                        failing = true;
+                        on_change(Some(&err));
+                    }
+                    (Err(err), true) => debug!(path = %path.display(), ?err, "state still cannot be saved"),
                 }
                 drop(contents);
                 guard = pending.lock().unwrap_or_else(PoisonError::into_inner);
@@ -491,7 +584,7 @@ mod tests {
     #[test]
     fn the_writer_thread_writes_the_latest_state() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = StateWriter::spawn().unwrap();
+        let writer = StateWriter::spawn(Box::new(|_| {})).unwrap();
         let mut journal = Journal::load(dir.path()).unwrap();
         for pod in ["a", "b", "c"] {
             journal.record(&PathBuf::from(format!("/k/pods/{pod}/volumes/v/mount")), mapping());
@@ -527,6 +620,56 @@ mod tests {
         fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
         let err = Journal::load(dir.path()).unwrap_err();
         assert!(err.to_string().contains("state.json"), "{err}");
+    }
+
+    /// Every way a state file can be unusable: kept aside, one warning,
+    /// an empty journal that saves again.
+    #[test]
+    fn an_unusable_state_file_is_kept_aside_and_the_journal_starts_empty() {
+        // None: a directory where the file should be.
+        let cases: [(&str, Option<&[u8]>); 4] = [
+            ("empty", Some(b"")),
+            ("garbage", Some(b"{\"version\": 1,\n\"targets\": [")),
+            ("another version", Some(br#"{"version": 9, "targets": {}}"#)),
+            ("a directory", None),
+        ];
+        for (what, contents) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join(STATE_FILE);
+            match contents {
+                Some(contents) => fs::write(&file, contents).unwrap(),
+                None => fs::create_dir(&file).unwrap(),
+            }
+            let logs = crate::testbed::CapturedLogs::default();
+            let mut journal = logs.capture(tracing::Level::INFO, || Journal::load_or_set_aside(dir.path()));
+            let logs = logs.text();
+            assert!(journal.mappings().is_empty(), "{what}");
+            assert_eq!(logs.lines().count(), 1, "{what}: {logs}");
+            assert!(logs.contains("WARN") && logs.contains("kept aside"), "{what}: {logs}");
+            let kept: Vec<String> = fs::read_dir(dir.path())
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+                .collect();
+            assert!(kept.len() == 1 && kept[0].starts_with("state.json.corrupt-"), "{what}: {kept:?}");
+            assert!(logs.contains(&kept[0]), "{what}: {logs}");
+            journal.record(Path::new("/k/pods/uid/volumes/v/mount"), mapping());
+            journal.save().unwrap();
+            assert_eq!(Journal::load(dir.path()).unwrap().mappings(), journal.mappings(), "{what}");
+        }
+    }
+
+    #[test]
+    fn a_state_file_that_is_not_json_says_where() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(STATE_FILE), b"{\"version\": 1,\n\"targets\": [").unwrap();
+        let logs = crate::testbed::CapturedLogs::default();
+        logs.capture(tracing::Level::INFO, || Journal::load_or_set_aside(dir.path()));
+        let logs = logs.text();
+        assert!(logs.contains("line=2 column=11"), "{logs}");
+        // A second file set aside in the same second gets a name of its own.
+        fs::write(dir.path().join(STATE_FILE), b"").unwrap();
+        Journal::load_or_set_aside(dir.path());
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]

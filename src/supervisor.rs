@@ -296,8 +296,14 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
     // From this thread: the writer sees the state directory as the loop does.
-    supervisor.state_writer =
-        Some(StateWriter::spawn().map_err(|source| SupervisorError::Thread { name: "state writer", source })?);
+    let health = Arc::clone(&config.health);
+    let report_save = move |err: Option<&StateError>| {
+        health.set_state_problem(err.map(|err| crate::webhook::error_chain(err)));
+    };
+    supervisor.state_writer = Some(
+        StateWriter::spawn(Box::new(report_save))
+            .map_err(|source| SupervisorError::Thread { name: "state writer", source })?,
+    );
     if let Some(change) = first_pod_scan {
         supervisor.on_pods(change);
     }
@@ -458,7 +464,7 @@ impl Supervisor<MountExecutor> {
             })?;
         Ok(Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
-            journal: Journal::load(&config.state_dir)?,
+            journal: Journal::load_or_set_aside(&config.state_dir),
             records: BTreeMap::new(),
             reader,
             prober: Prober::new(config.probe_timeout, config.heal_priority),
@@ -801,7 +807,8 @@ impl<E: Executor> Supervisor<E> {
                     confirmed |= self.journal.confirm_owner(source, Some(owner));
                 }
                 Verdict::NoOwner => {
-                    info!(source = %source.display(), "no pod on this node owns the source; healing on mount evidence");
+                    // The owner may be among the pods that could not be read.
+                    info!(source = %source.display(), unreadable_pods = pods.skipped.len(), "no pod on this node owns the source; healing on mount evidence");
                     confirmation.waiting = Waiting::Go;
                     confirmed |= self.journal.confirm_owner(source, None);
                 }

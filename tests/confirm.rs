@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, fuse_owner_pod, pod_list_body};
+use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 
@@ -165,6 +165,26 @@ fn a_restart_the_kubelet_confirms_is_healed_and_its_owner_recorded() {
         let state = node.sandbox.run(move || std::fs::read_to_string(state_file)).unwrap_or_default();
         panic!("{err}; owner not recorded:\n{state}");
     }
+}
+
+#[test]
+fn a_malformed_pod_beside_the_owner_is_skipped_and_the_restart_confirmed() {
+    let mut node = Node::new();
+    node.start_supervisor(&url(&node.kubelet), &["--kubelet-grace", "30s"]);
+    node.crash_and_restart();
+    let mut broken = app_pod("apps", "broken-app", "broken-uid");
+    broken["status"]["containerStatuses"][0]["state"] = serde_json::json!({"running": {"startedAt": "yesterday"}});
+    let host_path = node.sandbox.runtime_root().display().to_string();
+    let owner = fuse_owner_pod(OWNER, "owner-uid", &host_path, 1, SystemTime::now());
+    node.kubelet.set_pods(pod_list_body([broken, owner]));
+
+    node.reads_again();
+    node.logged("kubelet confirms the owner restarted");
+    let skipped = node.logged("kubelet listed a pod that cannot be read; skipped");
+    for says in ["apps/broken-app", "broken-uid", "status.containerStatuses[0].state.running.startedAt", "yesterday"] {
+        assert!(skipped.contains(says), "{says}: {skipped}");
+    }
+    assert_eq!(metric(&node, "fuse_supervisor_daemon_restarts_total"), 1.0);
 }
 
 #[test]

@@ -129,6 +129,17 @@ impl JobPod {
 
     /// The stand-in's answer from the current states.
     fn publish(&self) {
+        self.kubelet.set_pods(pod_list_body([self.pod()]));
+    }
+
+    /// The stand-in lists the pod with a start time that is not one.
+    fn publish_unreadable(&self) {
+        let mut pod = self.pod();
+        pod["status"]["containerStatuses"][0]["state"] = json!({"running": {"startedAt": "soon"}});
+        self.kubelet.set_pods(pod_list_body([pod]));
+    }
+
+    fn pod(&self) -> Value {
         let fuse = State::Running(self.fuse_cgroup.id().to_owned()).status("fluid-fuse");
         let mut spec = json!({"nodeName": "node-a", "restartPolicy": self.policy, "containers": [{"name": "app"}]});
         let mut status = json!({"phase": "Running", "containerStatuses": [self.app_state.status("app")]});
@@ -139,9 +150,8 @@ impl JobPod {
             spec["containers"].as_array_mut().unwrap().push(json!({"name": "fluid-fuse"}));
             status["containerStatuses"].as_array_mut().unwrap().push(fuse);
         }
-        let pod = json!({"metadata": {"name": "etl-x7k2p", "namespace": "default", "uid": UID,
-            "labels": {LABEL: "true", "job-name": "etl"}}, "spec": spec, "status": status});
-        self.kubelet.set_pods(pod_list_body([pod]));
+        json!({"metadata": {"name": "etl-x7k2p", "namespace": "default", "uid": UID,
+            "labels": {LABEL: "true", "job-name": "etl"}}, "spec": spec, "status": status})
     }
 
     fn start_supervisor(&mut self, grace: &str) {
@@ -232,6 +242,23 @@ fn finished_app_unmounts_the_fuse_mount_and_the_daemon_exits() {
     wait_for("the daemon reaped", TIMEOUT, || !pod.daemon_runs()).expect("daemon gone");
     assert_eq!(pod.fuse_mounts(), 0, "{}", pod.sandbox.mountinfo());
     assert!(pod.supervisor().log().iter().all(|line| !line.contains("signalling")));
+}
+
+#[test]
+fn a_pod_listed_unreadable_for_a_while_keeps_its_watches() {
+    let mut pod = JobPod::new("Never", false, Daemon::DemoFs, false, 0);
+    pod.start_supervisor("10s");
+    pod.app_watched();
+    pod.publish_unreadable();
+    pod.another_look("prompt");
+    let skipped = pod.logged_message("kubelet listed a pod that cannot be read; skipped");
+    assert!(skipped.contains("default/etl-x7k2p") && skipped.contains(UID), "{skipped}");
+    // Still watched: the exit is seen, and the pod ends as it would have.
+    pod.app_exits(0);
+    pod.logged_message("application containers finished");
+    wait_for("the daemon reaped", TIMEOUT, || !pod.daemon_runs()).expect("daemon gone");
+    let log = pod.supervisor().log();
+    assert!(!log.iter().any(|line| line.contains("\"pod gone\"")), "the unreadable pod was forgotten");
 }
 
 #[test]

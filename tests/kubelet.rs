@@ -5,6 +5,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use fuse_supervisor::events::PodNames;
 use fuse_supervisor::kubelet::{
     KubeletAuthz, KubeletClient, KubeletConfig, KubeletError, KubeletTls, PodList, TimeoutPhase,
 };
@@ -182,6 +183,35 @@ fn malformed_json_names_the_path_line_and_column() {
     let message = chain(&err);
     assert!(message.contains("not a valid PodList") && message.contains("column"), "{message}");
     assert!(!err.is_retryable());
+}
+
+#[test]
+fn an_unreadable_pod_is_skipped_and_warned_about_once_while_it_stays() {
+    let node = Node::start();
+    let client = node.client();
+    let started = UNIX_EPOCH + Duration::from_secs(1_741_064_767);
+    let owner = fuse_owner_pod("mount-a", "uid-a", "/sandbox/runtime/vol", 0, started);
+    let mut broken = fuse_owner_pod("mount-b", "uid-b", "/sandbox/runtime/other", 0, started);
+    broken["spec"]["containers"] = serde_json::json!({"name": "not a list"});
+    node.kubelet.set_pods(pod_list_body([broken, owner]));
+    let logs = CapturedLogs::default();
+    logs.capture(tracing::Level::INFO, || {
+        for _ in 0..3 {
+            let pods = client.pods().unwrap();
+            assert!(pods.pod("uid-a").is_some() && pods.pod("uid-b").is_none());
+            assert_eq!(pods.skipped.len(), 1);
+        }
+    });
+    let logs = logs.text();
+    let warnings: Vec<_> = logs.lines().filter(|line| line.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{logs}");
+    for says in ["kube-system/mount-b", "uid-b", "spec.containers", "127.0.0.1:"] {
+        assert!(warnings[0].contains(says), "{says}: {logs}");
+    }
+    // Events still name it: its metadata reads.
+    let mut names = client;
+    let named: Vec<String> = PodNames::pods(&mut names).unwrap().into_iter().map(|pod| pod.name).collect();
+    assert_eq!(named, ["mount-a", "mount-b"]);
 }
 
 #[test]

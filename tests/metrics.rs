@@ -117,3 +117,45 @@ fn metrics_off_serves_nothing() {
     assert_eq!(supervisor.metrics_addr(), None);
     supervisor.wait_for_log(HEAL_TIMEOUT, |line| line.contains("metrics and health endpoints are off")).unwrap();
 }
+
+/// A state file that cannot be written (its temporary file's name is taken
+/// by a directory, which stops root too): healing goes on, the error is
+/// logged once, not at every save, and `/readyz` shows it until a save
+/// works again.
+#[test]
+fn a_state_file_that_cannot_be_written_is_reported_once_and_by_readyz() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mut source = FuseSource::start(&sandbox, binary(), Daemon::Bindfs, "shared-data").expect("start bindfs");
+    let target = source.bind_volume(&sandbox, "pod-0", "data").expect("bind");
+    let state_dir = sandbox.root().join("state");
+    let blocker = state_dir.join("state.json.tmp");
+    let dir = blocker.clone();
+    sandbox.run(move || std::fs::create_dir_all(dir)).expect("block the temporary file");
+    let supervisor = SupervisorProcess::start(&sandbox, binary(), &state_dir).expect("supervisor");
+    let _dump = DumpOnPanic(&supervisor);
+    let reader = ContainerReader::spawn(&sandbox, binary(), "reader", &target, Path::new(DATA_FILE)).expect("reader");
+    let crash_and_heal = |source: &mut FuseSource| {
+        source.crash().unwrap();
+        reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
+        source.restart(&sandbox, Restart::UnmountThenMount).unwrap();
+        let expected = source.expected_content();
+        reader.wait_until(HEAL_TIMEOUT, |o| o.content() == Some(expected.as_str())).expect("heals");
+    };
+
+    crash_and_heal(&mut source);
+    supervisor
+        .wait_for_lines(HEAL_TIMEOUT, 0, 1, |line| line.contains("state still cannot be saved"))
+        .expect("a later save fails too");
+    let errors: Vec<String> = supervisor.log().into_iter().filter(|line| line.contains("cannot save state")).collect();
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert!(errors[0].contains("state.json") && errors[0].contains("Is a directory"), "{}", errors[0]);
+    let (status, body) = supervisor.http_get("/readyz").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.starts_with("ok\n") && body.contains("state.json") && body.contains("Is a directory"), "{body}");
+
+    let dir = blocker.clone();
+    sandbox.run(move || std::fs::remove_dir(dir)).expect("unblock");
+    crash_and_heal(&mut source);
+    supervisor.wait_for_log(HEAL_TIMEOUT, |line| line.contains("state saved again")).expect("saved");
+    assert_eq!(supervisor.http_get("/readyz").unwrap(), (200, "ok\n".to_owned()));
+}

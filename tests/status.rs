@@ -73,3 +73,21 @@ fn status_of_a_captured_fluid_node_locates_the_source_by_layout_and_calls_the_ta
     assert_eq!(target["source"], "/runtime-mnt/jindo/default/shared-data/jindofs-fuse", "{target}");
     assert_eq!(target["located_by"], "fluid", "{target}");
 }
+
+#[test]
+fn status_with_a_bad_state_file_says_where_it_is_bad_and_goes_on() {
+    let state = TempDir::new().unwrap();
+    let file = state.path().join("state.json");
+    for (contents, says) in [
+        (&b"{\"version\": 1, \"targets\": {,}}"[..], "key must be a string at line 1 column 28"),
+        (b"", "EOF while parsing a value at line 1 column 0"),
+    ] {
+        std::fs::write(&file, contents).unwrap();
+        let output = status(state.path(), &[]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let stderr = stderr(&output);
+        assert!(stderr.contains(&file.display().to_string()) && stderr.contains(says), "{says}: {stderr}");
+        assert!(String::from_utf8_lossy(&output.stdout).contains("FUSE targets"), "no report");
+        assert_eq!(std::fs::read(&file).unwrap(), contents, "status changed the state file");
+    }
+}

@@ -24,11 +24,17 @@ pub trait PodNames: Send {
 impl PodNames for KubeletClient {
     fn pods(&mut self) -> Result<Vec<PodRef>, KubeletError> {
         let list = KubeletClient::pods(self)?;
-        Ok(list
-            .items
+        let listed = list.items.into_iter().map(|pod| (pod.metadata.namespace, pod.metadata.name, pod.metadata.uid));
+        // A pod skipped for a field outside its metadata still has its name.
+        let named_but_unreadable = list
+            .skipped
             .into_iter()
-            .map(|pod| PodRef { namespace: pod.metadata.namespace, name: pod.metadata.name, uid: pod.metadata.uid })
-            .collect())
+            .filter(|pod| {
+                !pod.field.starts_with("metadata")
+                    && [&pod.namespace, &pod.name, &pod.uid].iter().all(|s| !s.is_empty())
+            })
+            .map(|pod| (pod.namespace, pod.name, pod.uid));
+        Ok(listed.chain(named_but_unreadable).map(|(namespace, name, uid)| PodRef { namespace, name, uid }).collect())
     }
 }
 

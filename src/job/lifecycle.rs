@@ -391,8 +391,11 @@ impl Lifecycle {
     fn reconcile(&mut self, list: &PodList) {
         let now = Instant::now();
         let in_scope: Vec<&Pod> = list.items.iter().filter(|pod| self.in_scope(pod)).collect();
-        // Pods gone from the node (or from the scope) are forgotten.
-        let present: BTreeSet<&str> = in_scope.iter().map(|pod| pod.metadata.uid.as_str()).collect();
+        // Pods gone from the node (or from the scope) are forgotten; one the
+        // kubelet listed but that could not be read is not gone, and keeps
+        // its watches until it reads again.
+        let unreadable = list.skipped.iter().map(|pod| pod.uid.as_str());
+        let present: BTreeSet<&str> = in_scope.iter().map(|pod| pod.metadata.uid.as_str()).chain(unreadable).collect();
         let gone: Vec<String> = self.pods.keys().filter(|uid| !present.contains(uid.as_str())).cloned().collect();
         for uid in gone {
             self.forget(&uid);

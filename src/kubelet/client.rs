@@ -11,12 +11,13 @@
 //! see `http.rs`), and one deadline over every socket operation so that the
 //! read timeout bounds the whole response, not each read. rustls runs on the
 //! ring provider, which builds without cmake.
+use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
 use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -24,10 +25,10 @@ use rustls::crypto::WebPkiSupportedAlgorithms;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, SignatureScheme};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::http::{self, HttpError};
-use super::pods::{ParseError, PodList};
+use super::pods::{ParseError, PodList, SkippedPod};
 
 /// Where a pod's service-account token is mounted.
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
@@ -269,6 +270,9 @@ pub struct KubeletClient {
     addr: String,
     /// What the certificate is checked against, for messages.
     trust: String,
+    /// The unreadable pods (UID and field) the last call warned about: one
+    /// that stays broken is warned about once, not at every call.
+    skipped_before: Mutex<BTreeSet<(String, String)>>,
 }
 
 impl KubeletClient {
@@ -314,7 +318,7 @@ impl KubeletClient {
                 (builder.dangerous().with_custom_certificate_verifier(Arc::new(verifier)).with_no_client_auth(), trust)
             }
         };
-        Ok(Self { config, tls: Arc::new(tls), server_name, addr, trust })
+        Ok(Self { config, tls: Arc::new(tls), server_name, addr, trust, skipped_before: Mutex::default() })
     }
 
     /// `host:port` of the kubelet.
@@ -351,7 +355,36 @@ impl KubeletClient {
             return Err(self.status_error(head.status, &body));
         }
         let body = http::read_body(&mut reader, head.framing, MAX_BODY).map_err(|err| self.http_error(err))?;
-        PodList::from_slice(&body).map_err(|source| KubeletError::Body { addr: self.addr.clone(), source })
+        let list =
+            PodList::from_slice(&body).map_err(|source| KubeletError::Body { addr: self.addr.clone(), source })?;
+        self.report_skipped(&list.skipped);
+        Ok(list)
+    }
+
+    /// Names the pods the list left out: a warning the first time, debug
+    /// while the same pod stays unreadable.
+    fn report_skipped(&self, skipped: &[SkippedPod]) {
+        let mut before = self.skipped_before.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut now = BTreeSet::new();
+        for pod in skipped {
+            let key = (pod.uid.clone(), pod.field.clone());
+            let pod_name = format!("{}/{}", pod.namespace, pod.name);
+            if before.contains(&key) {
+                debug!(kubelet = %self.addr, pod = %pod_name, uid = %pod.uid, field = %pod.field, "kubelet still lists an unreadable pod; skipped");
+            } else {
+                warn!(
+                    kubelet = %self.addr,
+                    pod = %pod_name,
+                    uid = %pod.uid,
+                    item = pod.index,
+                    field = %pod.field,
+                    problem = %pod.problem,
+                    "kubelet listed a pod that cannot be read; skipped"
+                );
+            }
+            now.insert(key);
+        }
+        *before = now;
     }
 
     /// TCP connect and TLS handshake, each within the connect timeout.

@@ -3,12 +3,15 @@
 //!
 //! Unknown fields are ignored and everything the API may omit or write as
 //! `null` (Go encodes a nil slice or map as `null`) falls back to its default,
-//! so a newer kubelet with more fields parses the same.
+//! so a newer kubelet with more fields parses the same. A pod that still
+//! cannot be read is skipped and named in [`PodList::skipped`]: one bad pod
+//! must not hide the others, among them the owner of a restarted daemon.
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Deserializer};
+use serde_json::Value;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -29,30 +32,90 @@ pub struct ParseError {
 pub struct PodList {
     #[serde(default, deserialize_with = "nullable")]
     pub items: Vec<Pod>,
+    /// The pods of the body that could not be read, left out of `items`.
+    #[serde(skip)]
+    pub skipped: Vec<SkippedPod>,
+}
+
+/// A pod of a `/pods` body that is not a pod we can read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedPod {
+    /// Its place in the body's `items`.
+    pub index: usize,
+    /// Its metadata as far as it reads (a field that is not a string is
+    /// shown as JSON; an absent one is empty).
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// Where in the pod it went wrong, e.g. `status.containerStatuses[0].state.running.startedAt`.
+    pub field: String,
+    /// What was wrong there.
+    pub problem: String,
+}
+
+/// A `/pods` body read as far as its list: each pod is read on its own.
+#[derive(Deserialize)]
+struct PodValues {
+    #[serde(default, deserialize_with = "nullable")]
+    items: Vec<Value>,
 }
 
 impl PodList {
-    /// Parses a `/pods` response body.
+    /// Parses a `/pods` response body. A pod that cannot be read is left
+    /// out and named in `skipped`; only a body that is not a list of pods
+    /// at all is an error.
     pub fn from_slice(body: &[u8]) -> Result<Self, ParseError> {
-        // The plain parse is the fast path; only a failure pays for a second
-        // pass that tracks where in the document the error is.
-        serde_json::from_slice(body).map_err(|plain| {
-            let mut de = serde_json::Deserializer::from_slice(body);
-            match serde_path_to_error::deserialize::<_, PodList>(&mut de) {
-                Err(located) => {
-                    let path = located.path().to_string();
-                    let source = located.into_inner();
-                    ParseError { path, line: source.line(), column: source.column(), source }
-                }
-                // Cannot happen (same input, same types); keep the plain error.
-                Ok(_) => ParseError { path: ".".into(), line: plain.line(), column: plain.column(), source: plain },
+        // The plain parse is the fast path; only a failure pays for reading
+        // the pods one by one.
+        serde_json::from_slice(body).or_else(|_| Self::pod_by_pod(body))
+    }
+
+    /// The list as JSON values, tracking where it breaks if it does, then
+    /// each pod on its own.
+    #[cold]
+    fn pod_by_pod(body: &[u8]) -> Result<Self, ParseError> {
+        let located = |path: String, source: serde_json::Error| ParseError {
+            path,
+            line: source.line(),
+            column: source.column(),
+            source,
+        };
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let values: PodValues = serde_path_to_error::deserialize(&mut de)
+            .map_err(|err| located(err.path().to_string(), err.into_inner()))?;
+        // Nothing but white space may follow the document.
+        de.end().map_err(|source| located(".".into(), source))?;
+        let mut list = PodList { items: Vec::with_capacity(values.items.len()), skipped: Vec::new() };
+        for (index, value) in values.items.iter().enumerate() {
+            match serde_path_to_error::deserialize::<_, Pod>(value) {
+                Ok(pod) => list.items.push(pod),
+                Err(err) => list.skipped.push(SkippedPod::new(index, value, &err)),
             }
-        })
+        }
+        Ok(list)
     }
 
     /// The pod with this UID.
     pub fn pod(&self, uid: &str) -> Option<&Pod> {
         self.items.iter().find(|pod| pod.metadata.uid == uid)
+    }
+}
+
+impl SkippedPod {
+    fn new(index: usize, pod: &Value, err: &serde_path_to_error::Error<serde_json::Error>) -> Self {
+        let metadata = |key: &str| match pod.get("metadata").and_then(|metadata| metadata.get(key)) {
+            Some(Value::String(text)) => text.clone(),
+            Some(other) => other.to_string(),
+            None => String::new(),
+        };
+        SkippedPod {
+            index,
+            namespace: metadata("namespace"),
+            name: metadata("name"),
+            uid: metadata("uid"),
+            field: err.path().to_string(),
+            problem: err.inner().to_string(),
+        }
     }
 }
 
@@ -506,25 +569,44 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_timestamp_names_its_field_path() {
-        let body = br#"{"kind":"PodList","items":[{"metadata":{"name":"a"}},{"status":{"containerStatuses":[
-            {"name":"c","state":{"running":{"startedAt":"2025-03-04T05:06:07"}}}]}}]}"#;
-        let err = PodList::from_slice(body).unwrap_err();
-        assert_eq!(err.path, "items[1].status.containerStatuses[0].state.running.startedAt");
-        assert_eq!(err.line, 2);
-        let message = format!("{err}: {}", err.source);
-        assert!(message.contains("invalid RFC 3339 timestamp \"2025-03-04T05:06:07\""), "{message}");
+    fn a_malformed_pod_is_skipped_and_the_others_are_kept() {
+        let body = br#"{"kind":"PodList","items":[
+            {"metadata":{"namespace":"ns","name":"first","uid":"u1"}},
+            {"metadata":{"namespace":"ns","name":"late","uid":"u2"},"status":{"containerStatuses":[
+                {"name":"c","state":{"running":{"startedAt":"2025-03-04T05:06:07"}}}]}},
+            {"metadata":{"namespace":"ns","name":"numbered","uid":42}},
+            "not a pod",
+            {"metadata":{"namespace":"ns","name":"last","uid":"u5"}}]}"#;
+        let list = PodList::from_slice(body).unwrap();
+        let names: Vec<&str> = list.items.iter().map(|pod| pod.metadata.name.as_str()).collect();
+        assert_eq!(names, ["first", "last"]);
+        let skipped: Vec<(usize, &str, &str, &str)> = list
+            .skipped
+            .iter()
+            .map(|pod| (pod.index, pod.name.as_str(), pod.uid.as_str(), pod.field.as_str()))
+            .collect();
+        assert_eq!(
+            skipped,
+            [
+                (1, "late", "u2", "status.containerStatuses[0].state.running.startedAt"),
+                (2, "numbered", "42", "metadata.uid"),
+                (3, "", "", "."),
+            ]
+        );
+        assert!(list.skipped[0].problem.contains("invalid RFC 3339 timestamp \"2025-03-04T05:06:07\""));
+        assert_eq!(list.skipped[0].namespace, "ns");
+        assert!(list.skipped[2].problem.contains("expected struct Pod"), "{}", list.skipped[2].problem);
     }
 
     #[test]
-    fn syntax_errors_have_a_path_and_position() {
+    fn a_body_that_is_not_a_list_of_pods_names_where_it_broke() {
         let err = PodList::from_slice(br#"{"items":[{"spec":{"containers":[}]}"#).unwrap_err();
         assert_eq!(err.path, "items[0].spec.containers[0]");
         assert_eq!((err.line, err.column), (1, 34));
+        let err = PodList::from_slice(br#"{"kind":"PodList","items":{"metadata":{}}}"#).unwrap_err();
+        assert_eq!(err.path, "items");
         assert!(PodList::from_slice(b"").is_err());
-        assert!(
-            PodList::from_slice(br#"{"items":[{"metadata":{"uid":42}}]}"#).unwrap_err().path == "items[0].metadata.uid"
-        );
+        assert_eq!(PodList::from_slice(br#"{"items":[{"metadata":{"uid":7}}]} x"#).unwrap_err().path, ".");
     }
 
     #[test]

@@ -259,7 +259,15 @@ fn route(method: &str, path: &str, shared: &Shared) -> Response {
             warn!(wait_ms = LIVENESS_WAIT.as_millis() as u64, "liveness check: the supervisor loop did not answer");
             Response::text(503, format!("the supervisor loop did not answer within {LIVENESS_WAIT:?}\n"))
         }
-        _ if shared.health.is_ready() => Response::text(200, "ok\n"),
+        _ if shared.health.is_ready() => match shared.health.state_problem() {
+            None => Response::text(200, "ok\n"),
+            Some(problem) => Response::text(
+                200,
+                format!(
+                    "ok\n{problem}; healing goes on, but a restarted supervisor will not know what this one learned\n"
+                ),
+            ),
+        },
         _ => Response::text(503, "the first scan of the mount table is not done\n"),
     }
 }
@@ -329,6 +337,19 @@ mod tests {
         answering.join().unwrap();
         assert_eq!(get(addr, "/healthz").0, 503, "alive after the loop left");
         assert_eq!(get(addr, "/readyz").0, 503, "ready after the loop left");
+    }
+
+    #[test]
+    fn readyz_names_a_state_file_that_cannot_be_saved_and_stays_ready() {
+        let health = Arc::new(Health::new());
+        let (server, _metrics) = server(&health);
+        health.set_ready();
+        health.set_state_problem(Some("cannot write state file /s/state.json: Read-only file system".into()));
+        let (status, response) = get(server.local_addr(), "/readyz");
+        assert_eq!(status, 200, "{response}");
+        assert!(response.contains("\r\n\r\nok\n") && response.contains("/s/state.json: Read-only"), "{response}");
+        health.set_state_problem(None);
+        assert!(get(server.local_addr(), "/readyz").1.ends_with("\r\n\r\nok\n"));
     }
 
     #[test]
