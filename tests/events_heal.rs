@@ -19,33 +19,10 @@ fn reason(request: &ApiRequest, reason: &str) -> bool {
     request.method == "POST" && request.body["reason"] == reason
 }
 
-#[test]
-fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
-    let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
-    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
-    let reads = |expected: String| {
-        reader
-            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
-            .expect("the container reads the source")
-    };
-    reads(source.expected_content());
-
-    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+/// Starts the supervisor in the sandbox, confirming restarts with `kubelet`
+/// and publishing Events to `api`.
+fn supervise(sandbox: &Sandbox, kubelet: &KubeletStandIn, api: &ApiServerStandIn) -> SupervisorProcess {
     kubelet.set_token(Some(TOKEN));
-    let host_path = sandbox.runtime_root().display().to_string();
-    let started = SystemTime::now() - Duration::from_secs(3600);
-    let pods = |instance, started| {
-        pod_list_body([
-            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
-            app_pod("apps", "web-0", "app-pod-uid"),
-        ])
-    };
-    kubelet.set_pods(pods(0, started));
-    let api = ApiServerStandIn::start().expect("API server stand-in");
-
     // Written from the sandbox: its tmpfs hides the host's directory.
     let files = sandbox.root().join("credentials");
     let (ca, token, kubeconfig) = (files.join("ca.pem"), files.join("token"), files.join("kubeconfig"));
@@ -73,8 +50,35 @@ fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
         "--node-name".to_owned(),
         "node-1".to_owned(),
     ];
-    let supervisor =
-        SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), args).expect("supervisor");
+    SupervisorProcess::start_with(sandbox, Path::new(BINARY), &sandbox.root().join("state"), args).expect("supervisor")
+}
+
+#[test]
+fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
+    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
+    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+    let reads = |expected: String| {
+        reader
+            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
+            .expect("the container reads the source")
+    };
+    reads(source.expected_content());
+
+    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+    let host_path = sandbox.runtime_root().display().to_string();
+    let started = SystemTime::now() - Duration::from_secs(3600);
+    let pods = |instance, started| {
+        pod_list_body([
+            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
+            app_pod("apps", "web-0", "app-pod-uid"),
+        ])
+    };
+    kubelet.set_pods(pods(0, started));
+    let api = ApiServerStandIn::start().expect("API server stand-in");
+    let supervisor = supervise(&sandbox, &kubelet, &api);
     let on_failure = Dump(&supervisor, &api);
 
     source.crash().expect("crash");
