@@ -25,10 +25,20 @@
 //! leaving the mount in place. The connection is then served by a process
 //! that did not hold it before, like a libfuse daemon's child after
 //! `fuse_daemonize`.
+//!
+//! `--watchdog PIDFILE` makes it a watchdog like JuiceFS's mount process: it
+//! mounts, takes the connection's INIT request and keeps the descriptor
+//! without reading it again, and a child it starts on a copy serves
+//! (`--device-on-stdin --init-request …`: see `relay`); the child's pid goes
+//! to `PIDFILE` once it answers. When the child dies the connection lives on
+//! in the watchdog (requests wait), and on `SIGUSR1` it starts the next
+//! child on the same connection, which keeps the inode numbers the kernel
+//! was given (`--inode-journal`). JuiceFS restarts its child a second after
+//! a crash; here the caller decides when.
 use std::io::{self, BufRead, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 
 use fuse_supervisor_sys::fuse as sys_fuse;
@@ -38,8 +48,10 @@ use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
 mod passthrough;
+mod relay;
 
 use passthrough::PassthroughFs;
+pub use relay::{ReplayedInit, from_hex as init_request_from_hex};
 
 /// What `fuse-supervisor internal demofs` serves, and where.
 #[derive(Debug, Clone)]
@@ -66,6 +78,14 @@ pub enum DemoFsRole {
     /// Serves the connection already mounted at the mountpoint through
     /// the `/dev/fuse` descriptor on stdin (a hand-off's successor).
     DeviceOnStdin,
+    /// Like [`DemoFsRole::DeviceOnStdin`], on a connection whose INIT
+    /// request a watchdog took (a watchdog's child), with the inode numbers
+    /// the children before it gave the kernel, from `inode_journal`.
+    WatchdogChild { init: ReplayedInit, inode_journal: PathBuf },
+    /// Mounts, keeps the connection, and has a child process serve it,
+    /// writing its pid to the file; after the child dies, starts another
+    /// on `SIGUSR1`.
+    Watchdog { pid_file: PathBuf },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -116,16 +136,35 @@ pub enum DemoFsError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot use the inode journal {path} of the children before")]
+    InodeJournal {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot relay the connection of {mountpoint} to the FUSE library")]
+    Relay {
+        mountpoint: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot take the /dev/fuse descriptor for {mountpoint} from stdin")]
     DeviceOnStdin {
         mountpoint: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("cannot hand the connection of {mountpoint} off to a successor: {step}")]
-    HandOff {
+    #[error("cannot start a process to serve {mountpoint} ({step})")]
+    ServingChild {
         mountpoint: PathBuf,
         step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot write the pid of the process serving {mountpoint} to {path}")]
+    PidFile {
+        mountpoint: PathBuf,
+        path: PathBuf,
         #[source]
         source: io::Error,
     },
@@ -141,8 +180,8 @@ enum Stop {
 pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     // Before mounting: a signal that comes earlier kills the process while
     // there is no mount to leave behind yet.
-    let hands_off = matches!(options.role, DemoFsRole::HandOffOnSignal { .. });
-    let signals = Signals::new(if hands_off { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
+    let delegates = matches!(options.role, DemoFsRole::HandOffOnSignal { .. } | DemoFsRole::Watchdog { .. });
+    let signals = Signals::new(if delegates { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
         .map_err(DemoFsError::Signals)?;
 
     if options.name.is_empty() || options.name.contains([',', '/', '\0']) {
@@ -157,21 +196,29 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     }
     let mountpoint = options.mountpoint.clone();
 
-    if options.role == DemoFsRole::DeviceOnStdin {
+    if let DemoFsRole::DeviceOnStdin | DemoFsRole::WatchdogChild { .. } = &options.role {
         // A duplicate: the successor then holds the connection twice,
         // which changes nothing for the kernel.
         let device = io::stdin()
             .as_fd()
             .try_clone_to_owned()
             .map_err(|source| DemoFsError::DeviceOnStdin { mountpoint: mountpoint.clone(), source })?;
-        return serve_device(options, backing, device, signals);
+        let served = match &options.role {
+            DemoFsRole::WatchdogChild { init, .. } => relay::start(device, init)
+                .map_err(|source| DemoFsError::Relay { mountpoint: mountpoint.clone(), source })?,
+            _ => device,
+        };
+        return serve_device(options, backing, served, signals);
     }
     let device = sys_fuse::open_device().map_err(DemoFsError::OpenDevice)?;
     sys_fuse::mount(device.as_fd(), &mountpoint, &options.name, &backing.to_string_lossy())
         .map_err(|source| DemoFsError::Mount { mountpoint: mountpoint.clone(), name: options.name.clone(), source })?;
     match &options.role {
         DemoFsRole::HandOffOnSignal { pid_file } => hand_off_on_signal(options, pid_file, device, signals),
-        DemoFsRole::Serve | DemoFsRole::DeviceOnStdin => serve_device(options, backing, device, signals),
+        DemoFsRole::Watchdog { pid_file } => watch_over_serving_children(options, pid_file, &device, signals),
+        DemoFsRole::Serve | DemoFsRole::DeviceOnStdin | DemoFsRole::WatchdogChild { .. } => {
+            serve_device(options, backing, device, signals)
+        }
     }
 }
 
@@ -198,7 +245,12 @@ fn serve_device(
     // set both so they cannot disagree.
     let mut config = Config::default();
     config.acl = SessionACL::All;
-    let session = Session::from_fd(PassthroughFs::new(backing), device, SessionACL::All, config)
+    let filesystem = match &options.role {
+        DemoFsRole::WatchdogChild { inode_journal, .. } => PassthroughFs::with_inode_journal(backing, inode_journal)
+            .map_err(|source| DemoFsError::InodeJournal { path: inode_journal.clone(), source })?,
+        _ => PassthroughFs::new(backing),
+    };
+    let session = Session::from_fd(filesystem, device, SessionACL::All, config)
         .map_err(|source| detach_on_error(DemoFsError::Handshake { mountpoint: mountpoint.clone(), source }))?;
 
     let (stop_sender, stop) = mpsc::channel();
@@ -261,14 +313,6 @@ fn hand_off_on_signal(
     mut signals: Signals,
 ) -> Result<(), DemoFsError> {
     let mountpoint = &options.mountpoint;
-    let failed = |step: &'static str| {
-        move |source: io::Error| {
-            if let Err(detach_err) = sys_mount::detach(mountpoint) {
-                tracing::warn!(mountpoint = %mountpoint.display(), ?detach_err, "cannot detach after failure");
-            }
-            DemoFsError::HandOff { mountpoint: mountpoint.clone(), step, source }
-        }
-    };
     tracing::info!(mountpoint = %mountpoint.display(), "demofs mounted; handing off on SIGUSR1");
     match signals.forever().next() {
         Some(SIGUSR1) => {}
@@ -278,29 +322,144 @@ fn hand_off_on_signal(
                 .map_err(|source| DemoFsError::Detach { mountpoint: mountpoint.clone(), source });
         }
     }
+    let successor = start_serving_child(options, device, None).map_err(|err| detach_after(mountpoint, err))?;
+    write_pid_file(mountpoint, pid_file, successor.id()).map_err(|err| detach_after(mountpoint, err))?;
+    tracing::info!(mountpoint = %mountpoint.display(), successor = successor.id(), "demofs handed off");
+    Ok(())
+}
+
+/// Keeps the mounted connection while a child serves it, and starts the
+/// next child on `SIGUSR1` once the last one has exited; any other signal
+/// ends the child and detaches the mount.
+fn watch_over_serving_children(
+    options: &DemoFsOptions,
+    pid_file: &Path,
+    device: &OwnedFd,
+    mut signals: Signals,
+) -> Result<(), DemoFsError> {
+    let mountpoint = &options.mountpoint;
+    let copy = |device: &OwnedFd| {
+        device.try_clone().map_err(|source| DemoFsError::ServingChild {
+            mountpoint: mountpoint.clone(),
+            step: "copy the descriptor",
+            source,
+        })
+    };
+    // Queued by the kernel at the mount; every child hands it to its library.
+    let request = relay::take_init_request(device).map_err(|source| {
+        detach_after(
+            mountpoint,
+            DemoFsError::ServingChild { mountpoint: mountpoint.clone(), step: "take the INIT request", source },
+        )
+    })?;
+    let mut init = ReplayedInit { request, answer_kernel: true };
+    // A new connection: the numbers of an earlier one mean nothing to it.
+    let inode_journal = pid_file.with_extension("inodes");
+    match std::fs::remove_file(&inode_journal) {
+        Err(source) if source.kind() != io::ErrorKind::NotFound => {
+            return Err(detach_after(mountpoint, DemoFsError::InodeJournal { path: inode_journal, source }));
+        }
+        _ => {}
+    }
+    let mut start_child = || {
+        let watchdog = WatchdogHandOver { init: &init, inode_journal: &inode_journal };
+        let child = copy(device).and_then(|copy| start_serving_child(options, copy, Some(watchdog)));
+        // Once a child has served, the kernel has its answer.
+        init.answer_kernel &= child.is_err();
+        child
+    };
+    let mut child = start_child().map_err(|err| detach_after(mountpoint, err))?;
+    loop {
+        if let Err(err) = write_pid_file(mountpoint, pid_file, child.id()) {
+            end_child(&mut child);
+            return Err(detach_after(mountpoint, err));
+        }
+        tracing::info!(mountpoint = %mountpoint.display(), child = child.id(), "demofs child serves");
+        match signals.forever().next() {
+            Some(SIGUSR1) => {
+                // The caller signals once the child has ended: this reaps it.
+                if let Err(err) = child.wait() {
+                    tracing::warn!(mountpoint = %mountpoint.display(), ?err, "cannot reap the serving child");
+                }
+                child = start_child().map_err(|err| detach_after(mountpoint, err))?;
+            }
+            signal => {
+                tracing::info!(mountpoint = %mountpoint.display(), ?signal, "demofs watchdog stopping");
+                end_child(&mut child);
+                return sys_mount::detach(mountpoint)
+                    .map_err(|source| DemoFsError::Detach { mountpoint: mountpoint.clone(), source });
+            }
+        }
+    }
+}
+
+/// Kills and reaps a serving child (gone already if it crashed).
+fn end_child(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// What a watchdog gives each child: the connection's INIT request and the
+/// inode numbers the children before it handed out.
+#[derive(Clone, Copy)]
+struct WatchdogHandOver<'a> {
+    init: &'a ReplayedInit,
+    inode_journal: &'a Path,
+}
+
+/// Starts a process serving the connection mounted at the mountpoint through
+/// `device` (its stdin), as a watchdog's child if `watchdog` says so, and
+/// returns it once it answers.
+fn start_serving_child(
+    options: &DemoFsOptions,
+    device: OwnedFd,
+    watchdog: Option<WatchdogHandOver<'_>>,
+) -> Result<Child, DemoFsError> {
+    let failed = |step: &'static str| {
+        move |source: io::Error| DemoFsError::ServingChild { mountpoint: options.mountpoint.clone(), step, source }
+    };
     let exe = std::env::current_exe().map_err(failed("find this executable"))?;
-    let mut successor = Command::new(exe)
+    let mut command = Command::new(exe);
+    command
         .args(["internal", "demofs", "--device-on-stdin", "--backing"])
         .arg(&options.backing)
         .arg("--mountpoint")
-        .arg(mountpoint)
+        .arg(&options.mountpoint)
         .arg("--name")
-        .arg(&options.name)
-        .stdin(Stdio::from(device))
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(failed("start the successor"))?;
+        .arg(&options.name);
+    if let Some(WatchdogHandOver { init, inode_journal }) = watchdog {
+        command.arg("--init-request").arg(relay::to_hex(&init.request));
+        command.arg("--inode-journal").arg(inode_journal);
+        if init.answer_kernel {
+            command.arg("--answer-init");
+        }
+    }
+    let mut child = command.stdin(Stdio::from(device)).stdout(Stdio::piped()).spawn().map_err(failed("spawn it"))?;
     let mut line = String::new();
-    if let Some(stdout) = successor.stdout.take() {
-        io::BufReader::new(stdout).read_line(&mut line).map_err(failed("read the successor's ready line"))?;
+    if let Some(stdout) = child.stdout.take() {
+        io::BufReader::new(stdout).read_line(&mut line).map_err(failed("read its ready line"))?;
     }
     if line.trim() != "ready" {
-        let _ = successor.kill();
-        return Err(failed("wait for the successor")(io::Error::other("it ended before it was ready")));
+        end_child(&mut child);
+        return Err(failed("wait until it answers")(io::Error::other("it ended before it was ready")));
     }
-    std::fs::write(pid_file, successor.id().to_string()).map_err(failed("write the successor's pid"))?;
-    tracing::info!(mountpoint = %mountpoint.display(), successor = successor.id(), "demofs handed off");
-    Ok(())
+    Ok(child)
+}
+
+/// Writes `pid` to `pid_file` whole: a reader polling it never sees part of it.
+fn write_pid_file(mountpoint: &Path, pid_file: &Path, pid: u32) -> Result<(), DemoFsError> {
+    let partial = pid_file.with_extension("partial");
+    std::fs::write(&partial, pid.to_string()).and_then(|()| std::fs::rename(&partial, pid_file)).map_err(|source| {
+        DemoFsError::PidFile { mountpoint: mountpoint.to_path_buf(), path: pid_file.to_path_buf(), source }
+    })
+}
+
+/// Detaches the mount after `err`: a mount nobody will serve must not stay.
+fn detach_after(mountpoint: &Path, err: DemoFsError) -> DemoFsError {
+    if let Err(detach_err) = sys_mount::detach(mountpoint) {
+        tracing::warn!(mountpoint = %mountpoint.display(), ?detach_err, "cannot detach after failure");
+    }
+    err
 }
 
 /// Detaches the top mount at `mountpoint` if it is ours. A mount stacked on

@@ -36,6 +36,13 @@ pub enum HealError {
     Changed { path: PathBuf, planned: u32, found: u32 },
     #[error("no handle on {root} inside the source for target {path}")]
     NoSourceRoot { path: PathBuf, root: PathBuf },
+    #[error("subdirectory {root} of the source cannot be opened beneath it for target {path}")]
+    SourceRootRefused {
+        path: PathBuf,
+        root: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
     #[error("{step} failed for target {path}")]
     Mount {
         step: &'static str,
@@ -235,10 +242,20 @@ impl Mounter {
             // `fd` was resolved onto the copy.
             return Ok((Healed::Propagated, fd));
         }
-        let from = source.for_root(&target.root_in_source).ok_or_else(|| HealError::NoSourceRoot {
-            path: target.path.clone(),
-            root: target.root_in_source.clone(),
-        })?;
+        let from = match source.for_root(&target.root_in_source) {
+            Some(Ok(from)) => from,
+            // A symlink, another mount, or gone: only the targets on this root fail.
+            Some(Err(refusal)) => {
+                return Err(HealError::SourceRootRefused {
+                    path: target.path.clone(),
+                    root: target.root_in_source.clone(),
+                    source: Arc::clone(refusal),
+                });
+            }
+            None => {
+                return Err(HealError::NoSourceRoot { path: target.path.clone(), root: target.root_in_source.clone() });
+            }
+        };
         let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
         mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(HealError::mount("stack onto target", &target.path))?;
         // Attached now, the clone's fd is a handle on the target's new top.

@@ -12,7 +12,7 @@ use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
 #[cfg(feature = "testbed")]
 use fuse_supervisor::demo::DemoOptions;
 #[cfg(feature = "testbed")]
-use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole};
+use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole, ReplayedInit};
 use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::job;
 use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
@@ -658,6 +658,23 @@ enum Internal {
         /// /dev/fuse descriptor on stdin.
         #[arg(long)]
         device_on_stdin: bool,
+        /// With --device-on-stdin: the connection's INIT request (hex), taken
+        /// by a watchdog, to hand the FUSE library first.
+        #[arg(long, value_name = "HEX", requires_all = ["device_on_stdin", "inode_journal"], value_parser = parse_hex_request)]
+        init_request: Option<HexRequest>,
+        /// With --init-request: pass the library's answer to it on to the
+        /// kernel (the watchdog's first child).
+        #[arg(long, requires = "init_request")]
+        answer_init: bool,
+        /// With --init-request: where the watchdog's children record the
+        /// inode numbers they give the kernel, for the next child.
+        #[arg(long, value_name = "PATH", requires = "init_request")]
+        inode_journal: Option<PathBuf>,
+        /// Mount and keep the connection while a child process serves it,
+        /// writing the child's pid to this file; after the child dies,
+        /// start another on SIGUSR1.
+        #[arg(long, value_name = "PID_FILE", conflicts_with_all = ["device_on_stdin", "hand_off_on_signal"])]
+        watchdog: Option<PathBuf>,
     },
     /// Run a container-model reader.
     Container {
@@ -672,6 +689,17 @@ enum Internal {
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
     },
+}
+
+/// A FUSE request's bytes, given in hex: how a demofs watchdog hands its
+/// connection's INIT to a child.
+#[cfg(feature = "testbed")]
+#[derive(Debug, Clone)]
+struct HexRequest(Vec<u8>);
+
+#[cfg(feature = "testbed")]
+fn parse_hex_request(text: &str) -> Result<HexRequest, String> {
+    demofs::init_request_from_hex(text).map(HexRequest).ok_or_else(|| format!("`{text}` is not hex"))
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -759,11 +787,28 @@ fn main() -> ExitCode {
         #[cfg(feature = "testbed")]
         Command::Demo { cycles, daemon, no_mount_over_stale } => demo(cycles, daemon, !no_mount_over_stale),
         #[cfg(feature = "testbed")]
-        Command::Internal(Internal::Demofs { backing, mountpoint, name, hand_off_on_signal, device_on_stdin }) => {
-            let role = match hand_off_on_signal {
-                Some(pid_file) => DemoFsRole::HandOffOnSignal { pid_file },
-                None if device_on_stdin => DemoFsRole::DeviceOnStdin,
-                None => DemoFsRole::Serve,
+        Command::Internal(Internal::Demofs {
+            backing,
+            mountpoint,
+            name,
+            hand_off_on_signal,
+            device_on_stdin,
+            init_request,
+            answer_init,
+            inode_journal,
+            watchdog,
+        }) => {
+            // Both or neither: clap requires the one with the other.
+            let watchdog_child = init_request.zip(inode_journal);
+            let role = match (hand_off_on_signal, watchdog, watchdog_child) {
+                (Some(pid_file), _, _) => DemoFsRole::HandOffOnSignal { pid_file },
+                (None, Some(pid_file), _) => DemoFsRole::Watchdog { pid_file },
+                (None, None, Some((HexRequest(request), inode_journal))) => DemoFsRole::WatchdogChild {
+                    init: ReplayedInit { request, answer_kernel: answer_init },
+                    inode_journal,
+                },
+                (None, None, None) if device_on_stdin => DemoFsRole::DeviceOnStdin,
+                (None, None, None) => DemoFsRole::Serve,
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
@@ -15,18 +16,24 @@ use fuse_supervisor_sys::probe as sys;
 
 use crate::priority::HealPriority;
 
-/// Handles on a live source, opened by a probe: its root and every
-/// subdirectory that subPath targets need.
+/// Handles on a live source, opened by a probe: its root, and every
+/// subdirectory that subPath targets need or why it could not be opened
+/// beneath the root. Each subdirectory is judged alone: one that a tenant
+/// turned into a symlink fails the targets bound to it, not the source.
 #[derive(Debug)]
 pub struct SourceHandles {
     pub root: OwnedFd,
-    pub subdirs: BTreeMap<PathBuf, OwnedFd>,
+    pub subdirs: BTreeMap<PathBuf, Result<OwnedFd, Arc<io::Error>>>,
 }
 
 impl SourceHandles {
-    /// The handle to stack onto a target whose root is `root_in_source`.
-    pub fn for_root(&self, root_in_source: &Path) -> Option<&OwnedFd> {
-        if root_in_source.as_os_str().is_empty() { Some(&self.root) } else { self.subdirs.get(root_in_source) }
+    /// The handle to stack onto a target whose root is `root_in_source`,
+    /// or the refusal of that subdirectory; None if it was not probed.
+    pub fn for_root(&self, root_in_source: &Path) -> Option<Result<&OwnedFd, &Arc<io::Error>>> {
+        if root_in_source.as_os_str().is_empty() {
+            return Some(Ok(&self.root));
+        }
+        self.subdirs.get(root_in_source).map(Result::as_ref)
     }
 }
 
@@ -34,7 +41,7 @@ impl SourceHandles {
 #[derive(Debug)]
 pub enum ProbeOutcome {
     Live(SourceHandles),
-    /// The daemon answered with an error (ENOTCONN for a dead one).
+    /// The daemon answered `statfs` with an error (ENOTCONN for a dead one).
     Failed(io::Error),
 }
 
@@ -167,20 +174,10 @@ fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> ProbeOutcome {
     if let Err(err) = sys::statfs(root.as_fd()) {
         return ProbeOutcome::Failed(err);
     }
-    let mut opened = BTreeMap::new();
-    for subdir in subdirs {
-        match sys::open_within_mount(root.as_fd(), subdir) {
-            Ok(fd) => {
-                opened.insert(subdir.clone(), fd);
-            }
-            Err(err) => {
-                return ProbeOutcome::Failed(io::Error::new(
-                    err.kind(),
-                    format!("subdirectory {} of the source: {err}", subdir.display()),
-                ));
-            }
-        }
-    }
+    let opened = subdirs
+        .iter()
+        .map(|subdir| (subdir.clone(), sys::open_within_mount(root.as_fd(), subdir).map_err(Arc::new)))
+        .collect();
     ProbeOutcome::Live(SourceHandles { root, subdirs: opened })
 }
 

@@ -34,6 +34,7 @@ use crate::report::{HealReport, Report, Reporters, ScanCounts, TargetEvent};
 use crate::state::{Journal, Mapping, StateError, StateWriter, TargetState, retry_delay};
 use crate::table::{Classified, Dev, Layout, Role, Snapshot, TargetKind};
 use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Rearm, Wake, WatchMode};
+use crate::webhook::error_chain;
 
 mod degraded;
 
@@ -1315,8 +1316,10 @@ impl<E: Executor> Supervisor<E> {
                 Err(err) => {
                     record.attempts += 1;
                     let delay = retry_delay(record.attempts);
-                    warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %err, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
-                    let error = err.to_string();
+                    // With its cause: the pod's Event says why (a subdirectory
+                    // that is a symlink, a mount call the kernel refused).
+                    let error = error_chain(&err);
+                    warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %error, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
                     self.reporters.report(&Report::HealFailed {
                         target: &event,
                         error: &error,
@@ -1415,7 +1418,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
                 }
                 Err(err) => {
                     summary.failed += 1;
-                    let _ = writeln!(out, "failed {}: {err}", outcome.path.display());
+                    let _ = writeln!(out, "failed {}: {}", outcome.path.display(), error_chain(&err));
                 }
             }
         }

@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use fuse_supervisor::mountinfo::parse_table;
-use fuse_supervisor::testbed::scenario;
+use fuse_supervisor::testbed::scenario::{self, DATA_FILE, FuseSource};
 use fuse_supervisor::testbed::{Sandbox, SandboxChild};
 use fuse_supervisor_sys::mount as sys_mount;
 use fuse_supervisor_sys::process::Signal;
@@ -317,4 +317,26 @@ fn stopped_daemon_makes_requests_hang_until_continued() {
     daemon.signal(Signal::Cont);
     assert_eq!(answer.recv().unwrap(), Ok("inner\n".to_owned()));
     reader.join().unwrap();
+}
+
+/// A watchdog keeps the connection while its child serves it; after the
+/// child is killed, the next one serves the same connection (the kernel's
+/// INIT, answered once, handed to each child's library again): the mount
+/// neither dies nor is replaced.
+#[test]
+fn a_watchdogs_next_child_serves_the_same_connection() {
+    let sandbox = Sandbox::new().expect("sandbox: these tests must run as root");
+    let binary = Path::new(env!("CARGO_BIN_EXE_fuse-supervisor"));
+    let mut source = FuseSource::start_watchdog(&sandbox, binary, "watched").expect("start the watchdog");
+    let data = sandbox.outside_path(&source.path.join(DATA_FILE));
+    assert_eq!(fs::read_to_string(&data).unwrap(), source.expected_content());
+    let mounts = mounts_at(&sandbox, &source.path);
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+
+    let first = source.crash_serving_child().unwrap();
+    let second = source.restart_serving_child().unwrap();
+    assert_ne!(first, second);
+    assert_eq!(fs::read_to_string(&data).unwrap(), source.expected_content());
+    assert_eq!(fs::read_dir(sandbox.outside_path(&source.path)).unwrap().count(), 2, "data file and subdirectory");
+    assert_eq!(mounts_at(&sandbox, &source.path), mounts, "the same mount");
 }

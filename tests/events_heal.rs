@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use fuse_supervisor::testbed::apiserver::{ApiRequest, ApiServerStandIn};
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SupervisorProcess};
 use fuse_supervisor::testbed::{ContainerReader, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -19,33 +19,10 @@ fn reason(request: &ApiRequest, reason: &str) -> bool {
     request.method == "POST" && request.body["reason"] == reason
 }
 
-#[test]
-fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
-    let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
-    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
-    let reads = |expected: String| {
-        reader
-            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
-            .expect("the container reads the source")
-    };
-    reads(source.expected_content());
-
-    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+/// Starts the supervisor in the sandbox, confirming restarts with `kubelet`
+/// and publishing Events to `api`.
+fn supervise(sandbox: &Sandbox, kubelet: &KubeletStandIn, api: &ApiServerStandIn) -> SupervisorProcess {
     kubelet.set_token(Some(TOKEN));
-    let host_path = sandbox.runtime_root().display().to_string();
-    let started = SystemTime::now() - Duration::from_secs(3600);
-    let pods = |instance, started| {
-        pod_list_body([
-            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
-            app_pod("apps", "web-0", "app-pod-uid"),
-        ])
-    };
-    kubelet.set_pods(pods(0, started));
-    let api = ApiServerStandIn::start().expect("API server stand-in");
-
     // Written from the sandbox: its tmpfs hides the host's directory.
     let files = sandbox.root().join("credentials");
     let (ca, token, kubeconfig) = (files.join("ca.pem"), files.join("token"), files.join("kubeconfig"));
@@ -73,8 +50,35 @@ fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
         "--node-name".to_owned(),
         "node-1".to_owned(),
     ];
-    let supervisor =
-        SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), args).expect("supervisor");
+    SupervisorProcess::start_with(sandbox, Path::new(BINARY), &sandbox.root().join("state"), args).expect("supervisor")
+}
+
+#[test]
+fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
+    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
+    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+    let reads = |expected: String| {
+        reader
+            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
+            .expect("the container reads the source")
+    };
+    reads(source.expected_content());
+
+    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+    let host_path = sandbox.runtime_root().display().to_string();
+    let started = SystemTime::now() - Duration::from_secs(3600);
+    let pods = |instance, started| {
+        pod_list_body([
+            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
+            app_pod("apps", "web-0", "app-pod-uid"),
+        ])
+    };
+    kubelet.set_pods(pods(0, started));
+    let api = ApiServerStandIn::start().expect("API server stand-in");
+    let supervisor = supervise(&sandbox, &kubelet, &api);
     let on_failure = Dump(&supervisor, &api);
 
     source.crash().expect("crash");
@@ -127,4 +131,68 @@ impl Drop for Dump<'_> {
             }
         }
     }
+}
+
+/// A tenant turns its subPath directory into a symlink out of the volume
+/// while the daemon is down: its pod gets a Warning saying why its mount is
+/// not healed, and the other pod on the source is healed as usual.
+#[test]
+fn a_subpath_turned_into_a_symlink_is_a_warning_on_its_pod_alone() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let mut source = FuseSource::start(&sandbox, binary, Daemon::Bindfs, "owned").expect("start daemon");
+    source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
+    source.bind_subpath(&sandbox, "tenant-pod-uid", "data").expect("bind subPath");
+    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+    let host_path = sandbox.runtime_root().display().to_string();
+    let started = SystemTime::now() - Duration::from_secs(3600);
+    let pods = |instance, started| {
+        pod_list_body([
+            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
+            app_pod("apps", "web-0", "app-pod-uid"),
+            app_pod("tenants", "tenant-0", "tenant-pod-uid"),
+        ])
+    };
+    kubelet.set_pods(pods(0, started));
+    let api = ApiServerStandIn::start().expect("API server stand-in");
+    let supervisor = supervise(&sandbox, &kubelet, &api);
+    let on_failure = Dump(&supervisor, &api);
+
+    source.crash().expect("crash");
+    let subdir = source.backing.join(SUBDIR);
+    let outside = sandbox.root().join("outside-the-volume");
+    sandbox
+        .run(move || {
+            std::fs::create_dir_all(&outside)?;
+            std::fs::remove_dir_all(&subdir)?;
+            std::os::unix::fs::symlink(&outside, &subdir)
+        })
+        .expect("the tenant swaps its subPath directory for a symlink");
+    source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
+    kubelet.set_pods(pods(1, SystemTime::now()));
+
+    let on_pod = |request: &ApiRequest, name: &str| request.body["regarding"]["name"] == name;
+    let failed = api
+        .wait_for(TIMEOUT, |request| reason(request, "FuseHealFailed") && on_pod(request, "tenant-0"))
+        .expect("FuseHealFailed on the tenant's pod");
+    assert_eq!(failed.path, format!("{EVENTS}/tenants/events"));
+    assert_eq!(failed.body["type"], "Warning");
+    let note = failed.body["note"].as_str().unwrap();
+    for part in ["volume-subpaths/", "sub of the source", "Too many levels of symbolic links", "retrying in "] {
+        assert!(note.contains(part), "{part:?} not in {note:?}");
+    }
+    api.wait_for(TIMEOUT, |request| reason(request, "FuseMountHealed") && on_pod(request, "web-0"))
+        .expect("the other pod is healed");
+    let requests = api.requests();
+    assert!(
+        !requests.iter().any(|request| reason(request, "FuseHealFailed") && on_pod(request, "web-0")),
+        "the other pod's heal failed"
+    );
+    assert!(
+        !requests.iter().any(|request| reason(request, "FuseMountHealed") && on_pod(request, "tenant-0")),
+        "the symlinked subPath was healed"
+    );
+
+    drop(on_failure);
+    supervisor.stop().expect("stop the supervisor");
 }

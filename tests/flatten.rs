@@ -71,7 +71,7 @@ fn flattens_every_target_to_one_layer(kernel: Kernel, flattened: &str) {
             };
             let handles = SourceHandles {
                 root: resolve::open_path(&source_path).unwrap(),
-                subdirs: [(PathBuf::from(SUBDIR), resolve::open_path(&source_path.join(SUBDIR)).unwrap())].into(),
+                subdirs: [(PathBuf::from(SUBDIR), Ok(resolve::open_path(&source_path.join(SUBDIR)).unwrap()))].into(),
             };
             executor.heal(&batch, Prepared::default(), &handles)
         })

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fuse_supervisor::testbed::scenario::{
-    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess, layers_at,
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
 };
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 
@@ -563,4 +563,62 @@ fn a_dead_target_on_a_connection_the_state_file_does_not_know_is_healed() {
     node.start_supervisor();
     node.all_read(&node.source.expected_content());
     node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("unrecorded connection is dead")).unwrap();
+}
+
+/// The `healed` or `heal failed` lines logged for `target`.
+fn heal_lines(node: &Node, target: &Path, message: &str) -> Vec<String> {
+    let (target, message) = (format!("\"target\":\"{}\"", target.display()), format!("\"message\":\"{message}\""));
+    node.supervisor().log().into_iter().filter(|line| line.contains(&target) && line.contains(&message)).collect()
+}
+
+/// A tenant who can write to the volume replaces its subPath directory with
+/// a symlink out of the volume while the daemon is down. Only that subPath
+/// target is refused (failed, with the reason, retried with back-off); the
+/// other pod's whole volume heals; the subPath container never sees what
+/// the symlink points at; once the directory is back, a retry heals it.
+#[test]
+fn a_subpath_replaced_by_a_symlink_fails_alone_and_exposes_nothing() {
+    let (mut node, subpath) = node_with_subpath(Daemon::Bindfs);
+    subpath_reads_only_its_directory(&node.readers[1]);
+    node.start_supervisor();
+    let baseline = node.mounts();
+
+    node.source.crash().unwrap();
+    node.readers[1].wait_until(HEAL_TIMEOUT, fails).expect("subPath reader sees the crash");
+    let (subdir, moved, outside) = (
+        node.source.backing.join(SUBDIR),
+        node.source.backing.with_extension("moved-subdir"),
+        node.sandbox.root().join("outside-the-volume"),
+    );
+    let (from, to, secret) = (subdir.clone(), moved.clone(), outside.clone());
+    node.sandbox
+        .run(move || {
+            std::fs::create_dir_all(&secret)?;
+            std::fs::write(secret.join(SUBDIR_FILE), "outside the volume")?;
+            std::fs::rename(&from, &to)?;
+            std::os::unix::fs::symlink(&secret, &from)
+        })
+        .expect("the tenant swaps its subPath directory for a symlink");
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+
+    node.readers[0].wait_until(HEAL_TIMEOUT, reads(node.source.expected_content())).expect("the whole volume heals");
+    scenario::wait_for("the subPath heal retried", HEAL_TIMEOUT, || {
+        heal_lines(&node, &subpath, "heal failed").len() >= 2
+    })
+    .unwrap();
+    let failed = heal_lines(&node, &subpath, "heal failed");
+    assert!(failed[0].contains("Too many levels of symbolic links"), "the reason is not given: {}", failed[0]);
+    assert!(failed[1].contains("\"attempts\":2"), "not a retry: {}", failed[1]);
+    assert!(heal_lines(&node, &subpath, "healed").is_empty(), "a symlinked subPath was healed");
+    assert_eq!(layers_at(&node.sandbox, &subpath), 1, "something was stacked on the refused subPath");
+    assert!(node.readers[1].latest().is_some_and(|o| fails(&o)), "the subPath container reads again");
+
+    // The tenant puts the directory back: the next retry heals it.
+    node.sandbox
+        .run(move || std::fs::remove_file(&subdir).and_then(|()| std::fs::rename(&moved, &subdir)))
+        .expect("the directory is put back");
+    subpath_reads_only_its_directory(&node.readers[1]);
+    node.settles_to(baseline, &[&node.targets[0], &subpath]);
+    let outside_seen = node.readers[1].history().iter().any(|o| o.content() == Some("outside the volume"));
+    assert!(!outside_seen, "the subPath container saw a file outside the volume");
 }

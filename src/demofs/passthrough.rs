@@ -31,11 +31,29 @@ pub(crate) struct InodeTable {
     /// `paths[n - 1]` is the backing path of inode `n`.
     paths: Vec<PathBuf>,
     numbers: HashMap<PathBuf, u64>,
+    /// Where each new number's path is appended (NUL-terminated), for the
+    /// next process serving the same connection: the kernel keeps using the
+    /// numbers it was given.
+    journal: Option<File>,
 }
 
 impl InodeTable {
     pub(crate) fn new(root: PathBuf) -> Self {
-        Self { numbers: HashMap::from([(root.clone(), INodeNo::ROOT.0)]), paths: vec![root] }
+        Self { numbers: HashMap::from([(root.clone(), INodeNo::ROOT.0)]), paths: vec![root], journal: None }
+    }
+
+    /// A table that starts with the numbers an earlier process serving the
+    /// connection wrote to `journal`, and writes its own there too.
+    pub(crate) fn with_journal(root: PathBuf, journal: &Path) -> io::Result<Self> {
+        let mut table = Self::new(root);
+        let mut file = std::fs::OpenOptions::new().create(true).read(true).append(true).open(journal)?;
+        let mut recorded = Vec::new();
+        io::Read::read_to_end(&mut file, &mut recorded)?;
+        for path in recorded.split(|byte| *byte == 0).filter(|path| !path.is_empty()) {
+            table.number(Path::new(OsStr::from_bytes(path)));
+        }
+        table.journal = Some(file);
+        Ok(table)
     }
 
     pub(crate) fn path(&self, ino: INodeNo) -> Option<&Path> {
@@ -52,6 +70,13 @@ impl InodeTable {
         // A usize always fits in a u64 on the targets Linux FUSE runs on.
         let number = self.paths.len() as u64;
         self.numbers.insert(path.to_path_buf(), number);
+        // Before the kernel hears of the number: a successor must know it.
+        if let Some(journal) = &mut self.journal {
+            let entry = [path.as_os_str().as_bytes(), b"\0"].concat();
+            if let Err(err) = io::Write::write_all(journal, &entry) {
+                tracing::warn!(path = %path.display(), %err, "cannot record an inode number for a successor");
+            }
+        }
         INodeNo(number)
     }
 }
@@ -138,7 +163,17 @@ fn attributes(ino: INodeNo, metadata: &Metadata) -> FileAttr {
 
 impl PassthroughFs {
     pub(crate) fn new(backing: PathBuf) -> Self {
-        Self { inodes: Mutex::new(InodeTable::new(backing.clone())), backing, handles: Mutex::new(Handles::default()) }
+        Self::with_inodes(InodeTable::new(backing.clone()), backing)
+    }
+
+    /// Serves with the inode numbers `journal` records, recording new ones
+    /// there (see [`InodeTable::with_journal`]).
+    pub(crate) fn with_inode_journal(backing: PathBuf, journal: &Path) -> io::Result<Self> {
+        Ok(Self::with_inodes(InodeTable::with_journal(backing.clone(), journal)?, backing))
+    }
+
+    fn with_inodes(inodes: InodeTable, backing: PathBuf) -> Self {
+        Self { inodes: Mutex::new(inodes), backing, handles: Mutex::new(Handles::default()) }
     }
 
     fn path(&self, ino: INodeNo) -> Result<PathBuf, Errno> {
@@ -434,6 +469,24 @@ mod tests {
         assert_eq!(table.path(other), Some(Path::new("/backing/b")));
         assert_eq!(table.path(INodeNo(0)), None);
         assert_eq!(table.path(INodeNo(99)), None);
+    }
+
+    #[test]
+    fn a_journal_hands_the_numbers_to_the_next_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = dir.path().join("inodes");
+        let mut first = InodeTable::with_journal(PathBuf::from("/backing"), &journal).unwrap();
+        let (a, b) = (first.number(Path::new("/backing/a")), first.number(Path::new("/backing/b c")));
+        drop(first);
+        let mut next = InodeTable::with_journal(PathBuf::from("/backing"), &journal).unwrap();
+        assert_eq!(next.path(a), Some(Path::new("/backing/a")));
+        assert_eq!(next.path(b), Some(Path::new("/backing/b c")));
+        let c = next.number(Path::new("/backing/c"));
+        assert!(c.0 > b.0, "{c:?} reuses a number");
+        assert_eq!(
+            InodeTable::with_journal(PathBuf::from("/backing"), &journal).unwrap().path(c),
+            Some(Path::new("/backing/c"))
+        );
     }
 
     #[test]

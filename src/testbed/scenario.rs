@@ -85,12 +85,23 @@ pub struct FuseSource {
     binary: PathBuf,
     process: Option<SandboxChild>,
     generation: u32,
-    /// The pid file of a demofs that hands its connection off on SIGUSR1
-    /// (as the sandbox sees it, and from outside), until it has.
-    hand_off: Option<(PathBuf, PathBuf)>,
-    /// The process a hand-off left serving: not a child of the sandbox,
-    /// so killed here.
+    /// How a demofs leaves its connection to another process, and the file
+    /// where it writes that process's pid (as the sandbox sees it, and from
+    /// outside); a hand-off's is gone once done.
+    delegation: Option<(Delegation, PathBuf, PathBuf)>,
+    /// The process a hand-off left serving, or the watchdog's serving
+    /// child: not a child of the sandbox, so killed here.
     successor: Option<u32>,
+}
+
+/// A demofs whose connection is served by a process other than the one that
+/// mounted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delegation {
+    /// `--hand-off-on-signal`: on SIGUSR1, to a successor, and exits.
+    HandOff,
+    /// `--watchdog`: to a child, and to the next one once it died.
+    Watchdog,
 }
 
 impl FuseSource {
@@ -109,7 +120,7 @@ impl FuseSource {
         name: &str,
         path: &Path,
     ) -> Result<Self, ScenarioError> {
-        Self::start_with(sandbox, binary, daemon, name, path, false)
+        Self::start_with(sandbox, binary, daemon, name, path, None)
     }
 
     /// A demofs that mounts `runtime/<name>` but leaves it unanswered until
@@ -118,7 +129,17 @@ impl FuseSource {
     /// seen holding its connection.
     pub fn start_handing_off(sandbox: &Sandbox, binary: &Path, name: &str) -> Result<Self, ScenarioError> {
         let path = sandbox.runtime_root().join(name).join("fuse");
-        Self::start_with(sandbox, binary, Daemon::DemoFs, name, &path, true)
+        Self::start_with(sandbox, binary, Daemon::DemoFs, name, &path, Some(Delegation::HandOff))
+    }
+
+    /// A demofs watchdog that mounts `runtime/<name>` and keeps the
+    /// connection while a child it starts serves it, like JuiceFS's mount
+    /// process; [`FuseSource::crash_serving_child`] kills the child and
+    /// [`FuseSource::restart_serving_child`] has the watchdog start the
+    /// next one on the same connection. Returns once the first child serves.
+    pub fn start_watchdog(sandbox: &Sandbox, binary: &Path, name: &str) -> Result<Self, ScenarioError> {
+        let path = sandbox.runtime_root().join(name).join("fuse");
+        Self::start_with(sandbox, binary, Daemon::DemoFs, name, &path, Some(Delegation::Watchdog))
     }
 
     fn start_with(
@@ -127,7 +148,7 @@ impl FuseSource {
         daemon: Daemon,
         name: &str,
         path: &Path,
-        hands_off: bool,
+        delegation: Option<Delegation>,
     ) -> Result<Self, ScenarioError> {
         let backing = sandbox.root().join("backing").join(name);
         let path = path.to_path_buf();
@@ -144,10 +165,10 @@ impl FuseSource {
                 fs::write(inner, text)
             })
             .map_err(io_step(format!("create backing directory {}", backing.display())))?;
-        let hand_off = hands_off.then(|| {
+        let delegation = delegation.map(|delegation| {
             let pid_file = sandbox.root().join(format!("{name}.successor.pid"));
             let outside = sandbox.outside_path(&pid_file);
-            (pid_file, outside)
+            (delegation, pid_file, outside)
         });
         let mut source = FuseSource {
             path,
@@ -156,7 +177,7 @@ impl FuseSource {
             binary: binary.to_path_buf(),
             process: None,
             generation: 0,
-            hand_off,
+            delegation,
             successor: None,
         };
         source.write_generation(sandbox)?;
@@ -177,11 +198,17 @@ impl FuseSource {
         self.process.as_ref().map(SandboxChild::pid).or(self.successor)
     }
 
+    /// The process serving the connection for the one that mounted it: a
+    /// hand-off's successor, or the watchdog's current child.
+    pub fn serving_child(&self) -> Option<u32> {
+        self.successor
+    }
+
     /// Makes a demofs started by [`FuseSource::start_handing_off`] hand its
     /// connection to a successor, and waits until the successor serves and
     /// the first process exited. Returns the successor's pid.
     pub fn hand_off(&mut self) -> Result<u32, ScenarioError> {
-        let Some((_, pid_file)) = self.hand_off.clone() else {
+        let Some((Delegation::HandOff, _, pid_file)) = self.delegation.clone() else {
             return Err(ScenarioError::Io {
                 step: "hand off".into(),
                 source: io::Error::other("the daemon was not started to hand off"),
@@ -195,7 +222,7 @@ impl FuseSource {
         let status = process.wait().map_err(io_step("wait for demofs to hand off"))?;
         let successor = read_pid(&pid_file).map_err(io_step(format!("read {}", pid_file.display())))?;
         self.successor = Some(successor);
-        self.hand_off = None;
+        self.delegation = None;
         if !status.success() {
             return Err(ScenarioError::Io {
                 step: "hand off".into(),
@@ -205,10 +232,54 @@ impl FuseSource {
         Ok(successor)
     }
 
+    /// The watchdog's serving child: SIGKILLed, and gone when this returns
+    /// (the watchdog keeps the connection). Returns its pid.
+    pub fn crash_serving_child(&mut self) -> Result<u32, ScenarioError> {
+        let child = self.successor.ok_or_else(|| ScenarioError::Io {
+            step: "crash the serving child".into(),
+            source: io::Error::other("no serving child"),
+        })?;
+        self.kill_successor()?;
+        Ok(child)
+    }
+
+    /// Has the watchdog start its next serving child, after
+    /// [`FuseSource::crash_serving_child`], and returns its pid once it serves.
+    pub fn restart_serving_child(&mut self) -> Result<u32, ScenarioError> {
+        let process = self.process.as_ref().ok_or_else(|| ScenarioError::Io {
+            step: "restart the serving child".into(),
+            source: io::Error::other("no watchdog running"),
+        })?;
+        let before = self.delegation.as_ref().and_then(|(_, _, pid_file)| read_pid(pid_file).ok());
+        process.signal(Signal::Usr1).map_err(io_step("signal the watchdog to restart its child"))?;
+        self.wait_for_serving_child(before)
+    }
+
+    /// Waits until the watchdog names a serving child other than `before`.
+    fn wait_for_serving_child(&mut self, before: Option<u32>) -> Result<u32, ScenarioError> {
+        let Some((Delegation::Watchdog, _, pid_file)) = self.delegation.clone() else {
+            return Err(ScenarioError::Io {
+                step: "wait for the serving child".into(),
+                source: io::Error::other("the daemon is not a watchdog"),
+            });
+        };
+        let mut child = None;
+        wait_for("the watchdog's serving child", MOUNT_TIMEOUT, || {
+            child = read_pid(&pid_file).ok().filter(|pid| Some(*pid) != before);
+            child.is_some()
+        })?;
+        self.successor = child;
+        child.ok_or_else(|| ScenarioError::Timeout {
+            what: "the watchdog's serving child".into(),
+            waited: MOUNT_TIMEOUT,
+        })
+    }
+
     /// SIGKILLs a successor left by a hand-off (or one started by a hand-off
-    /// that did not finish) and waits until it is gone.
+    /// that did not finish), or a watchdog's serving child, and waits until
+    /// it is gone.
     fn kill_successor(&mut self) -> Result<(), ScenarioError> {
-        let pending = self.hand_off.as_ref().and_then(|(_, pid_file)| read_pid(pid_file).ok());
+        let pending = self.delegation.as_ref().and_then(|(_, _, pid_file)| read_pid(pid_file).ok());
         let Some(pid) = self.successor.take().or(pending) else { return Ok(()) };
         let Ok(process) = PidFd::open(pid) else { return Ok(()) };
         process.signal(Signal::Kill).map_err(io_step(format!("kill the successor {pid}")))?;
@@ -226,6 +297,17 @@ impl FuseSource {
 
     fn launch(&mut self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
         let before = fuse_mount_ids_at(sandbox, &self.path);
+        let watchdog_pid_file = match &self.delegation {
+            Some((Delegation::Watchdog, _, pid_file)) => Some(pid_file.clone()),
+            _ => None,
+        };
+        // The last generation's child must not pass for this one's.
+        if let Some(pid_file) = &watchdog_pid_file
+            && let Err(err) = fs::remove_file(pid_file)
+            && err.kind() != io::ErrorKind::NotFound
+        {
+            return Err(io_step(format!("remove {}", pid_file.display()))(err));
+        }
         let mut command = match self.daemon {
             Daemon::DemoFs => {
                 let mut command = Command::new(&self.binary);
@@ -234,9 +316,11 @@ impl FuseSource {
                     .arg(&self.backing)
                     .arg("--mountpoint")
                     .arg(&self.path);
-                if let Some((pid_file, _)) = &self.hand_off {
-                    command.arg("--hand-off-on-signal").arg(pid_file);
-                }
+                match &self.delegation {
+                    Some((Delegation::HandOff, pid_file, _)) => command.arg("--hand-off-on-signal").arg(pid_file),
+                    Some((Delegation::Watchdog, pid_file, _)) => command.arg("--watchdog").arg(pid_file),
+                    None => &mut command,
+                };
                 command
             }
             Daemon::Bindfs => {
@@ -253,7 +337,11 @@ impl FuseSource {
             &format!("{} mounted at {}", self.daemon.name(), path.display()),
             MOUNT_TIMEOUT,
             |table| fuse_mount_ids_in(table, &path).difference(&before).next().is_some(),
-        )
+        )?;
+        if watchdog_pid_file.is_some() {
+            self.wait_for_serving_child(None)?;
+        }
+        Ok(())
     }
 
     /// SIGKILL: the mount stays, every access answers ENOTCONN.

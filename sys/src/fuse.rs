@@ -19,6 +19,21 @@ use rustix::mount::MountFlags;
 /// reused; rustix 1.1 has no name for it yet.
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
 
+/// A connected pair of Unix `SOCK_SEQPACKET` sockets, close-on-exec: each
+/// write is one message and each read returns one, as on `/dev/fuse`, so a
+/// FUSE library can be handed one end in place of the device while the
+/// other relays its messages.
+pub fn message_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    Ok(rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
+}
+
+/// Shuts both directions of a socket from [`message_pair`]: the other end
+/// reads end-of-file, as a library reads `ENODEV` from a dead connection.
+pub fn end_messages(socket: BorrowedFd<'_>) -> io::Result<()> {
+    Ok(rustix::net::shutdown(socket, rustix::net::Shutdown::Both)?)
+}
+
 /// Opens `/dev/fuse` for reading and writing, close-on-exec.
 pub fn open_device() -> io::Result<OwnedFd> {
     Ok(rustix::fs::open("/dev/fuse", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())?)
