@@ -1,0 +1,142 @@
+//! Carrying out a probed batch and reporting each target's outcome.
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tracing::{info, info_span, warn};
+
+use crate::heal::{Executor, Healed, Prepared};
+use crate::plan::HealBatch;
+use crate::report::{HealReport, Report, TargetEvent};
+use crate::state::{Mapping, TargetState, retry_delay};
+use crate::table::Dev;
+use crate::webhook::error_chain;
+
+use super::{Event, Supervisor, TargetRecord};
+
+impl<E: Executor> Supervisor<E> {
+    /// From the scan that first saw the source's current mount, for targets
+    /// it left behind; from the wake-up, for targets found dead under a
+    /// source that did not change.
+    pub(super) fn heal_latency(&self, batch: &HealBatch) -> Duration {
+        let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
+        let since = match self.source_seen_at(&batch.source.path, batch.source.top().dev) {
+            Some(at) if !dead_target => at,
+            _ => self.woke_at,
+        };
+        since.elapsed()
+    }
+
+    /// When a scan first saw the mount on connection `dev` at `source`;
+    /// None if none has yet.
+    pub(super) fn source_seen_at(&self, source: &Path, dev: Dev) -> Option<Instant> {
+        let (seen, at) = self.sources_seen_at.get(source)?;
+        (*seen == dev).then_some(*at)
+    }
+
+    /// Heals `batch` from the source whose probe waited `source_wait` for
+    /// its answer.
+    pub(super) fn heal(
+        &mut self,
+        batch: &HealBatch,
+        prepared: Prepared,
+        handles: &crate::probe::SourceHandles,
+        source_wait: Duration,
+    ) {
+        let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
+        let _entered = span.enter();
+        for target in &batch.targets {
+            if let Some(record) = self.records.get_mut(&target.path) {
+                record.state = TargetState::Healing;
+            }
+        }
+        // The heal's own changes need no report, and the rescan after it
+        // reads what anyone else changed meanwhile.
+        if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.pause()) {
+            warn!(%err, "the heal's own mount changes will be reported");
+        }
+        let outcomes = self.executor.heal(batch, prepared, handles);
+        if let Some(watch) = &self.table_watch {
+            // Reported as one change, so that a rescan follows even if the
+            // one after the heal cannot read the table.
+            let resumed = watch.resume().map(|()| Event::TableChanged(Vec::new()));
+            let _ = self.events.send(resumed.unwrap_or_else(Event::WatchFailed));
+        }
+        let latency = self.heal_latency(batch);
+        // A probe started on the watcher's word may have begun before the
+        // wake-up the latency runs from.
+        let source_wait = source_wait.min(latency);
+        let mut healed_any = false;
+        for (target, outcome) in batch.targets.iter().zip(outcomes) {
+            let record =
+                self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+            let event = TargetEvent {
+                target: &outcome.path,
+                pod_uid: &target.pod_uid,
+                source: &batch.source.path,
+                broken_since: record.broken_since,
+            };
+            match outcome.result {
+                Ok(how) => {
+                    let outage = record.broken_since.and_then(|since| since.elapsed().ok());
+                    info!(
+                        target = %outcome.path.display(),
+                        pod = %target.pod_uid,
+                        how = match how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
+                        layers_removed = outcome.layers_removed,
+                        latency_us = latency.as_micros() as u64,
+                        source_wait_us = source_wait.as_micros() as u64,
+                        outage_ms = outage.map(|outage| outage.as_millis() as u64),
+                        "healed"
+                    );
+                    if let Some(err) = outcome.flatten_error {
+                        warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
+                    }
+                    let heal = HealReport {
+                        how,
+                        latency,
+                        source_wait: Some(source_wait),
+                        outage,
+                        layers_removed: outcome.layers_removed,
+                    };
+                    self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
+                    record.state = TargetState::Healed { outage };
+                    record.attempts = 0;
+                    record.broken_since = None;
+                    healed_any = true;
+                    self.dead_targets.remove(&outcome.path);
+                    self.held.remove(&outcome.path);
+                    // The target is now on the source's current mount: record
+                    // it at once, since the daemon may die again before the
+                    // next scan could learn it from the peer groups.
+                    if let Some(mapping) = self.journal.get(&outcome.path) {
+                        let source = batch.source.top();
+                        let healed = Mapping {
+                            source_mount_id: source.mount_id,
+                            peer_group: source.peer_group,
+                            dev: source.dev,
+                            ..mapping.clone()
+                        };
+                        self.journal.record(&outcome.path, healed);
+                    }
+                }
+                Err(err) => {
+                    record.attempts += 1;
+                    let delay = retry_delay(record.attempts);
+                    // With its cause: the pod's Event says why (a subdirectory
+                    // that is a symlink, a mount call the kernel refused).
+                    let error = error_chain(&err);
+                    warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %error, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
+                    self.reporters.report(&Report::HealFailed {
+                        target: &event,
+                        error: &error,
+                        attempts: record.attempts,
+                        retry_in: delay,
+                    });
+                    record.state =
+                        TargetState::Failed { attempts: record.attempts, retry_at: Instant::now() + delay, error };
+                }
+            }
+        }
+        self.state_dirty |= healed_any;
+    }
+}

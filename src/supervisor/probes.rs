@@ -1,0 +1,198 @@
+//! Probes of new sources and of targets on unknown connections, and what
+//! their answers start.
+use std::collections::BTreeSet;
+use std::io;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use fuse_supervisor_sys::{resolve, statmount};
+use tracing::{debug, error, info, warn};
+
+use crate::heal::Executor;
+use crate::mountinfo::is_fuse_type;
+use crate::plan::{self, Assessment, HealBatch};
+use crate::probe::{ProbeOutcome, ProbeReport};
+use crate::table::{Classified, Dev, Role};
+
+use super::{Event, Supervisor};
+
+impl<E: Executor> Supervisor<E> {
+    /// Whether a probe of the batch's source was started.
+    pub(super) fn start_probe(&mut self, batch: &HealBatch) -> bool {
+        let source = &batch.source.path;
+        let expected = batch.source.top().mount_id;
+        if batch.targets.iter().all(|t| self.in_back_off(&t.path)) {
+            debug!(source = %source.display(), "not probing: every target is backing off");
+            return false;
+        }
+        if self.prober.in_flight_on(source, expected) {
+            // Started when the watcher announced the mount: its answer heals this batch.
+            return true;
+        }
+        if self.prober.in_flight(source) {
+            debug!(source = %source.display(), "not probing: a probe of an earlier mount is in flight");
+            return false;
+        }
+        let subdirs = batch
+            .targets
+            .iter()
+            .filter(|t| !t.root_in_source.as_os_str().is_empty())
+            .map(|t| t.root_in_source.clone())
+            .collect();
+        self.launch_probe(source, expected, subdirs)
+    }
+
+    /// Probes the mount `mount_id` at `source` if it is still the one there,
+    /// opening `subdirs` below its root.
+    pub(super) fn launch_probe(&mut self, source: &Path, mount_id: u32, subdirs: BTreeSet<PathBuf>) -> bool {
+        let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
+        let root = match opened {
+            Ok((id, fd)) if id == mount_id => fd,
+            Ok((id, _)) => {
+                debug!(source = %source.display(), id, expected = mount_id, "source changed since it was seen");
+                return false;
+            }
+            Err(err) => {
+                warn!(source = %source.display(), ?err, "cannot open source");
+                return false;
+            }
+        };
+        debug!(source = %source.display(), mount_id, "probing source");
+        self.heal_window.open();
+        if let Err(err) =
+            self.prober.start(source, mount_id, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
+        {
+            error!(source = %source.display(), ?err, "cannot start probe");
+            return false;
+        }
+        true
+    }
+
+    /// Probes a FUSE mount the watcher saw appear at the path of a source
+    /// whose recorded targets are on another connection, before the table is
+    /// read: the new daemon's first answer (its FUSE_INIT) takes longer than
+    /// the read, and the scan that plans the heal finds the probe under way
+    /// ([`Self::start_probe`]). Anything else waits for the scan.
+    pub(super) fn probe_announced_sources(&mut self, attached: &[u64]) {
+        for &unique_id in attached {
+            // Gone again, or a kernel without statmount: the scan decides.
+            let Ok(mount) = statmount::mount_summary(unique_id) else { continue };
+            let source = mount.mount_point;
+            if !is_fuse_type(&mount.fs_type)
+                || self.layout.role(&source) != Role::Source
+                || self.prober.in_flight(&source)
+            {
+                continue;
+            }
+            let dev = Dev::from(mount.dev);
+            let mut stranded = false;
+            let mut subdirs = BTreeSet::new();
+            for (target, mapping) in self.journal.mappings() {
+                if mapping.source == source && mapping.dev != dev && !self.in_back_off(target) {
+                    stranded = true;
+                    if !mapping.root_in_source.as_os_str().is_empty() {
+                        subdirs.insert(mapping.root_in_source.clone());
+                    }
+                }
+            }
+            if stranded && self.launch_probe(&source, mount.mount_id, subdirs) {
+                // The heal's latency runs from this wake-up, not from the scan.
+                self.sources_seen_at.insert(source, (dev, self.woke_at));
+            }
+        }
+    }
+
+    /// A target on neither its source's connection nor the recorded one
+    /// (an old state file, a bind made while the supervisor was away) is
+    /// broken only if it is unreachable: probe it off-thread.
+    pub(super) fn probe_unknown_targets(&mut self, classified: &Classified) {
+        self.dead_targets.retain(|path| classified.targets.contains_key(path));
+        for (path, target) in &classified.targets {
+            let assessment = plan::assess(target, self.journal.get(path), classified);
+            if assessment != Assessment::Unknown {
+                self.dead_targets.remove(path);
+                continue;
+            }
+            if self.dead_targets.contains(path) || self.prober.in_flight(path) {
+                continue;
+            }
+            let top = target.stack.top().mount_id;
+            match self.executor.open_target(path) {
+                Ok((fd, id)) if id == top => {
+                    self.probing_targets.insert(path.clone());
+                    if let Err(err) = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::Probed) {
+                        self.probing_targets.remove(path);
+                        error!(target = %path.display(), ?err, "cannot start probe");
+                    }
+                }
+                Ok(_) => {} // Changed since the table was read; the next scan sees it.
+                Err(err) => warn!(target = %path.display(), %err, "cannot open target to probe it"),
+            }
+        }
+    }
+
+    pub(super) fn on_probe(&mut self, report: ProbeReport) {
+        if self.probing_targets.remove(&report.source) {
+            self.prober.finished(&report.source);
+            match report.outcome {
+                // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
+                ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
+                    info!(target = %report.source.display(), "target on an unrecorded connection is dead");
+                    self.dead_targets.insert(report.source);
+                    self.rescan();
+                }
+                ProbeOutcome::Failed(err) => {
+                    warn!(target = %report.source.display(), %err, "target on an unrecorded connection fails; leaving it")
+                }
+                ProbeOutcome::Live(_) => {
+                    warn!(target = %report.source.display(), "target is on a live connection of its own; leaving it")
+                }
+            }
+            return;
+        }
+        debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
+        self.prober.finished(&report.source);
+        let planned = self.probed_batches.remove(&report.source);
+        self.reported_overdue.remove(&report.source);
+        let handles = match report.outcome {
+            ProbeOutcome::Live(handles) => handles,
+            ProbeOutcome::Failed(err) => {
+                warn!(source = %report.source.display(), %err, "source is not serving; waiting for it to be replaced");
+                return;
+            }
+        };
+        let (mut batch, prepared) = match planned {
+            // Nothing read or changed since the scan that planned it: a
+            // re-read would plan the same (and costs most of a small heal).
+            Some((read, batch, prepared))
+                if read == self.table_reads
+                    && batch.source.top().mount_id == report.mount_id
+                    && !self.reader.changed_since_read().unwrap_or(true) =>
+            {
+                (batch, prepared)
+            }
+            // The table may have moved on while the probe ran: plan afresh.
+            _ => {
+                let Some(classified) = self.read_table() else { return };
+                let Some(batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
+                    .into_iter()
+                    .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
+                else {
+                    return self.rescan();
+                };
+                // A probe started on the watcher's word alone runs before the
+                // kubelet has confirmed anything; its answer alone heals nothing.
+                if !self.confirmed(&batch) {
+                    return;
+                }
+                let prepared = self.prepare_heal(&batch);
+                (batch, prepared)
+            }
+        };
+        // The pod of a target may have been deleted since it was planned
+        // (the executor prepares again what no longer fits the batch).
+        batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());
+        self.heal(&batch, prepared, &handles, report.waited);
+        self.rescan();
+    }
+}

@@ -1,0 +1,234 @@
+//! Start-up: the threads and watchers `run` wires together, and the
+//! loop's own construction.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::mpsc::{self, Sender};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use fuse_supervisor_sys::ns;
+use tracing::{debug, error, info};
+
+use crate::confirm::Asker;
+use crate::daemons::Daemons;
+use crate::heal::MountExecutor;
+use crate::kubelet::KubeletClient;
+use crate::locate::VolDataCache;
+use crate::mountinfo::MountInfoReader;
+use crate::pods::PodWatcher;
+use crate::priority::{HealActivity, HealPriority, HealWindow};
+use crate::probe::Prober;
+use crate::state::{Journal, StateError, StateWriter};
+use crate::table::Layout;
+use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
+
+use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
+
+/// Runs until `shutdown` is requested. Call from a thread of its own: it
+/// moves that thread into the watched namespace.
+pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> {
+    // Large scan buffers get pages of their own, given back when freed
+    // (sys::memory); with 10,000 targets this halves the idle footprint.
+    if !fuse_supervisor_sys::memory::set_mmap_threshold(128 * 1024) {
+        debug!("allocator keeps its own mmap threshold");
+    }
+    let (events, inbox) = mpsc::channel();
+    // Pings queue up until the loop serves, so a slow start reads as not alive.
+    let pings = events.clone();
+    config.health.attach(move |pong| pings.send(Event::Ping(pong)).is_ok());
+    // The kubelet thread starts before this one leaves for the watched
+    // namespace, so it keeps ours: the token and CA files are this
+    // container's, not the host's.
+    let asker = match &config.kubelet {
+        Some(kubelet) => {
+            let client = KubeletClient::new(kubelet.client.clone())?;
+            let events = events.clone();
+            let asker = Asker::spawn(client, move |answer| events.send(Event::Kubelet(answer)).is_ok())
+                .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
+            Some((asker, kubelet.grace))
+        }
+        None => {
+            info!("kubelet confirmation is off: healing on mount evidence alone");
+            None
+        }
+    };
+    // Like the kubelet thread, it stays in this namespace; in sidecar mode
+    // the supervisor ends with its pod's FUSE container.
+    let job = start_job_lifecycle(config.job.as_ref(), shutdown)?;
+    // The pod watcher joins the namespace itself; its first full scan is
+    // sent before spawn returns, so it is the first event, and it is
+    // applied before the first table scan is planned.
+    let pod_events = events.clone();
+    let pod_watcher = PodWatcher::spawn(&config.kubelet_root, Some(&config.mount_namespace), move |change| {
+        let _ = pod_events.send(Event::Pods(change));
+    })?;
+    let first_pod_scan = match inbox.try_recv() {
+        Ok(Event::Pods(change)) => Some(change),
+        _ => None,
+    };
+    // Before leaving for the namespace: the discovery thread reads this
+    // process's /proc.
+    let daemon_events = events.clone();
+    let heal_activity = Arc::new(HealActivity::default());
+    let daemons = Daemons::start(&config.daemons, Arc::clone(&heal_activity), move |event| {
+        daemon_events.send(Event::Daemon(event)).is_ok()
+    })?;
+    ns::join_mount_namespace(&config.mount_namespace)
+        .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
+    let open_mountinfo = || {
+        File::open("/proc/thread-self/mountinfo")
+            .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
+    };
+    let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
+        // In the watched namespace now: the fanotify mark goes on this thread's.
+        WatchMode::Events(wanted) => {
+            let (watcher, backend) = watch::event_watcher::<SupervisorError>(
+                wanted,
+                || {
+                    let namespace = ns::open_thread_mount_namespace()
+                        .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
+                    Ok(FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?)
+                },
+                || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+            )?;
+            (watcher, backend.to_string())
+        }
+        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
+    };
+    let table_watch = watcher.rearm_handle();
+    let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
+    let mut supervisor =
+        Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone(), heal_activity)?;
+    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
+    supervisor.pods_watched = true;
+    supervisor.daemons = daemons;
+    // From this thread: the writer sees the state directory as the loop does.
+    let health = Arc::clone(&config.health);
+    let report_save = move |err: Option<&StateError>| {
+        health.set_state_problem(err.map(|err| crate::webhook::error_chain(err)));
+    };
+    supervisor.state_writer = Some(
+        StateWriter::spawn(Box::new(report_save))
+            .map_err(|source| SupervisorError::Thread { name: "state writer", source })?,
+    );
+    if let Some(change) = first_pod_scan {
+        supervisor.on_pods(change);
+    }
+    supervisor.rescan();
+    config.health.set_ready();
+    info!(
+        kubelet_root = %config.kubelet_root.display(),
+        namespace = %config.mount_namespace.display(),
+        mode = %config.watch,
+        %table_events,
+        "supervising"
+    );
+    supervisor.table_watch = Some(table_watch);
+    supervisor.serve(&inbox, shutdown);
+    // What changed last is written before the writer stops.
+    supervisor.save_state();
+    drop(supervisor);
+    config.health.detach();
+    shutdown.request();
+    drop(job);
+    if let Err(err) = pod_watcher.stop() {
+        error!(%err, "pod-directory watcher failed");
+    }
+    if watcher_thread.join().is_err() {
+        error!("watcher thread panicked");
+    }
+    Ok(())
+}
+
+/// Starts the Job lifecycle when configured; the supervisor stops once it
+/// has ended its pod's FUSE container (sidecar mode).
+pub fn start_job_lifecycle(
+    job: Option<&crate::job::JobConfig>,
+    shutdown: &Shutdown,
+) -> Result<Option<crate::job::JobLifecycle>, crate::job::JobError> {
+    let Some(job) = job else { return Ok(None) };
+    let done = shutdown.clone();
+    crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
+}
+
+fn spawn_watcher(
+    mut watcher: Box<dyn MountWatcher>,
+    events: Sender<Event>,
+    priority: HealPriority,
+) -> Result<JoinHandle<()>, SupervisorError> {
+    std::thread::Builder::new()
+        .name("watcher".into())
+        .spawn(move || {
+            // One wake-up per burst of changes (see MountWatcher), little work each.
+            priority.raise();
+            loop {
+                // A burst of changes becomes one rescan: the watcher stays
+                // disarmed from its report until the loop reads the table.
+                let event = match watcher.wait() {
+                    Ok(Wake::TableChanged) => Event::TableChanged(watcher.attached()),
+                    Ok(Wake::Shutdown) => Event::Shutdown,
+                    Err(err) => Event::WatchFailed(err),
+                };
+                let last = !matches!(event, Event::TableChanged(_));
+                if events.send(event).is_err() || last {
+                    return;
+                }
+            }
+        })
+        .map_err(|source| SupervisorError::Thread { name: "watcher", source })
+}
+
+impl Supervisor<MountExecutor> {
+    pub(super) fn new(
+        config: &Config,
+        reader: MountInfoReader,
+        events: Sender<Event>,
+        heal_activity: Arc<HealActivity>,
+    ) -> Result<Self, SupervisorError> {
+        let executor =
+            MountExecutor::new(&config.kubelet_root, &config.staging_dir, config.heal_priority).map_err(|source| {
+                SupervisorError::Open {
+                    what: format!(
+                        "kubelet root {} and staging mount {}",
+                        config.kubelet_root.display(),
+                        config.staging_dir.display()
+                    ),
+                    source,
+                }
+            })?;
+        Ok(Supervisor {
+            layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
+            journal: Journal::load_or_set_aside(&config.state_dir),
+            records: BTreeMap::new(),
+            reader,
+            prober: Prober::new(config.probe_timeout, config.heal_priority),
+            heal_window: HealWindow::new(config.heal_priority, heal_activity),
+            executor,
+            events,
+            woke_at: Instant::now(),
+            scan_started: Instant::now(),
+            unscanned: false,
+            sources_seen_at: HashMap::new(),
+            reported_overdue: BTreeSet::new(),
+            probing_targets: BTreeSet::new(),
+            dead_targets: BTreeSet::new(),
+            table_reads: 0,
+            probed_batches: BTreeMap::new(),
+            confirmer: None,
+            scanned_once: false,
+            layouts: config.layouts.clone(),
+            vol_data: VolDataCache::new(config.kubelet_root.join("pods")),
+            pods_watched: false,
+            unmapped_pods: BTreeSet::new(),
+            reporters: config.reporters.clone(),
+            polling: matches!(config.watch, WatchMode::Poll { .. }),
+            daemons: None,
+            held: BTreeMap::new(),
+            state_dirty: false,
+            state_writer: None,
+            table_watch: None,
+        })
+    }
+}

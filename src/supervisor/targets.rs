@@ -1,0 +1,273 @@
+//! The targets' states and bookkeeping beside the journal: transitions,
+//! counts, what a pod's deletion or a pod-directory change does.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{debug, error, info, warn};
+
+use crate::heal::{Executor, Healed};
+use crate::locate::{self, Located};
+use crate::plan::{self, Assessment};
+use crate::pods::PodChange;
+use crate::report::{HealReport, Report, ScanCounts, TargetEvent};
+use crate::state::TargetState;
+use crate::table::{Classified, TargetKind};
+
+use super::Supervisor;
+
+/// Per-target bookkeeping beside the journal's mapping.
+#[derive(Debug)]
+pub(super) struct TargetRecord {
+    pub(super) state: TargetState,
+    pub(super) attempts: u32,
+    /// When the current outage began; kept through healing and retries.
+    pub(super) broken_since: Option<SystemTime>,
+}
+
+impl TargetRecord {
+    pub(super) fn new(state: TargetState) -> Self {
+        TargetRecord { state, attempts: 0, broken_since: None }
+    }
+}
+
+impl<E: Executor> Supervisor<E> {
+    pub(super) fn counts(&self, classified: &Classified) -> ScanCounts {
+        let mut counts =
+            ScanCounts { mounts: classified.total_mounts, sources: classified.sources.len(), ..ScanCounts::default() };
+        for path in classified.targets.keys() {
+            match self.records.get(path).map(|record| &record.state) {
+                None | Some(TargetState::Healthy | TargetState::Healed { .. }) => counts.healthy += 1,
+                // A dead daemon's target is out like a broken one.
+                Some(TargetState::Broken { .. } | TargetState::Degraded { .. }) => counts.broken += 1,
+                Some(TargetState::Healing) => counts.healing += 1,
+                Some(TargetState::Failed { .. }) => counts.failed += 1,
+            }
+        }
+        counts
+    }
+
+    /// Notes the mount at every source path, and when a new one appeared.
+    pub(super) fn sight_sources(&mut self, classified: &Classified) -> bool {
+        let now = self.scanned_once.then(SystemTime::now);
+        self.scanned_once = true;
+        let mut changed = false;
+        self.sources_seen_at.retain(|path, _| classified.sources.contains_key(path));
+        for (path, source) in &classified.sources {
+            let dev = source.top().dev;
+            if self.sources_seen_at.get(path).is_none_or(|(seen, _)| *seen != dev) {
+                self.sources_seen_at.insert(path.clone(), (dev, self.scan_started));
+            }
+            changed |= self.journal.sight_source(path, source.top().mount_id, now);
+        }
+        changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
+    }
+
+    /// A daemon that mounts over its stale mount heals root-level targets
+    /// through the kernel's propagation, at the instant its mount appears:
+    /// such a target is never seen broken, only on its source's new
+    /// connection with the recorded one still underneath.
+    pub(super) fn report_propagated_heals(&self, classified: &Classified) {
+        for (path, target) in &classified.targets {
+            let Some(mapping) = self.journal.get(path) else { continue };
+            let Some(source) = classified.sources.get(&mapping.source) else { continue };
+            let top = target.stack.top();
+            if top.dev != mapping.dev
+                && top.dev == source.top().dev
+                && target.stack.layers.iter().any(|layer| layer.dev == mapping.dev)
+            {
+                info!(
+                    target = %path.display(),
+                    pod = %target.pod_uid,
+                    source = %mapping.source.display(),
+                    stale_layers = target.stack.stale_layers().count(),
+                    "healed by propagation"
+                );
+                // With a handle held on the covered layer, the report
+                // follows its removal (flatten_covered).
+                if self.held.contains_key(path) {
+                    continue;
+                }
+                // This scan may be the first to see the source's new mount.
+                let latency =
+                    self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
+                self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
+            }
+        }
+    }
+
+    /// A target stays in the work set until healed or its pod is gone.
+    pub(super) fn forget_deleted_pods(&mut self) -> bool {
+        let pods = self.layout.pods_dir().to_path_buf();
+        self.forget_targets(|uid| !pods.join(uid).exists())
+    }
+
+    pub(super) fn forget_targets(&mut self, gone: impl Fn(&str) -> bool) -> bool {
+        let records = &mut self.records;
+        self.journal.retain(|target, mapping| {
+            // A source's bind has no pod: it goes when it is unmounted.
+            let keep = mapping.kind == TargetKind::SourceBind || !gone(&mapping.pod_uid);
+            if !keep {
+                info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
+                records.remove(target);
+            }
+            keep
+        })
+    }
+
+    pub(super) fn forget_held(&mut self) {
+        let journal = &self.journal;
+        let gone: Vec<PathBuf> = self.held.keys().filter(|path| journal.get(path).is_none()).cloned().collect();
+        for path in gone {
+            self.release_held(&path);
+        }
+    }
+
+    pub(super) fn on_pods(&mut self, change: PodChange) {
+        let forgot = match &change {
+            PodChange::PodRemoved { uid } => self.forget_targets(|pod| pod == &**uid),
+            PodChange::Resync(directory) => self.forget_targets(|pod| directory.pod(pod).is_none()),
+            PodChange::VolDataInvalid { uid, name, error, .. } => {
+                warn!(pod = %uid, volume = %name, %error, "vol_data.json unreadable; its layout cannot be used");
+                false
+            }
+            PodChange::Failed(err) => {
+                error!(%err, "pod-directory watcher stopped; deleted pods are now found on each scan");
+                self.pods_watched = false;
+                return;
+            }
+            _ => false,
+        };
+        // A vol_data.json may be what an unmapped target's layout needed;
+        // pods without one (most, during a burst of pod creations) need no scan.
+        let may_locate = match &change {
+            PodChange::VolumeSeen { uid, vol_data: Some(_), .. } => self.unmapped_pods.contains(&**uid),
+            PodChange::Resync(_) => !self.unmapped_pods.is_empty(),
+            _ => false,
+        };
+        self.vol_data.apply(&change);
+        if forgot {
+            self.forget_held();
+        }
+        self.state_dirty |= forgot;
+        if may_locate && self.scanned_once {
+            self.rescan();
+        }
+    }
+
+    /// Maps targets that no healthy observation mapped (a supervisor started
+    /// after the crash) to the source their layout names. Such a target is
+    /// judged by a probe: the mapping carries no connection of its own.
+    pub(super) fn locate_unmapped(&mut self, classified: &Classified) -> bool {
+        if !self.pods_watched {
+            // No changes arrive to keep what is known current.
+            self.vol_data.clear();
+        }
+        let (located, unmapped_pods) =
+            locate::locate_unmapped(classified, &self.journal, &self.layouts, &self.layout, &mut self.vol_data);
+        let mut changed = false;
+        for Located { target, mapping, layout } in located {
+            info!(
+                target = %target.display(),
+                pod = %mapping.pod_uid,
+                source = %mapping.source.display(),
+                %layout,
+                "source located by layout"
+            );
+            changed |= self.journal.record(&target, mapping);
+        }
+        self.vol_data.retain(&unmapped_pods);
+        self.unmapped_pods = unmapped_pods;
+        changed
+    }
+
+    /// Healthy targets have no record: on a large node nearly every target
+    /// is healthy, and a record each would be most of the idle footprint.
+    pub(super) fn update_states(&mut self, classified: &Classified) {
+        const HEALTHY: TargetState = TargetState::Healthy;
+        // One line per kind of change, not per target: a source's restart
+        // changes hundreds at once, in the scan that starts their heal.
+        let mut transitions: BTreeMap<(&str, &str), (usize, &Path)> = BTreeMap::new();
+        for (path, target) in &classified.targets {
+            let mapping = self.journal.get(path);
+            let assessment = plan::assess(target, mapping, classified);
+            let current = self.records.get(path).map_or(&HEALTHY, |record| &record.state);
+            let next = match (current, &assessment) {
+                (_, Assessment::Unmanaged) => continue,
+                // The daemon is dead and nothing replaced its mount yet.
+                (TargetState::Degraded { since }, Assessment::Healthy | Assessment::SourceDown) => {
+                    TargetState::Degraded { since: *since }
+                }
+                // A mount over the stale source reached it by propagation.
+                (TargetState::Degraded { since }, Assessment::StaleLayers) => {
+                    TargetState::Healed { outage: since.elapsed().ok() }
+                }
+                (TargetState::Degraded { since }, _) => TargetState::Broken { since: *since },
+                // Healthy again without a heal of ours (propagation is
+                // reported by report_propagated_heals).
+                (TargetState::Broken { since }, Assessment::Healthy | Assessment::StaleLayers) => {
+                    TargetState::Healed { outage: since.elapsed().ok() }
+                }
+                (_, Assessment::Healthy | Assessment::StaleLayers) => TargetState::Healthy,
+                (TargetState::Broken { since }, _) => TargetState::Broken { since: *since },
+                (TargetState::Failed { .. } | TargetState::Healing, _) => current.clone(),
+                (_, _) => TargetState::Broken { since: SystemTime::now() },
+            };
+            if std::mem::discriminant(&next) != std::mem::discriminant(current) {
+                debug!(
+                    target = %path.display(),
+                    pod = %target.pod_uid,
+                    from = current.name(),
+                    to = next.name(),
+                    assessment = assessment.name(),
+                    "target state"
+                );
+                let (targets, _) = transitions.entry((current.name(), next.name())).or_insert((0, path));
+                *targets += 1;
+            }
+            if matches!(next, TargetState::Healthy) {
+                self.records.remove(path);
+                continue;
+            }
+            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            if let TargetState::Broken { since } = next
+                && record.broken_since.is_none()
+            {
+                record.broken_since = Some(since);
+                if let Some(mapping) = mapping {
+                    self.reporters.report(&Report::TargetBroken(&TargetEvent {
+                        target: path,
+                        pod_uid: &target.pod_uid,
+                        source: &mapping.source,
+                        broken_since: Some(since),
+                    }));
+                }
+            }
+            record.state = next;
+        }
+        for ((from, to), (targets, first)) in transitions {
+            info!(from, to, targets, first = %first.display(), "targets changed state");
+        }
+    }
+
+    pub(super) fn in_back_off(&self, target: &Path) -> bool {
+        matches!(self.records.get(target), Some(TargetRecord { state: TargetState::Failed { retry_at, .. }, .. }) if *retry_at > Instant::now())
+    }
+
+    /// Reports a target healed by the kernel's propagation of a mount over
+    /// its stale source, after `layers_removed` covered layers went.
+    pub(super) fn report_propagated(
+        &self,
+        target: &Path,
+        pod_uid: &str,
+        source: &Path,
+        latency: Duration,
+        layers_removed: usize,
+    ) {
+        let broken_since = self.records.get(target).and_then(|record| record.broken_since);
+        let event = TargetEvent { target, pod_uid, source, broken_since };
+        let outage = broken_since.and_then(|since| since.elapsed().ok());
+        let heal = HealReport { how: Healed::Propagated, latency, source_wait: None, outage, layers_removed };
+        self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
+    }
+}
