@@ -8,8 +8,9 @@ apiVersion would pass). The API server also enforces rules that no OpenAPI
 schema states: the ones a manifest here could break are checked below. The
 kustomizations (deploy/ and the opt-in deploy/webhook/) are rendered with
 `kubectl kustomize` where kubectl is installed and their output validated the
-same way. cert-manager objects, which no Kubernetes schema covers, are
-validated against the strict schemas in .ci/schemas/cert-manager.yaml.
+same way. Custom resources, which no Kubernetes schema covers (cert-manager's,
+the Prometheus Operator's), are validated against the strict schemas in
+.ci/schemas/.
 
 Before all that, known-broken objects are fed through the same checks and each
 must be refused, so a checker that accepts everything fails loudly.
@@ -31,16 +32,21 @@ from kubernetes_validate import utils as schemas
 # Directories under deploy/ that are opt-in on purpose: validated, but not
 # expected in the kustomization. An opt-in directory with a kustomization of
 # its own (webhook/) must list every manifest in it there instead.
-OPT_IN_DIRS = ("examples", "optional", "webhook")
+OPT_IN_DIRS = ("examples", "monitoring", "optional", "webhook")
 
-# Schemas of custom resources (apiVersion, kind) -> JSON schema.
-CRD_SCHEMA_FILE = pathlib.Path(__file__).parent / "schemas" / "cert-manager.yaml"
+# Schemas of custom resources: one file per API group, each naming its
+# apiVersion and holding shared definitions beside one schema per kind.
+CRD_SCHEMA_DIR = pathlib.Path(__file__).parent / "schemas"
 
 
 def crd_schemas():
-    document = yaml.safe_load(CRD_SCHEMA_FILE.read_text())
-    definitions = document.pop("definitions")
-    return {("cert-manager.io/v1", kind): dict(schema, definitions=definitions) for kind, schema in document.items()}
+    schemas = {}
+    for path in sorted(CRD_SCHEMA_DIR.glob("*.yaml")):
+        document = yaml.safe_load(path.read_text())
+        api_version, definitions = document.pop("apiVersion"), document.pop("definitions")
+        for kind, schema in document.items():
+            schemas[(api_version, kind)] = dict(schema, definitions=definitions)
+    return schemas
 
 
 CRD_SCHEMAS = crd_schemas()
@@ -228,7 +234,7 @@ def check(obj, versions):
     if crd is not None:
         for error in jsonschema.Draft7Validator(crd).iter_errors(obj):
             path = ".".join(str(part) for part in error.path)
-            errors.append(f"cert-manager schema: {path}: {error.message}")
+            errors.append(f"{obj.get('apiVersion')} schema: {path}: {error.message}")
         return errors + api_server_rules(obj)
     for version in versions:
         try:
@@ -293,6 +299,11 @@ def self_test(versions, good):
         "Certificate with a misspelt field": broken_copy(
             certificate, lambda obj: obj["spec"].update(dnsName=["x"])),
     })
+    for kind in ("PodMonitor", "PrometheusRule"):
+        monitoring = next((obj for obj in good if obj.get("kind") == kind), None)
+        if monitoring is None:
+            raise SystemExit(f"error self-test: no {kind} under deploy/ to break")
+        cases[f"{kind} with a misspelt field"] = broken_copy(monitoring, lambda obj: obj["spec"].update(selektor={}))
     for what, obj in cases.items():
         if not check(obj, versions):
             raise SystemExit(f"error self-test: an object with {what} was accepted")

@@ -1,4 +1,8 @@
 //! The `fuse-supervisor` command line.
+#[cfg(feature = "testbed")]
+use std::collections::BTreeSet;
+#[cfg(feature = "testbed")]
+use std::ffi::OsStr;
 use std::fs;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -8,6 +12,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+#[cfg(feature = "testbed")]
+use clap::{CommandFactory, FromArgMatches};
 use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
 #[cfg(feature = "testbed")]
 use fuse_supervisor::demo::DemoOptions;
@@ -689,6 +695,14 @@ enum Internal {
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
     },
+    /// Parse `fuse-supervisor ARGS...` with this process's environment,
+    /// check it as that command's start would, print what it would run as
+    /// JSON, and exit without running it: tests/manifests.rs runs each
+    /// manifest container's args and env through it.
+    CheckArgs {
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// A FUSE request's bytes, given in hex: how a demofs watchdog hands its
@@ -823,6 +837,8 @@ fn main() -> ExitCode {
             })
             .map_err(Into::into)
         }
+        #[cfg(feature = "testbed")]
+        Command::Internal(Internal::CheckArgs { args }) => check_args(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -831,6 +847,76 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Every flag's environment variable starts with this.
+#[cfg(feature = "testbed")]
+const ENV_PREFIX: &str = "FUSE_SUPERVISOR_";
+
+/// `internal check-args`. clap silently ignores an environment variable that
+/// no flag reads, so a manifest's variable whose flag was renamed would
+/// fall back to the default unnoticed: here it is an error.
+#[cfg(feature = "testbed")]
+fn check_args(args: Vec<String>) -> anyhow::Result<()> {
+    let argv = std::iter::once("fuse-supervisor".to_owned()).chain(args);
+    let rendered = |err: clap::Error| anyhow::anyhow!("{}", err.render());
+    let matches = Cli::command().try_get_matches_from(argv).map_err(rendered)?;
+    let cli = Cli::from_arg_matches(&matches).map_err(rendered)?;
+    let name = matches.subcommand_name().unwrap_or_default();
+    let command = Cli::command();
+    let read: BTreeSet<&OsStr> = command
+        .find_subcommand(name)
+        .into_iter()
+        .flat_map(|sub| sub.get_arguments())
+        .filter_map(|arg| arg.get_env())
+        .collect();
+    let ignored: Vec<String> = std::env::vars_os()
+        .map(|(key, _)| key)
+        .filter(|key| key.to_string_lossy().starts_with(ENV_PREFIX) && !read.contains(key.as_os_str()))
+        .map(|key| key.to_string_lossy().into_owned())
+        .collect();
+    anyhow::ensure!(ignored.is_empty(), "`{name}` reads no {}", ignored.join(", "));
+    let summary = match cli.command {
+        Command::Run { node, kubelet, job, daemons, serve, events, .. } => {
+            let config = node.config()?;
+            let confirmation = kubelet.confirmation()?;
+            let lifecycle = job.config(confirmation.as_ref(), &config)?;
+            let mode = match (job.sidecar.sidecar, job.sidecar.sidecar_namespaces) {
+                (true, true) => "sidecar-namespaces",
+                (true, false) => "sidecar",
+                (false, _) => "node",
+            };
+            let connector = matches!(daemons.process_watch, ProcessWatchArg::Connector)
+                || lifecycle.as_ref().is_some_and(|job| matches!(job.watcher, job::WatcherKind::ProcConnector));
+            let authz = kubelet.kubelet_authz.to_possible_value().map(|value| value.get_name().to_owned());
+            serde_json::json!({
+                "command": name,
+                "mode": mode,
+                "mount_namespace": config.mount_namespace,
+                "kubelet_root": config.kubelet_root,
+                "state_dir": config.state_dir,
+                "realtime_priority": node.realtime_priority,
+                "kubelet_authz": confirmation.is_some().then_some(authz),
+                "events": events.events == OnOff::On,
+                "job_lifecycle": lifecycle.is_some(),
+                "process_connector": connector,
+                "metrics_addr": serve.metrics_addr.0,
+            })
+        }
+        Command::Webhook { webhook, .. } => {
+            let config = webhook.config();
+            config.check()?;
+            serde_json::json!({
+                "command": name,
+                "listen": config.listen,
+                "metrics_addr": config.metrics_listen,
+                "tls_files": [config.cert_file, config.key_file],
+            })
+        }
+        _ => serde_json::json!({ "command": name }),
+    };
+    println!("{summary}");
+    Ok(())
 }
 
 #[cfg(feature = "testbed")]

@@ -64,6 +64,16 @@ pub struct WebhookConfig {
     pub selection: Selection,
 }
 
+impl WebhookConfig {
+    /// What `run` refuses before it starts anything.
+    pub fn check(&self) -> Result<(), WebhookError> {
+        if self.selection.is_empty() {
+            return Err(WebhookError::EmptySelection);
+        }
+        Ok(())
+    }
+}
+
 /// Starts the watches that keep `cache` current (PVCs, PVs, StorageClasses,
 /// all cluster-wide). They run until aborted.
 pub fn feed_cache(client: &kube::Client, cache: &Arc<VolumeCache>, metrics: &Arc<Metrics>) -> Vec<JoinHandle<()>> {
@@ -84,9 +94,7 @@ const UNREADY_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs the webhook until SIGTERM or SIGINT.
 pub fn run(config: WebhookConfig) -> Result<(), WebhookError> {
-    if config.selection.is_empty() {
-        return Err(WebhookError::EmptySelection);
-    }
+    config.check()?;
     // Admission work is tens of microseconds per review: two workers are
     // plenty, and leave the node's other cores alone.
     let runtime = tokio::runtime::Builder::new_multi_thread()
