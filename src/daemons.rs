@@ -16,9 +16,11 @@
 //! after it was found leaves the connection to a process nobody watched,
 //! and if the discovery finds one the death is retracted. When a serving
 //! process exits but others still hold the connection (a parent keeping the
-//! descriptor, a process it was handed to), requests may hang instead;
-//! `--abort-dead-connections` aborts such a connection once requests wait
-//! and no holder reads the device.
+//! descriptor, a process it was handed to), requests may hang instead; if
+//! none of those left reads the device, discoveries go on until a holder
+//! that was not among them shows up (a watchdog's restarted child), which is
+//! then watched too. `--abort-dead-connections` aborts such a connection
+//! once requests wait and no holder reads the device.
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io;
@@ -164,10 +166,14 @@ enum Known {
     Asked,
     /// Holders found and watched.
     Served,
-    /// Nobody found holding it yet (a descriptor in flight between
-    /// `fusermount` and the daemon, an older kernel's ambiguous match):
-    /// asked again at `retry_at`, then on exec events.
-    Unserved { tries: u32, retry_at: Option<Instant> },
+    /// No process found to serve it yet: asked again at `retry_at`, then on
+    /// exec events. Either nobody holds it (a descriptor in flight between
+    /// `fusermount` and the daemon, an older kernel's ambiguous match), or
+    /// its serving process exited and the holders `left` behind do not read
+    /// it (a watchdog that keeps the descriptor and restarts its child on
+    /// it, as JuiceFS's mount process does): only a holder not among them is
+    /// the next server.
+    Unserved { left: Vec<ProcessId>, tries: u32, retry_at: Option<Instant> },
     /// Every known holder exited (at `since`, on the loop's clock): a
     /// discovery that began after that tells whether a process discovery
     /// had not seen holds it still.
@@ -181,6 +187,11 @@ enum Known {
 /// does (pidfd): no timer runs for good, and the connection's end is seen
 /// when a new mount replaces it, as without a process watcher.
 const UNSERVED_RETRIES: u32 = 5;
+/// As [`UNSERVED_RETRIES`], for the next server of a connection whose
+/// holders stayed: a watchdog restarts its child some time after the crash
+/// (JuiceFS: one second, then the child's own start-up), so the search goes
+/// on for about 12 s.
+const SUCCESSOR_RETRIES: u32 = 7;
 /// Exec events ask for a discovery at most this often.
 const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
 
@@ -339,13 +350,17 @@ impl Daemons {
 
     /// After lost process events: every connection is asked about again.
     pub fn rediscover_all(&mut self) {
-        let all: Vec<(PathBuf, Dev)> = self
-            .known
-            .iter()
-            // A dying connection's discovery is on its way already.
-            .filter(|(_, (_, known))| !matches!(known, Known::Dead | Known::Dying { .. }))
-            .map(|(dev, (path, _))| (path.clone(), *dev))
-            .collect();
+        let (mut waiting, mut all) = (Vec::new(), Vec::new());
+        for (dev, (path, known)) in &self.known {
+            match known {
+                // A dying connection's discovery is on its way already.
+                Known::Dead | Known::Dying { .. } => {}
+                // Still looking for a server beside the holders it keeps.
+                Known::Unserved { left, .. } if !left.is_empty() => waiting.push((path.clone(), *dev)),
+                _ => all.push((path.clone(), *dev)),
+            }
+        }
+        self.send_request(waiting);
         self.request(all);
     }
 
@@ -356,15 +371,20 @@ impl Daemons {
     pub fn exited(&mut self, pid: u32) -> (Vec<Death>, Vec<PartialExit>) {
         let mut holders = lock(&self.holders);
         let Some(holder) = holders.remove(&pid) else { return (Vec::new(), Vec::new()) };
-        let (mut deaths, mut partial, mut check) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut deaths, mut partial, mut check, mut left_unread) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let now = Instant::now();
         for (source, dev) in holder.serves {
-            let remaining: Vec<u32> = holders
-                .iter()
-                .filter(|(_, other)| other.serves.iter().any(|(_, served)| *served == dev))
-                .map(|(&pid, _)| pid)
+            let left: Vec<ProcessId> = holders
+                .values()
+                .filter(|other| other.serves.iter().any(|(_, served)| *served == dev))
+                .map(|other| other.process)
                 .collect();
-            if !remaining.is_empty() {
+            if !left.is_empty() {
+                let remaining = left.iter().map(|process| process.pid).collect();
+                // Nobody left reads it: a watchdog's next child is to come.
+                if !left.iter().any(|process| reads_fuse_device(&self.options.proc_root, process.pid)) {
+                    left_unread.push((dev, left));
+                }
                 partial.push(PartialExit { source, dev, remaining });
                 continue;
             }
@@ -381,9 +401,15 @@ impl Daemons {
         }
         drop(holders);
         // The rest of a partly exited connection's holders may have changed
-        // (a descriptor handed to a new process): look again.
+        // (a descriptor handed to a new process): look again, and where
+        // nobody left reads it, until a new holder shows up.
         let again = partial.iter().map(|exit| (exit.source.clone(), exit.dev)).collect();
         self.request(again);
+        for (dev, left) in left_unread {
+            if let Some((_, known)) = self.known.get_mut(&dev) {
+                *known = Known::Unserved { left, tries: 0, retry_at: None };
+            }
+        }
         self.send_request(check);
         self.update_exec_interest();
         (deaths, partial)
@@ -419,32 +445,42 @@ impl Daemons {
                 }
                 _ => {}
             }
-            let tries = match known {
-                Known::Unserved { tries, .. } => *tries + 1,
-                _ => 1,
+            let (left, tries) = match known {
+                Known::Unserved { left, tries, .. } => (std::mem::take(left), *tries + 1),
+                _ => (Vec::new(), 1),
             };
             match result {
-                Ok(processes) if !processes.is_empty() => {
+                Ok(processes) if processes.iter().any(|process| !left.contains(process)) => {
                     let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
                     info!(source = %source.display(), connection = %dev, ?pids, "watching the FUSE daemon");
                     *known = Known::Served;
                     continue;
                 }
-                Ok(_) => {
+                Ok(_) if left.is_empty() => {
                     debug!(source = %source.display(), connection = %dev, tries, "no process holds the connection yet")
+                }
+                Ok(_) => {
+                    let holders: Vec<u32> = left.iter().map(|process| process.pid).collect();
+                    debug!(source = %source.display(), connection = %dev, ?holders, tries, "no new process serves the connection yet")
                 }
                 Err(err) => {
                     warn!(source = %source.display(), connection = %dev, %err, "cannot tell which process serves the source")
                 }
             }
             let execs = self.watcher.backend() == Backend::ProcConnector;
-            let retry_at = (tries < UNSERVED_RETRIES).then(|| now + Duration::from_millis(100) * (1 << tries));
-            if tries == UNSERVED_RETRIES {
+            let limit = if left.is_empty() { UNSERVED_RETRIES } else { SUCCESSOR_RETRIES };
+            let retry_at = (tries < limit).then(|| now + Duration::from_millis(100) * (1 << tries));
+            if tries == limit {
                 let again =
                     if execs { "when a process starts" } else { "never: its end is seen when a new mount appears" };
-                info!(source = %source.display(), connection = %dev, again, "no daemon found for the source");
+                if left.is_empty() {
+                    info!(source = %source.display(), connection = %dev, again, "no daemon found for the source");
+                } else {
+                    let holders: Vec<u32> = left.iter().map(|process| process.pid).collect();
+                    info!(source = %source.display(), connection = %dev, ?holders, again, "no new process serves the connection; its holders stay watched");
+                }
             }
-            *known = Known::Unserved { tries, retry_at };
+            *known = Known::Unserved { left, tries, retry_at };
         }
         self.update_exec_interest();
         retracted
@@ -822,6 +858,50 @@ mod tests {
         assert!(deaths.is_empty());
         assert_eq!(queue.try_iter().count(), 2, "each exit asks again");
         assert!(daemons.discovered(found(dev, &[11], scanned_at)).is_empty(), "that answer is stale");
+    }
+
+    /// A connection served by pid 10, beside a watchdog, pid 11, that holds
+    /// it too; `/proc` is a stand-in where 11 sleeps reading the device if
+    /// `watchdog_reads`.
+    fn served_beside_a_watchdog(dev: Dev, watchdog_reads: bool) -> (Daemons, tempfile::TempDir) {
+        let proc_root = tempfile::tempdir().unwrap();
+        let task = proc_root.path().join("11/task/11");
+        fs::create_dir_all(&task).unwrap();
+        fs::write(task.join("wchan"), if watchdog_reads { "fuse_dev_do_read" } else { "do_sigtimedwait" }).unwrap();
+        let (mut daemons, _queue) = served(dev);
+        daemons.options.proc_root = proc_root.path().to_path_buf();
+        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
+        (daemons, proc_root)
+    }
+
+    fn is_served(daemons: &Daemons, dev: Dev) -> bool {
+        matches!(daemons.known.get(&dev), Some((_, Known::Served)))
+    }
+
+    #[test]
+    fn a_watchdogs_next_child_is_looked_for_until_it_holds_the_connection() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, false);
+        let (deaths, partial) = daemons.exited(10);
+        assert!(deaths.is_empty());
+        assert_eq!(partial[0].remaining, [11]);
+        // Only the watchdog, which does not read: looked for again, on a timer.
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(!is_served(&daemons, dev));
+        assert!(daemons.next_deadline().is_some(), "the next look is due");
+        // Its next child holds it now.
+        assert!(daemons.discovered(found(dev, &[11, 12], Instant::now())).is_empty());
+        assert!(is_served(&daemons, dev));
+        assert_eq!(daemons.next_deadline(), None, "no timer once served");
+    }
+
+    #[test]
+    fn holders_left_reading_the_connection_serve_it() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, true);
+        assert_eq!(daemons.exited(10).1.len(), 1);
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(is_served(&daemons, dev));
     }
 
     #[test]

@@ -320,3 +320,64 @@ fn a_handed_off_connection_is_not_dead_with_the_process_connector() {
 fn a_handed_off_connection_is_not_dead_with_pidfds() {
     a_handed_off_connection_is_not_dead("pidfd");
 }
+
+/// The processes a JSON log line's `pids` field names.
+fn pids_in(line: &str) -> Vec<u32> {
+    let pids = field(line, "pids");
+    let text = pids.as_str().unwrap_or_default().trim_matches(['[', ']']);
+    text.split(", ").filter_map(|pid| pid.parse().ok()).collect()
+}
+
+/// A watchdog keeps its connection and restarts its crashed child on it, as
+/// JuiceFS's mount process does a second later: the connection never dies,
+/// its target stays healthy, and the new child, which started after the
+/// supervisor looked again at the crash, ends up watched, so that its own
+/// crash is seen at once. The reader runs only while no child is killed: a
+/// request a killed child had read is lost with it, the connection living
+/// on, and its reader hangs beyond any signal until the connection ends.
+fn a_watchdogs_restarted_child_is_watched(backend: &str) {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let source = FuseSource::start_watchdog(&sandbox, binary(), "shared-data").expect("start the watchdog");
+    let mut world = World::without_reader(sandbox, source);
+    let (watchdog, first) = (world.source.pid().expect("watchdog running"), world.source.serving_child().unwrap());
+    world.supervise(&["--process-watch", backend]);
+    let watched = world.supervisor().wait_for_log(TIMEOUT, message_is("watching the FUSE daemon")).unwrap();
+    assert_eq!(pids_in(&watched), [watchdog, first], "both hold the connection: {watched}");
+
+    let from = world.supervisor().log_len();
+    assert_eq!(world.source.crash_serving_child().unwrap(), first);
+    let partial_exit = "a process serving the source exited; other processes still hold its connection";
+    let exited = |pid: u32| move |line: &str| message_is(partial_exit)(line) && field(line, "pid") == pid;
+    world.supervisor().wait_for_lines(TIMEOUT, from, 1, exited(first)).expect("the child's exit is seen");
+    // The watchdog restarts its child only once the supervisor's look at
+    // the exit found nobody new (JuiceFS waits a second).
+    let looked = |line: &str| {
+        (message_is("watching the FUSE daemon")(line) && pids_in(line) == [watchdog])
+            || message_is("no new process serves the connection yet")(line)
+    };
+    world.supervisor().wait_for_lines(TIMEOUT, from, 1, looked).expect("the exit is looked into");
+    let second = world.source.restart_serving_child().unwrap();
+    world.reader = Some(spawn_reader(&world.sandbox, &world.target));
+    world.reads_current();
+    let serves = |line: &str| message_is("watching the FUSE daemon")(line) && pids_in(line).contains(&second);
+    world.supervisor().wait_for_lines(TIMEOUT, from, 1, serves).expect("the new child is watched");
+
+    world.reader = None;
+    let from = world.supervisor().log_len();
+    world.source.crash_serving_child().unwrap();
+    world.supervisor().wait_for_lines(TIMEOUT, from, 1, exited(second)).expect("the new child's exit is seen");
+    let log = world.supervisor().log();
+    assert!(!log.iter().any(|line| message_is("daemon died; its targets are degraded")(line)), "taken for dead");
+    let target = world.target.display().to_string();
+    assert!(!log.iter().any(|line| line.contains(&target) && line.contains("\"to\":\"degraded\"")), "degraded");
+}
+
+#[test]
+fn a_watchdogs_restarted_child_is_watched_with_pidfds() {
+    a_watchdogs_restarted_child_is_watched("pidfd");
+}
+
+#[test]
+fn a_watchdogs_restarted_child_is_watched_with_the_process_connector() {
+    a_watchdogs_restarted_child_is_watched("connector");
+}
