@@ -1,0 +1,211 @@
+//! The command line: its commands, and the flags and value parsers every
+//! command shares.
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::kubelet::{EventsArgs, KubeletArgs};
+use crate::node::NodeArgs;
+use crate::run::{DaemonArgs, JobArgs, ServeArgs, WatchArgs};
+#[cfg(feature = "testbed")]
+use crate::testbed::{DemoDaemon, Internal};
+use crate::webhook::WebhookArgs;
+
+/// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
+/// them restarts, reaching containers that are still running.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+// Parsed once at start and matched once: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Watch the node and heal broken FUSE mounts as they appear.
+    Run {
+        #[command(flatten)]
+        node: NodeArgs,
+        #[command(flatten)]
+        kubelet: KubeletArgs,
+        // Sidecar mode and the Job lifecycle; boxed, or every command
+        // would be as large as this one.
+        #[command(flatten)]
+        job: Box<JobArgs>,
+        #[command(flatten)]
+        daemons: DaemonArgs,
+        #[command(flatten)]
+        watch: WatchArgs,
+        #[command(flatten)]
+        serve: ServeArgs,
+        #[command(flatten)]
+        events: EventsArgs,
+        #[command(flatten)]
+        log: LogArgs,
+    },
+    /// List every FUSE source and target with its state.
+    Status {
+        #[command(flatten)]
+        node: NodeArgs,
+        /// Print JSON instead of a table.
+        #[arg(long, env = "FUSE_SUPERVISOR_JSON")]
+        json: bool,
+        /// Read a captured mountinfo table instead of the live namespace.
+        #[arg(long, value_name = "FILE", env = "FUSE_SUPERVISOR_MOUNTINFO")]
+        mountinfo: Option<PathBuf>,
+    },
+    /// Scan once, print the heal plan and carry it out.
+    Heal {
+        /// Heal once and exit (the only mode; `run` heals continuously).
+        #[arg(long, required = true)]
+        once: bool,
+        /// Print the plan without mounting anything.
+        #[arg(long, env = "FUSE_SUPERVISOR_DRY_RUN")]
+        dry_run: bool,
+        #[command(flatten)]
+        node: NodeArgs,
+        #[command(flatten)]
+        log: LogArgs,
+    },
+    /// The mutating admission webhook (a Deployment, not the node agent):
+    /// gives the volume mounts of selected FUSE volumes
+    /// `mountPropagation: HostToContainer`, so heals reach running containers.
+    Webhook {
+        #[command(flatten)]
+        webhook: WebhookArgs,
+        #[command(flatten)]
+        log: LogArgs,
+    },
+    /// A self-contained demo in a private mount namespace: a FUSE daemon
+    /// crashes and restarts while the supervisor heals three pods (needs
+    /// root and /dev/fuse; never touches the machine's own mounts).
+    #[cfg(feature = "testbed")]
+    Demo {
+        /// Kill/restart cycles of the FUSE daemon.
+        #[arg(long, default_value_t = 4)]
+        cycles: usize,
+        /// The FUSE daemon: the built-in demofs, or bindfs if installed.
+        #[arg(long, value_enum, default_value = "demofs")]
+        daemon: DemoDaemon,
+        /// Restart only by unmount-then-mount (no final mount-over-stale).
+        #[arg(long)]
+        no_mount_over_stale: bool,
+    },
+    /// Building blocks of the demo and the tests; not for users.
+    #[cfg(feature = "testbed")]
+    #[command(hide = true, subcommand)]
+    Internal(Internal),
+}
+
+/// `--metrics-addr`: an address, or `off`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Listen(pub(crate) Option<SocketAddr>);
+
+pub(crate) fn parse_listen(text: &str) -> Result<Listen, String> {
+    if text == "off" {
+        return Ok(Listen(None));
+    }
+    text.parse()
+        .map(|addr| Listen(Some(addr)))
+        .map_err(|_| format!("`{text}` is not ADDRESS:PORT (e.g. 0.0.0.0:9809, [::]:9809) or off"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Logging")]
+pub(crate) struct LogArgs {
+    #[arg(long, value_enum, default_value = "text", env = "FUSE_SUPERVISOR_LOG_FORMAT")]
+    pub(crate) log_format: LogFormat,
+    /// Filter in tracing's env-filter syntax.
+    #[arg(long, default_value = "info", env = "FUSE_SUPERVISOR_LOG")]
+    pub(crate) log: String,
+}
+
+impl LogArgs {
+    pub(crate) fn init(&self) {
+        let filter = tracing_subscriber::EnvFilter::new(&self.log);
+        let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        match self.log_format {
+            LogFormat::Json => builder.json().init(),
+            LogFormat::Text => builder.init(),
+        }
+    }
+}
+
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let number: u64 = number.parse().map_err(|_| format!("`{text}` is not a duration like 500ms, 2s or 1m"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(number)),
+        "s" | "" => Ok(Duration::from_secs(number)),
+        "m" => Ok(Duration::from_secs(number * 60)),
+        _ => Err(format!("`{text}`: unknown unit `{unit}` (use ms, s or m)")),
+    }
+}
+
+/// A poll period: a duration above zero (zero would spin).
+pub(crate) fn parse_period(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err(format!("`{text}`: the poll period must be above zero")),
+        period => Ok(period),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use fuse_supervisor::watch::{TableEvents, WatchMode};
+
+    use super::*;
+
+    #[test]
+    fn metrics_addr_is_an_address_or_off() {
+        assert_eq!(parse_listen("0.0.0.0:9809").unwrap().0, Some("0.0.0.0:9809".parse().unwrap()));
+        assert_eq!(parse_listen("[::]:9809").unwrap().0, Some("[::]:9809".parse().unwrap()));
+        assert_eq!(parse_listen("off").unwrap().0, None);
+        assert!(parse_listen("9809").unwrap_err().contains("ADDRESS:PORT"));
+    }
+
+    #[test]
+    fn sidecar_namespaces_needs_sidecar_mode_and_takes_a_proc_root() {
+        let args =
+            ["fuse-supervisor", "run", "--sidecar", "--pod-uid", "u", "--sidecar-namespaces", "--proc-root", "/p"];
+        let cli = Cli::try_parse_from(args).unwrap();
+        let Command::Run { job, .. } = cli.command else { panic!("not run") };
+        assert!(job.sidecar.sidecar_namespaces);
+        assert_eq!(job.sidecar.proc_root, Path::new("/p"));
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--sidecar-namespaces"]).is_err());
+    }
+
+    #[test]
+    fn run_takes_the_mode_and_a_poll_period_above_zero() {
+        let cli = Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "200ms"]).unwrap();
+        let Command::Run { watch, serve, .. } = cli.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Poll { period: Duration::from_millis(200) });
+        assert_eq!(serve.metrics_addr.0, Some("0.0.0.0:9809".parse().unwrap()));
+        let defaults = Cli::try_parse_from(["fuse-supervisor", "run"]).unwrap();
+        let Command::Run { watch, .. } = defaults.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Events(TableEvents::Auto));
+        let fanotify = Cli::try_parse_from(["fuse-supervisor", "run", "--table-events", "fanotify"]).unwrap();
+        let Command::Run { watch, .. } = fanotify.command else { panic!("not run") };
+        assert_eq!(watch.mode(), WatchMode::Events(TableEvents::Fanotify));
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--table-events", "inotify"]).is_err());
+        assert!(Cli::try_parse_from(["fuse-supervisor", "run", "--mode", "poll", "--poll-period", "0s"]).is_err());
+    }
+}

@@ -1,0 +1,331 @@
+//! `run`: the node agent (or a sidecar), with its watchers, the Job
+//! lifecycle, the metrics server and Events.
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
+use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
+use fuse_supervisor::events::Events;
+use fuse_supervisor::job;
+use fuse_supervisor::metrics::{Metrics, MetricsServer};
+use fuse_supervisor::report::Reporters;
+use fuse_supervisor::sidecar::{self, SidecarConfig};
+use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
+use fuse_supervisor::watch::{TableEvents, WatchMode};
+
+use crate::cli::{Listen, LogArgs, parse_duration, parse_listen, parse_period};
+use crate::kubelet::{EventsArgs, KubeletArgs};
+use crate::node::{NodeArgs, prepare_descriptors};
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Sidecar mode")]
+pub(crate) struct SidecarArgs {
+    /// Run as a container of the application's pod: heal only that pod's
+    /// targets and end its FUSE container when its Job's work is done.
+    #[arg(long, env = "FUSE_SUPERVISOR_SIDECAR", requires = "pod_uid")]
+    pub(crate) sidecar: bool,
+    /// This pod's UID (downward API `metadata.uid`).
+    #[arg(long, env = "FUSE_SUPERVISOR_POD_UID")]
+    pub(crate) pod_uid: Option<String>,
+    /// Without hostPID: heal from the FUSE container's mount namespace into
+    /// the application containers' (needs `shareProcessNamespace: true`;
+    /// the kubelet tree and the node's mounts are not used).
+    #[arg(long, env = "FUSE_SUPERVISOR_SIDECAR_NAMESPACES", requires = "sidecar")]
+    pub(crate) sidecar_namespaces: bool,
+    /// Where the pod's processes are listed (with --sidecar-namespaces).
+    #[arg(long, default_value = "/proc", env = "FUSE_SUPERVISOR_PROC_ROOT")]
+    pub(crate) proc_root: PathBuf,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Job lifecycle")]
+pub(crate) struct JobArgs {
+    /// End the FUSE container of a Job's pod once its application
+    /// containers have finished (node-wide; always on in sidecar mode).
+    #[arg(long, env = "FUSE_SUPERVISOR_JOB_LIFECYCLE")]
+    pub(crate) job_lifecycle: bool,
+    /// Which pods qualify (kubectl label selector syntax; node-wide only).
+    #[arg(long, value_name = "SELECTOR", default_value = job::DEFAULT_SELECTOR, env = "FUSE_SUPERVISOR_JOB_SELECTOR")]
+    pub(crate) job_selector: job::LabelSelector,
+    /// How long the FUSE daemon may take to exit after its unmount, and again
+    /// after SIGTERM, before SIGTERM and then SIGKILL.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_JOB_GRACE")]
+    pub(crate) job_grace: Duration,
+    /// How application processes are watched: `pidfd` (any pid namespace),
+    /// or `proc-connector` (needs hostPID and hostNetwork).
+    #[arg(long, value_enum, default_value = "pidfd", env = "FUSE_SUPERVISOR_JOB_PROCESS_WATCHER")]
+    pub(crate) job_process_watcher: JobWatcher,
+    #[command(flatten)]
+    pub(crate) sidecar: SidecarArgs,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum JobWatcher {
+    Pidfd,
+    ProcConnector,
+}
+
+impl JobArgs {
+    /// The lifecycle's setup: node-wide with `--job-lifecycle`, for the one
+    /// pod in sidecar mode; it needs the kubelet.
+    pub(crate) fn config(
+        &self,
+        kubelet: Option<&KubeletConfirmation>,
+        node: &Config,
+    ) -> anyhow::Result<Option<job::JobConfig>> {
+        let sidecar = &self.sidecar;
+        let scope = match (&sidecar.pod_uid, sidecar.sidecar) {
+            (Some(uid), true) => job::JobScope::Pod { uid: uid.clone() },
+            _ if self.job_lifecycle => job::JobScope::Node(self.job_selector.clone()),
+            _ => return Ok(None),
+        };
+        let Some(kubelet) = kubelet else {
+            anyhow::ensure!(
+                !self.job_lifecycle,
+                "--job-lifecycle needs the kubelet to confirm that a pod's work is done: drop --kubelet none"
+            );
+            tracing::info!("job lifecycle is off: it needs the kubelet (--kubelet none)");
+            return Ok(None);
+        };
+        let (proc_root, mount_namespace, watcher) = if sidecar.sidecar_namespaces {
+            anyhow::ensure!(
+                matches!(self.job_process_watcher, JobWatcher::Pidfd),
+                "--job-process-watcher proc-connector needs hostPID: use pidfd with --sidecar-namespaces"
+            );
+            // Without hostPID: the pod's processes, and this container's own
+            // namespace (the FUSE container's is joined through its daemon).
+            (sidecar.proc_root.clone(), PathBuf::from("/proc/self/ns/mnt"), job::WatcherKind::Pidfd)
+        } else {
+            let watcher = match self.job_process_watcher {
+                JobWatcher::Pidfd => job::WatcherKind::Pidfd,
+                JobWatcher::ProcConnector => job::WatcherKind::ProcConnector,
+            };
+            (PathBuf::from("/proc"), node.mount_namespace.clone(), watcher)
+        };
+        Ok(Some(job::JobConfig {
+            kubelet: kubelet.client.clone(),
+            scope,
+            grace: self.job_grace,
+            watcher,
+            proc_root,
+            mount_namespace,
+            // Only read node-wide: one pod's scope watches no pod directories.
+            kubelet_root: node.kubelet_root.clone(),
+        }))
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "FUSE daemons")]
+pub(crate) struct DaemonArgs {
+    /// How daemon deaths are seen: `pidfd` (wakes for the watched daemons
+    /// only; any pid namespace), `connector` (netlink process connector:
+    /// hostPID, hostNetwork, NET_ADMIN before Linux 6.6; for kernels before
+    /// 5.3, or to look for a missing daemon at every exec; falls back to
+    /// pidfd), or `off` (only when a new mount appears).
+    #[arg(long, value_enum, default_value = "pidfd", env = "FUSE_SUPERVISOR_PROCESS_WATCH")]
+    pub(crate) process_watch: ProcessWatchArg,
+    /// When a serving process exits while another process keeps its FUSE
+    /// connection open unread, abort the connection once requests wait on
+    /// it, so readers get an error instead of hanging.
+    #[arg(long, env = "FUSE_SUPERVISOR_ABORT_DEAD_CONNECTIONS")]
+    pub(crate) abort_dead_connections: bool,
+    /// Where the FUSE control filesystem (fusectl) is mounted in the
+    /// watched namespace.
+    #[arg(long, default_value = "/sys/fs/fuse/connections", env = "FUSE_SUPERVISOR_FUSE_CONNECTIONS_DIR")]
+    pub(crate) fuse_connections_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum ProcessWatchArg {
+    Connector,
+    Pidfd,
+    Off,
+}
+
+impl DaemonArgs {
+    pub(crate) fn watch(&self) -> DaemonWatch {
+        DaemonWatch {
+            mode: match self.process_watch {
+                ProcessWatchArg::Connector => ProcessWatch::Connector,
+                ProcessWatchArg::Pidfd => ProcessWatch::Pidfd,
+                ProcessWatchArg::Off => ProcessWatch::Off,
+            },
+            abort_dead_connections: self.abort_dead_connections,
+            fuse_connections: self.fuse_connections_dir.clone(),
+            ..DaemonWatch::default()
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Watching")]
+pub(crate) struct WatchArgs {
+    /// `event`: wake on the kernel's mount-table notifications (no timer).
+    /// `poll`: scan the whole table every --poll-period, as polling healers
+    /// do (for comparison, or where notifications do not work).
+    #[arg(long, value_enum, default_value = "event", env = "FUSE_SUPERVISOR_MODE")]
+    pub(crate) mode: Mode,
+    /// How often poll mode scans.
+    #[arg(long, default_value = "5s", value_parser = parse_period, env = "FUSE_SUPERVISOR_POLL_PERIOD")]
+    pub(crate) poll_period: Duration,
+    /// Which kernel notification wakes event mode: `fanotify` mount events
+    /// (Linux 6.15+), `mountinfo` (EPOLLPRI on /proc/…/mountinfo, any
+    /// kernel), or `auto`: fanotify where the kernel offers it for the
+    /// namespace, else mountinfo.
+    #[arg(long, value_enum, default_value = "auto", env = "FUSE_SUPERVISOR_TABLE_EVENTS")]
+    pub(crate) table_events: TableEventsArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum Mode {
+    Event,
+    Poll,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum TableEventsArg {
+    Mountinfo,
+    Fanotify,
+    Auto,
+}
+
+impl WatchArgs {
+    pub(crate) fn mode(&self) -> WatchMode {
+        match self.mode {
+            Mode::Event => WatchMode::Events(match self.table_events {
+                TableEventsArg::Mountinfo => TableEvents::Mountinfo,
+                TableEventsArg::Fanotify => TableEvents::Fanotify,
+                TableEventsArg::Auto => TableEvents::Auto,
+            }),
+            Mode::Poll => WatchMode::Poll { period: self.poll_period },
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Metrics and health")]
+pub(crate) struct ServeArgs {
+    /// Where to serve /metrics (Prometheus, OpenMetrics text), /healthz (the
+    /// loop is alive) and /readyz (the first scan is done), or `off`.
+    #[arg(long, value_name = "ADDR:PORT|off", default_value = "0.0.0.0:9809", value_parser = parse_listen, env = "FUSE_SUPERVISOR_METRICS_ADDR")]
+    pub(crate) metrics_addr: Listen,
+}
+
+pub(crate) fn run(
+    mut config: Config,
+    sidecar: Option<SidecarConfig>,
+    metrics_addr: Listen,
+    events: Option<Events>,
+) -> anyhow::Result<()> {
+    if let Some(events) = &events {
+        config.reporters.push(events.reporter());
+    }
+    // Started before the loop, so that probes get an answer (not alive, not
+    // ready) rather than a refused connection while it starts.
+    let server = match metrics_addr.0 {
+        Some(addr) => {
+            let metrics = Arc::new(Metrics::new());
+            if let Some(events) = &events {
+                let counters = events.counters();
+                metrics.follow_kube_events_dropped(move || counters.dropped());
+            }
+            config.reporters.push(metrics.clone());
+            let server = MetricsServer::start(addr, metrics, config.health.clone())?;
+            tracing::info!(addr = %server.local_addr(), "serving metrics");
+            Some(server)
+        }
+        None => {
+            tracing::info!("metrics and health endpoints are off");
+            None
+        }
+    };
+    let shutdown = Shutdown::new().context("cannot create the shutdown eventfd")?;
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .context("cannot install signal handlers")?;
+    let on_signal = shutdown.clone();
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        if signals.forever().next().is_some() {
+            tracing::info!("signal received; shutting down");
+            on_signal.request();
+        }
+    })?;
+    // The loop thread moves into the watched namespace; main stays put.
+    let supervisor = std::thread::Builder::new().name("supervisor".into()).spawn(move || match sidecar {
+        Some(sidecar) => {
+            run_sidecar(SidecarConfig { reporters: config.reporters.clone(), ..sidecar }, config.job, &shutdown)
+        }
+        None => supervisor::run(&config, &shutdown).map_err(anyhow::Error::from),
+    })?;
+    let result = supervisor.join().map_err(|_| anyhow::anyhow!("supervisor thread panicked"));
+    if let Some(server) = server {
+        server.stop();
+    }
+    if let Some(events) = events {
+        events.stop();
+    }
+    result??;
+    Ok(())
+}
+
+/// The sidecar loop, with the Job lifecycle of its pod beside it (as
+/// `supervisor::run` starts it): when the lifecycle has ended the FUSE
+/// container, the loop stops, so that the pod can complete.
+pub(crate) fn run_sidecar(
+    sidecar: SidecarConfig,
+    job: Option<job::JobConfig>,
+    shutdown: &Shutdown,
+) -> anyhow::Result<()> {
+    let lifecycle = supervisor::start_job_lifecycle(job.as_ref(), shutdown)?;
+    let result = sidecar::run(&sidecar, shutdown);
+    drop(lifecycle);
+    result.map_err(Into::into)
+}
+
+/// `run`: the arguments are the command's groups of flags.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn command(
+    node: NodeArgs,
+    kubelet: KubeletArgs,
+    job: JobArgs,
+    daemons: DaemonArgs,
+    watch: WatchArgs,
+    serve: ServeArgs,
+    events: EventsArgs,
+    log: LogArgs,
+) -> anyhow::Result<()> {
+    log.init();
+    prepare_descriptors();
+    let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
+    let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
+    node.config()
+        .and_then(|config| {
+            let confirmation = kubelet.confirmation()?;
+            let pod_scope = job.sidecar.sidecar.then(|| job.sidecar.pod_uid.clone()).flatten();
+            let job = job.config(confirmation.as_ref(), &config)?;
+            Ok(Config {
+                kubelet: confirmation,
+                pod_scope,
+                job,
+                daemons: daemons.watch(),
+                watch: watch.mode(),
+                ..config
+            })
+        })
+        .and_then(|config| {
+            // Its reporters are added in `run`.
+            let sidecar = sidecar_namespaces.then(|| SidecarConfig {
+                proc_root: proc_root.clone(),
+                probe_timeout: config.probe_timeout,
+                health: config.health.clone(),
+                pod_uid: pod_uid.clone(),
+                reporters: Reporters::default(),
+            });
+            // Started here, before any thread joins the host's mount
+            // namespace: it reads this container's service account files.
+            let events = events.start(&kubelet, config.kubelet.as_ref())?;
+            run(config, sidecar, serve.metrics_addr, events)
+        })
+}

@@ -1,0 +1,56 @@
+//! `status`: every FUSE source and target, live or from a captured table.
+use std::fs;
+use std::path::Path;
+
+use anyhow::Context as _;
+use fuse_supervisor::state::Journal;
+use fuse_supervisor::status::Status;
+use fuse_supervisor::table::{Classified, Layout, Snapshot};
+
+use crate::node::NodeArgs;
+
+pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Result<()> {
+    // Checked as `run` checks it, so that a broken file shows before it is
+    // deployed; the report locates by them the sources of targets that no
+    // peer group or state file maps.
+    let layouts = node.layouts()?;
+    let table = match mountinfo {
+        Some(file) => fs::read(file).with_context(|| format!("cannot read {}", file.display()))?,
+        None => read_namespace_table(&node.mount_namespace)?,
+    };
+    let snapshot = Snapshot::parse(&table).with_context(|| match mountinfo {
+        Some(file) => format!("in {}", file.display()),
+        None => "in the live mount table".to_owned(),
+    })?;
+    let layout = Layout::new(&node.kubelet_root);
+    let mut classified = Classified::new(&snapshot, &layout);
+    // The state file tells where stale targets came from (offline too, when
+    // the report came with one); without it only peer groups can. A bad one
+    // is only reported (with where it is bad): `status` changes nothing.
+    let mut journal = match Journal::load(&node.state_dir) {
+        Ok(journal) => journal,
+        Err(err) => {
+            eprintln!("fuse-supervisor: {:#}; going on without it", anyhow::Error::new(err));
+            Journal::in_memory()
+        }
+    };
+    let status = Status::new(&mut classified, &layout, &layouts, &mut journal);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", status.to_text());
+    }
+    Ok(())
+}
+
+/// Reads the mount table of a namespace from a thread that joined it.
+pub(crate) fn read_namespace_table(namespace: &Path) -> anyhow::Result<Vec<u8>> {
+    let namespace = namespace.to_path_buf();
+    std::thread::spawn(move || -> anyhow::Result<Vec<u8>> {
+        fuse_supervisor_sys::ns::join_mount_namespace(&namespace)
+            .with_context(|| format!("cannot join mount namespace {}", namespace.display()))?;
+        fs::read("/proc/thread-self/mountinfo").context("cannot read /proc/thread-self/mountinfo")
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("namespace reader panicked"))?
+}

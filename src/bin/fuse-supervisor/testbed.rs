@@ -1,0 +1,210 @@
+//! The demo and the hidden commands the tests run (feature `testbed`).
+use std::collections::BTreeSet;
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{CommandFactory, FromArgMatches};
+use clap::{Subcommand, ValueEnum};
+use fuse_supervisor::demo::DemoOptions;
+use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole, ReplayedInit};
+use fuse_supervisor::job;
+use fuse_supervisor::testbed::container::{self, ContainerOptions};
+use fuse_supervisor::testbed::scenario::Daemon;
+
+use crate::cli::{Cli, Command, OnOff};
+use crate::run::ProcessWatchArg;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum DemoDaemon {
+    Demofs,
+    Bindfs,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Internal {
+    /// Serve the built-in FUSE filesystem.
+    Demofs {
+        #[arg(long)]
+        backing: PathBuf,
+        #[arg(long)]
+        mountpoint: PathBuf,
+        #[arg(long, default_value = "demofs")]
+        name: String,
+        /// Mount, then on SIGUSR1 hand the connection to a successor process
+        /// and exit, writing the successor's pid to this file.
+        #[arg(long, value_name = "PID_FILE", conflicts_with = "device_on_stdin")]
+        hand_off_on_signal: Option<PathBuf>,
+        /// Serve the connection already mounted at the mountpoint through the
+        /// /dev/fuse descriptor on stdin.
+        #[arg(long)]
+        device_on_stdin: bool,
+        /// With --device-on-stdin: the connection's INIT request (hex), taken
+        /// by a watchdog, to hand the FUSE library first.
+        #[arg(long, value_name = "HEX", requires_all = ["device_on_stdin", "inode_journal"], value_parser = parse_hex_request)]
+        init_request: Option<HexRequest>,
+        /// With --init-request: pass the library's answer to it on to the
+        /// kernel (the watchdog's first child).
+        #[arg(long, requires = "init_request")]
+        answer_init: bool,
+        /// With --init-request: where the watchdog's children record the
+        /// inode numbers they give the kernel, for the next child.
+        #[arg(long, value_name = "PATH", requires = "init_request")]
+        inode_journal: Option<PathBuf>,
+        /// Mount and keep the connection while a child process serves it,
+        /// writing the child's pid to this file; after the child dies,
+        /// start another on SIGUSR1.
+        #[arg(long, value_name = "PID_FILE", conflicts_with_all = ["device_on_stdin", "hand_off_on_signal"])]
+        watchdog: Option<PathBuf>,
+    },
+    /// Run a container-model reader.
+    Container {
+        #[arg(long)]
+        volume: PathBuf,
+        #[arg(long)]
+        rootfs: PathBuf,
+        #[arg(long)]
+        hide: Vec<PathBuf>,
+        #[arg(long)]
+        read: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        interval_ms: u64,
+    },
+    /// Parse `fuse-supervisor ARGS...` with this process's environment,
+    /// check it as that command's start would, print what it would run as
+    /// JSON, and exit without running it: tests/manifests.rs runs each
+    /// manifest container's args and env through it.
+    CheckArgs {
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// A FUSE request's bytes, given in hex: how a demofs watchdog hands its
+/// connection's INIT to a child.
+#[derive(Debug, Clone)]
+pub(crate) struct HexRequest(Vec<u8>);
+
+pub(crate) fn parse_hex_request(text: &str) -> Result<HexRequest, String> {
+    demofs::init_request_from_hex(text).map(HexRequest).ok_or_else(|| format!("`{text}` is not hex"))
+}
+
+/// Every flag's environment variable starts with this.
+pub(crate) const ENV_PREFIX: &str = "FUSE_SUPERVISOR_";
+
+/// `internal check-args`. clap silently ignores an environment variable that
+/// no flag reads, so a manifest's variable whose flag was renamed would
+/// fall back to the default unnoticed: here it is an error.
+pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
+    let argv = std::iter::once("fuse-supervisor".to_owned()).chain(args);
+    let rendered = |err: clap::Error| anyhow::anyhow!("{}", err.render());
+    let matches = Cli::command().try_get_matches_from(argv).map_err(rendered)?;
+    let cli = Cli::from_arg_matches(&matches).map_err(rendered)?;
+    let name = matches.subcommand_name().unwrap_or_default();
+    let command = Cli::command();
+    let read: BTreeSet<&OsStr> = command
+        .find_subcommand(name)
+        .into_iter()
+        .flat_map(|sub| sub.get_arguments())
+        .filter_map(|arg| arg.get_env())
+        .collect();
+    let ignored: Vec<String> = std::env::vars_os()
+        .map(|(key, _)| key)
+        .filter(|key| key.to_string_lossy().starts_with(ENV_PREFIX) && !read.contains(key.as_os_str()))
+        .map(|key| key.to_string_lossy().into_owned())
+        .collect();
+    anyhow::ensure!(ignored.is_empty(), "`{name}` reads no {}", ignored.join(", "));
+    let summary = match cli.command {
+        Command::Run { node, kubelet, job, daemons, serve, events, .. } => {
+            let config = node.config()?;
+            let confirmation = kubelet.confirmation()?;
+            let lifecycle = job.config(confirmation.as_ref(), &config)?;
+            let mode = match (job.sidecar.sidecar, job.sidecar.sidecar_namespaces) {
+                (true, true) => "sidecar-namespaces",
+                (true, false) => "sidecar",
+                (false, _) => "node",
+            };
+            let connector = matches!(daemons.process_watch, ProcessWatchArg::Connector)
+                || lifecycle.as_ref().is_some_and(|job| matches!(job.watcher, job::WatcherKind::ProcConnector));
+            let authz = kubelet.kubelet_authz.to_possible_value().map(|value| value.get_name().to_owned());
+            serde_json::json!({
+                "command": name,
+                "mode": mode,
+                "mount_namespace": config.mount_namespace,
+                "kubelet_root": config.kubelet_root,
+                "state_dir": config.state_dir,
+                "realtime_priority": node.realtime_priority,
+                "kubelet_authz": confirmation.is_some().then_some(authz),
+                "events": events.events == OnOff::On,
+                "job_lifecycle": lifecycle.is_some(),
+                "process_connector": connector,
+                "metrics_addr": serve.metrics_addr.0,
+            })
+        }
+        Command::Webhook { webhook, .. } => {
+            let config = webhook.config();
+            config.check()?;
+            serde_json::json!({
+                "command": name,
+                "listen": config.listen,
+                "metrics_addr": config.metrics_listen,
+                "tls_files": [config.cert_file, config.key_file],
+            })
+        }
+        _ => serde_json::json!({ "command": name }),
+    };
+    println!("{summary}");
+    Ok(())
+}
+
+pub(crate) fn demo(cycles: usize, daemon: DemoDaemon, mount_over_stale: bool) -> anyhow::Result<()> {
+    let binary = std::env::current_exe().context("cannot find the fuse-supervisor binary")?;
+    let daemon = match daemon {
+        DemoDaemon::Demofs => Daemon::DemoFs,
+        DemoDaemon::Bindfs => Daemon::Bindfs,
+    };
+    let options = DemoOptions { cycles, daemon, mount_over_stale, ..DemoOptions::new(binary) };
+    fuse_supervisor::demo::run(&options, &mut std::io::stdout().lock())?;
+    Ok(())
+}
+
+/// The hidden `internal` commands.
+pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
+    match command {
+        Internal::Demofs {
+            backing,
+            mountpoint,
+            name,
+            hand_off_on_signal,
+            device_on_stdin,
+            init_request,
+            answer_init,
+            inode_journal,
+            watchdog,
+        } => {
+            // Both or neither: clap requires the one with the other.
+            let watchdog_child = init_request.zip(inode_journal);
+            let role = match (hand_off_on_signal, watchdog, watchdog_child) {
+                (Some(pid_file), _, _) => DemoFsRole::HandOffOnSignal { pid_file },
+                (None, Some(pid_file), _) => DemoFsRole::Watchdog { pid_file },
+                (None, None, Some((HexRequest(request), inode_journal))) => DemoFsRole::WatchdogChild {
+                    init: ReplayedInit { request, answer_kernel: answer_init },
+                    inode_journal,
+                },
+                (None, None, None) if device_on_stdin => DemoFsRole::DeviceOnStdin,
+                (None, None, None) => DemoFsRole::Serve,
+            };
+            demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
+        }
+        Internal::Container { volume, rootfs, hide, read, interval_ms } => container::run(&ContainerOptions {
+            volume,
+            rootfs,
+            hide,
+            read,
+            interval: Duration::from_millis(interval_ms),
+        })
+        .map_err(Into::into),
+        Internal::CheckArgs { args } => check_args(args),
+    }
+}
