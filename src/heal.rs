@@ -1,6 +1,6 @@
 //! Carrying out a heal plan in the watched mount namespace.
 //!
-//! DESIGN.md "How a heal must be done": stack the new source onto each stale
+//! README, "How a heal works": stack the new source onto each stale
 //! target so running containers (slaves of the target's peer group) receive
 //! it, skip targets a previous stack already reached by propagation, then
 //! flatten so the host keeps exactly one layer per target. Every mount call
@@ -561,7 +561,7 @@ impl Executor for MountExecutor {
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
-        // Every stack before any flatten, as DESIGN.md verified it: the
+        // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the
         // flatten, which only the host sees, comes after.
         //

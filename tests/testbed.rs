@@ -153,7 +153,8 @@ fn private_staging_dir(sandbox: &Sandbox) -> OwnedFd {
     })
 }
 
-/// DESIGN.md "How a heal must be done", steps 1-4, in the sandbox namespace.
+/// How a heal must be done (README, "How a heal works"), steps 1-4, in the
+/// sandbox namespace.
 fn heal(node: &Node, staging: &Arc<OwnedFd>) {
     let sandbox = &node.sandbox;
     // Fds of every stale layer, before the first stack covers them.
@@ -196,7 +197,7 @@ fn heal(node: &Node, staging: &Arc<OwnedFd>) {
     });
 }
 
-/// DESIGN.md "How a heal must be done", on tmpfs stand-ins, for two
+/// How a heal must be done (README, "How a heal works"), on tmpfs stand-ins, for two
 /// crash/heal cycles. This test is about propagation and layers, not FUSE: a
 /// tmpfs global mount forms the same peer groups, and a dead FUSE mount would
 /// only change what the readers see before the heal (ENOTCONN instead of the
@@ -238,7 +239,7 @@ fn heal_by_stacking_then_flattening_reaches_running_containers() {
     }
 }
 
-/// DESIGN.md item 6: a daemon that mounts its new global mount over the stale
+/// A daemon that mounts its new global mount over the stale
 /// one gets it propagated to the root-level targets by the kernel, and their
 /// containers recover. Not the subPath target: its root is the subdirectory,
 /// and the new mount sits on the root of the stale filesystem, outside it.

@@ -1,5 +1,5 @@
-//! The container model of DESIGN.md: a process whose mount namespace is made
-//! the way runc makes one, reading one volume in a loop.
+//! The container model of the fast test tier: a process whose mount
+//! namespace is made the way runc makes one, reading one volume in a loop.
 //!
 //! Stdout carries one line per *change* of what it sees:
 //!
