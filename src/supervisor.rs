@@ -22,7 +22,7 @@ use crate::health::{Health, Pong};
 use crate::kubelet::KubeletConfig;
 use crate::layout::SourceLayouts;
 use crate::locate::VolDataCache;
-use crate::mountinfo::MountInfoReader;
+use crate::mountinfo::TableSource;
 use crate::plan::{self, HealBatch};
 use crate::pods::PodChange;
 use crate::priority::{HealPriority, HealWindow};
@@ -39,6 +39,8 @@ mod once;
 mod probes;
 mod start;
 mod targets;
+#[cfg(test)]
+mod tests;
 
 use confirmation::Confirmer;
 pub use once::{OnceSummary, heal_once};
@@ -169,7 +171,8 @@ struct Supervisor<E: Executor> {
     layout: Layout,
     journal: Journal,
     records: BTreeMap<PathBuf, TargetRecord>,
-    reader: MountInfoReader,
+    /// The mount table of the watched namespace.
+    reader: Box<dyn TableSource>,
     prober: Prober,
     executor: E,
     events: Sender<Event>,

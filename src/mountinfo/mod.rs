@@ -40,7 +40,7 @@ use std::fmt;
 use dedup::SeenIds;
 
 pub use escaped::Escaped;
-pub use reader::MountInfoReader;
+pub use reader::{MountInfoReader, TableSource};
 #[doc(hidden)]
 #[cfg(feature = "testbed")]
 pub use synthetic::synthetic_table;

@@ -13,10 +13,10 @@ use tracing::{debug, error, info};
 
 use crate::confirm::Asker;
 use crate::daemons::Daemons;
-use crate::heal::MountExecutor;
+use crate::heal::{Executor, MountExecutor};
 use crate::kubelet::KubeletClient;
 use crate::locate::VolDataCache;
-use crate::mountinfo::MountInfoReader;
+use crate::mountinfo::{MountInfoReader, TableSource};
 use crate::pods::PodWatcher;
 use crate::priority::{HealActivity, HealPriority, HealWindow};
 use crate::probe::Prober;
@@ -181,6 +181,8 @@ fn spawn_watcher(
 }
 
 impl Supervisor<MountExecutor> {
+    /// The loop with the executor that mounts, in the calling thread's
+    /// namespace.
     pub(super) fn new(
         config: &Config,
         reader: MountInfoReader,
@@ -198,7 +200,21 @@ impl Supervisor<MountExecutor> {
                     source,
                 }
             })?;
-        Ok(Supervisor {
+        Ok(Supervisor::with_executor(config, Box::new(reader), executor, events, heal_activity))
+    }
+}
+
+impl<E: Executor> Supervisor<E> {
+    /// The loop, reading the table from `reader` and healing through
+    /// `executor`: how the unit tests drive it without a kernel.
+    pub(super) fn with_executor(
+        config: &Config,
+        reader: Box<dyn TableSource>,
+        executor: E,
+        events: Sender<Event>,
+        heal_activity: Arc<HealActivity>,
+    ) -> Self {
+        Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load_or_set_aside(&config.state_dir),
             records: BTreeMap::new(),
@@ -229,6 +245,6 @@ impl Supervisor<MountExecutor> {
             state_dirty: false,
             state_writer: None,
             table_watch: None,
-        })
+        }
     }
 }

@@ -1,0 +1,322 @@
+//! The loop without a kernel: a table the test sets, an executor that
+//! records what it is asked to do, and a reporter that records what the loop
+//! says. A change of the table goes through the loop's own scan, plan, probe
+//! answer, heal and reports.
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::daemons::DaemonWatch;
+use crate::heal::{Executor, HealError, Healed, Prepared, TargetOutcome};
+use crate::layout::SourceLayouts;
+use crate::mountinfo::TableSource;
+use crate::plan::{HealBatch, TargetHeal};
+use crate::priority::HealPriority;
+use crate::probe::{ProbeOutcome, SourceHandles};
+use crate::report::{Report, Reporter, Reporters};
+use crate::state::TargetState;
+use crate::watch::{TableEvents, WatchMode};
+
+use super::{Config, Event, Supervisor};
+
+/// The global mount's path, under the test's directory: a real directory,
+/// so that the loop's real probe finds it and it answers.
+const GLOBAL: &str = "runtime/juicefs-fuse";
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The table the loop reads: what the test last set.
+#[derive(Clone, Default)]
+struct SetTable {
+    text: Arc<Mutex<String>>,
+}
+
+impl SetTable {
+    fn set(&self, table: String) {
+        *lock(&self.text) = table;
+    }
+}
+
+/// What the loop reads through: a copy of the set table at each read.
+struct SetTableReader {
+    table: SetTable,
+    buffer: Vec<u8>,
+}
+
+impl TableSource for SetTableReader {
+    fn read(&mut self) -> io::Result<&[u8]> {
+        self.buffer = lock(&self.table.text).clone().into_bytes();
+        Ok(&self.buffer)
+    }
+
+    fn changed_since_read(&mut self) -> io::Result<bool> {
+        Ok(lock(&self.table.text).as_bytes() != self.buffer)
+    }
+}
+
+/// One call the loop made to its executor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Prepare { source: PathBuf, targets: Vec<PathBuf> },
+    Heal { source: PathBuf, mount_id: u32, targets: Vec<(PathBuf, PathBuf)> },
+}
+
+/// Records each call; a heal stacks every target (or fails the one named
+/// in `fail`) and then sets `after_heal` as the table, as the kernel would
+/// show it.
+struct RecordingExecutor {
+    calls: Arc<Mutex<Vec<Call>>>,
+    table: SetTable,
+    after_heal: Option<String>,
+    fail: Option<PathBuf>,
+}
+
+impl Executor for RecordingExecutor {
+    fn prepare(&self, batch: &HealBatch, _held: Vec<Option<OwnedFd>>) -> Prepared {
+        let targets = batch.targets.iter().map(|target| target.path.clone()).collect();
+        lock(&self.calls).push(Call::Prepare { source: batch.source.path.clone(), targets });
+        Prepared::default()
+    }
+
+    fn heal(&mut self, batch: &HealBatch, _prepared: Prepared, _source: &SourceHandles) -> Vec<TargetOutcome> {
+        let targets = batch.targets.iter().map(|t| (t.path.clone(), t.root_in_source.clone())).collect();
+        let (source, mount_id) = (batch.source.path.clone(), batch.source.top().mount_id);
+        lock(&self.calls).push(Call::Heal { source, mount_id, targets });
+        if let Some(table) = self.after_heal.take() {
+            self.table.set(table);
+        }
+        let outcome = |target: &TargetHeal| TargetOutcome {
+            path: target.path.clone(),
+            result: match &self.fail {
+                Some(failing) if *failing == target.path => {
+                    Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: 0 })
+                }
+                _ => Ok(Healed::Stacked),
+            },
+            layers_removed: 1,
+            flatten_error: None,
+        };
+        batch.targets.iter().map(outcome).collect()
+    }
+
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        Err(HealError::NotAbsolute { path: path.to_path_buf() })
+    }
+
+    fn flatten_covered(&mut self, target: &TargetHeal, _stale: OwnedFd) -> Result<usize, HealError> {
+        Err(HealError::NotAbsolute { path: target.path.clone() })
+    }
+}
+
+/// What the loop reported, one line each.
+#[derive(Default)]
+struct RecordingReporter {
+    lines: Mutex<Vec<String>>,
+}
+
+impl Reporter for RecordingReporter {
+    fn report(&self, report: &Report<'_>) {
+        let line = match report {
+            Report::TargetBroken(target) => format!("broken {}", target.target.display()),
+            Report::TargetHealed { target, heal } => format!("healed {} {:?}", target.target.display(), heal.how),
+            Report::HealFailed { target, .. } => format!("failed {}", target.target.display()),
+            _ => return,
+        };
+        lock(&self.lines).push(line);
+    }
+}
+
+/// A loop over a kubelet tree in a temporary directory (the pods'
+/// directories exist: the loop forgets the targets of deleted pods).
+struct Harness {
+    supervisor: Supervisor<RecordingExecutor>,
+    table: SetTable,
+    calls: Arc<Mutex<Vec<Call>>>,
+    reports: Arc<RecordingReporter>,
+    kubelet: tempfile::TempDir,
+    /// The loop's channel, where its probes answer.
+    inbox: Receiver<Event>,
+    /// The mount ID of the directory standing for the new global mount:
+    /// the probe checks the source is still the mount the table named.
+    new_global_id: u32,
+}
+
+impl Harness {
+    fn new(after_heal: Option<String>, fail: Option<&str>) -> Harness {
+        let kubelet = tempfile::tempdir().unwrap();
+        for uid in ["aaaa", "bbbb", "cccc"] {
+            std::fs::create_dir_all(kubelet.path().join("pods").join(uid)).unwrap();
+        }
+        std::fs::create_dir_all(kubelet.path().join(GLOBAL).join("sub")).unwrap();
+        let global = fuse_supervisor_sys::resolve::open_path(&kubelet.path().join(GLOBAL)).unwrap();
+        let new_global_id = fuse_supervisor_sys::resolve::mount_id_of(std::os::fd::AsFd::as_fd(&global)).unwrap();
+        let reports = Arc::new(RecordingReporter::default());
+        let config = Config {
+            kubelet_root: kubelet.path().to_path_buf(),
+            state_dir: kubelet.path().join("state"),
+            mount_namespace: PathBuf::from("/proc/self/ns/mnt"),
+            staging_dir: kubelet.path().join("staging"),
+            probe_timeout: Duration::from_secs(2),
+            kubelet: None,
+            layouts: SourceLayouts::new(kubelet.path()),
+            reporters: Reporters::new(vec![reports.clone() as Arc<dyn Reporter>]),
+            pod_scope: None,
+            job: None,
+            daemons: DaemonWatch::default(),
+            watch: WatchMode::Events(TableEvents::Auto),
+            health: Arc::default(),
+            heal_priority: HealPriority::OFF,
+        };
+        let table = SetTable::default();
+        let calls = Arc::default();
+        let executor = RecordingExecutor {
+            calls: Arc::clone(&calls),
+            table: table.clone(),
+            after_heal,
+            fail: fail.map(|target| kubelet.path().join(target)),
+        };
+        let reader = Box::new(SetTableReader { table: table.clone(), buffer: Vec::new() });
+        let (events, inbox) = mpsc::channel();
+        let supervisor = Supervisor::with_executor(&config, reader, executor, events, Arc::default());
+        Harness { supervisor, table, calls, reports, kubelet, inbox, new_global_id }
+    }
+
+    fn path(&self, relative: &str) -> PathBuf {
+        self.kubelet.path().join(relative)
+    }
+
+    /// A table: the root, then FUSE mounts `(id, device, root, mount point
+    /// relative to the kubelet root or absolute, peer group)`.
+    fn table(&self, mounts: &[(u32, u32, &str, &str, u32)]) -> String {
+        let mut table = "1 0 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n".to_owned();
+        for &(id, dev, root, point, group) in mounts {
+            let point = if point.starts_with('/') { PathBuf::from(point) } else { self.path(point) };
+            table += &format!(
+                "{id} 1 0:{dev} {root} {} rw,relatime shared:{group} - fuse.juicefs JuiceFS:data rw,user_id=0\n",
+                point.display()
+            );
+        }
+        table
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        lock(&self.calls).clone()
+    }
+
+    fn reports(&self) -> Vec<String> {
+        lock(&self.reports.lines).clone()
+    }
+
+    /// The loop's probe of the new global mount answers, and the loop takes
+    /// the answer.
+    fn source_answers(&mut self) {
+        let event = self.inbox.recv_timeout(Duration::from_secs(10)).expect("the probe answers");
+        let Event::Probed(report) = event else { panic!("not a probe's answer") };
+        assert!(matches!(report.outcome, ProbeOutcome::Live(_)), "{report:?}");
+        self.supervisor.on_probe(report);
+    }
+
+    /// The table after the daemon came back on device 51 (the targets are
+    /// still on 50), and after they were healed.
+    fn replaced_and_healed(&self) -> (String, String) {
+        let new = Some((self.new_global_id, 51, 9));
+        (self.table(&node(50, 7, new)), self.table(&node(51, 9, new)))
+    }
+}
+
+const POD_A: &str = "pods/aaaa/volumes/kubernetes.io~csi/data/mount";
+const POD_B: &str = "pods/bbbb/volumes/kubernetes.io~csi/data/mount";
+const SUB: &str = "pods/cccc/volume-subpaths/data/app/0";
+
+/// The global mount and three targets on device `dev` in peer group `group`;
+/// the global mount is `global` (None: gone).
+fn node(dev: u32, group: u32, global: Option<(u32, u32, u32)>) -> Vec<(u32, u32, &'static str, &'static str, u32)> {
+    let mut mounts = vec![(11, dev, "/", POD_A, group), (12, dev, "/", POD_B, group), (13, dev, "/sub", SUB, group)];
+    if let Some((id, dev, group)) = global {
+        mounts.insert(0, (id, dev, "/", GLOBAL, group));
+    }
+    mounts
+}
+
+#[test]
+fn a_replaced_source_is_planned_probed_healed_and_reported() {
+    let mut harness = Harness::new(None, None);
+    let healthy = harness.table(&node(50, 7, Some((10, 50, 7))));
+    harness.table.set(healthy);
+    harness.supervisor.rescan();
+    for target in [POD_A, POD_B, SUB] {
+        let mapping = harness.supervisor.journal.get(&harness.path(target)).expect("learned");
+        assert_eq!(mapping.source, harness.path(GLOBAL));
+    }
+    assert!(harness.calls().is_empty(), "a healthy table heals nothing");
+
+    let (replaced, healed) = harness.replaced_and_healed();
+    harness.supervisor.executor.after_heal = Some(healed);
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    let targets = [harness.path(POD_A), harness.path(POD_B), harness.path(SUB)];
+    let global = harness.path(GLOBAL);
+    let prepared = Call::Prepare { source: global.clone(), targets: targets.to_vec() };
+    assert_eq!(harness.calls(), std::slice::from_ref(&prepared), "prepared while the probe waits, whole volumes first");
+    assert!(harness.supervisor.probed_batches.contains_key(&global));
+
+    harness.source_answers();
+    let roots = [PathBuf::new(), PathBuf::new(), PathBuf::from("sub")];
+    let heal = Call::Heal {
+        source: global.clone(),
+        mount_id: harness.new_global_id,
+        targets: targets.iter().cloned().zip(roots).collect(),
+    };
+    assert_eq!(harness.calls(), [prepared, heal]);
+    let mut expected: Vec<String> = targets.iter().map(|t| format!("broken {}", t.display())).collect();
+    expected.extend(targets.iter().map(|t| format!("healed {} Stacked", t.display())));
+    assert_eq!(harness.reports(), expected);
+    // The scan after the heal finds them on the new connection.
+    assert!(harness.supervisor.records.values().all(|record| record.state == TargetState::Healthy));
+    assert_eq!(harness.supervisor.journal.get(&targets[0]).unwrap().source_mount_id, harness.new_global_id);
+}
+
+#[test]
+fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal() {
+    let mut harness = Harness::new(None, Some(POD_B));
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let (replaced, _) = harness.replaced_and_healed();
+    // Healed but for the target whose stack failed: still on the dead one.
+    let mut healed_but_b = node(51, 9, Some((harness.new_global_id, 51, 9)));
+    healed_but_b[2] = (12, 50, "/", POD_B, 7);
+    harness.supervisor.executor.after_heal = Some(harness.table(&healed_but_b));
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    harness.source_answers();
+
+    let (pod_a, pod_b) = (harness.path(POD_A), harness.path(POD_B));
+    let reports = harness.reports();
+    assert!(reports.contains(&format!("healed {} Stacked", pod_a.display())), "{reports:?}");
+    assert!(reports.contains(&format!("failed {}", pod_b.display())), "{reports:?}");
+    assert!(matches!(harness.supervisor.records[&pod_b].state, TargetState::Failed { .. }));
+    assert!(harness.supervisor.in_back_off(&pod_b));
+    // Still in the work set: its mapping stays until it is healed.
+    assert!(harness.supervisor.journal.get(&pod_b).is_some());
+}
+
+#[test]
+fn a_source_that_fails_its_probe_heals_nothing() {
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    harness.table.set(harness.replaced_and_healed().0);
+    harness.supervisor.rescan();
+    let event = harness.inbox.recv_timeout(Duration::from_secs(10)).expect("the probe answers");
+    let Event::Probed(mut report) = event else { panic!("not a probe's answer") };
+    // As a dead daemon answers.
+    report.outcome = ProbeOutcome::Failed(io::Error::from(io::ErrorKind::NotConnected));
+    harness.supervisor.on_probe(report);
+    assert!(harness.calls().iter().all(|call| matches!(call, Call::Prepare { .. })), "{:?}", harness.calls());
+    assert!(harness.reports().iter().all(|line| line.starts_with("broken ")));
+}
