@@ -6,10 +6,9 @@ use tracing::{info, info_span, warn};
 
 use crate::heal::{Executor, Healed, Prepared};
 use crate::plan::HealBatch;
-use crate::report::{HealReport, Report, TargetEvent};
+use crate::report::{HealReport, Report, TargetEvent, error_chain};
 use crate::state::{Mapping, TargetState, retry_delay};
 use crate::table::Dev;
-use crate::webhook::error_chain;
 
 use super::{Event, Supervisor, TargetRecord};
 

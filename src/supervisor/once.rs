@@ -11,8 +11,8 @@ use crate::heal::{Executor, Prepared};
 use crate::mountinfo::MountInfoReader;
 use crate::plan::{self};
 use crate::probe::ProbeOutcome;
+use crate::report::error_chain;
 use crate::table::TargetKind;
-use crate::webhook::error_chain;
 
 use super::{Config, Event, Supervisor, SupervisorError};
 

@@ -107,7 +107,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // From this thread: the writer sees the state directory as the loop does.
     let health = Arc::clone(&config.health);
     let report_save = move |err: Option<&StateError>| {
-        health.set_state_problem(err.map(|err| crate::webhook::error_chain(err)));
+        health.set_state_problem(err.map(|err| crate::report::error_chain(err)));
     };
     supervisor.state_writer = Some(
         StateWriter::spawn(Box::new(report_save))

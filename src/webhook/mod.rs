@@ -119,7 +119,7 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         match result {
             Ok(true) => tracing::info!("serving certificate reloaded"),
             Ok(false) => tracing::debug!("certificate files touched; same certificate"),
-            Err(err) => tracing::warn!(error = %error_chain(err), "certificate reload failed; keeping the old one"),
+            Err(err) => tracing::warn!(error = %crate::report::error_chain(err), "certificate reload failed; keeping the old one"),
         }
     })?;
 
@@ -144,16 +144,4 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         feed.abort();
     }
     Ok(())
-}
-
-/// An error and its causes on one line, for logs and HTTP answers.
-pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }

@@ -228,7 +228,7 @@ async fn mutate(request: Request<Incoming>, state: &State) -> Response<Full<Byte
         }
         Err(err) => {
             state.metrics.admitted(None, 0, &[], started.elapsed());
-            let message = super::error_chain(&err);
+            let message = crate::report::error_chain(&err);
             tracing::warn!(error = %message, "malformed admission review");
             reply(StatusCode::BAD_REQUEST, "application/json", review::status_body(&message))
         }
