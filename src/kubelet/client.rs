@@ -14,21 +14,19 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufReader};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::WebPkiSupportedAlgorithms;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::pki_types::ServerName;
+use rustls::{CertificateError, ClientConfig, ClientConnection, RootCertStore};
 use tracing::{debug, warn};
 
 use super::http::{self, HttpError};
 use super::pods::{ParseError, PodList, SkippedPod};
+use super::tls::{ExactCert, TlsStream, read_certs};
 
 /// Where a pod's service-account token is mounted.
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
@@ -485,16 +483,6 @@ impl KubeletClient {
     }
 }
 
-/// Reads every certificate of a PEM file.
-fn read_certs(path: &Path, what: &'static str) -> Result<Vec<CertificateDer<'static>>, KubeletError> {
-    let fail = |source| KubeletError::ReadTrust { what, path: path.to_path_buf(), source };
-    let certs = CertificateDer::pem_file_iter(path).map_err(fail)?.collect::<Result<Vec<_>, _>>().map_err(fail)?;
-    if certs.is_empty() {
-        return Err(fail(rustls::pki_types::pem::Error::NoItemsFound));
-    }
-    Ok(certs)
-}
-
 /// The token, trimmed; it must be non-empty and fit in a header.
 fn read_token(file: &Path) -> Result<String, KubeletError> {
     let fail = |source| KubeletError::Token { file: file.to_path_buf(), source };
@@ -517,143 +505,6 @@ fn snippet(body: &[u8]) -> String {
         Some((cut, _)) => format!("{}…", &text[..cut]),
         None => text,
     }
-}
-
-/// Accepts exactly one certificate (or, with none pinned, any) and checks
-/// that the handshake is signed by the presented certificate's key.
-#[derive(Debug)]
-struct ExactCert {
-    pinned: Option<CertificateDer<'static>>,
-    algorithms: WebPkiSupportedAlgorithms,
-}
-
-impl ServerCertVerifier for ExactCert {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        match &self.pinned {
-            Some(pinned) if pinned.as_ref() != end_entity.as_ref() => {
-                Err(rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure))
-            }
-            _ => Ok(ServerCertVerified::assertion()),
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algorithms.supported_schemes()
-    }
-}
-
-/// A TLS connection whose every socket operation is bounded by one deadline.
-struct TlsStream {
-    conn: ClientConnection,
-    sock: TcpStream,
-    deadline: Instant,
-}
-
-impl TlsStream {
-    /// Gives the next socket operation what is left until the deadline.
-    fn arm(&self) -> io::Result<()> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        self.sock.set_read_timeout(Some(left))?;
-        self.sock.set_write_timeout(Some(left))
-    }
-
-    fn handshake(&mut self) -> io::Result<()> {
-        while self.conn.is_handshaking() {
-            if self.conn.wants_write() {
-                self.write_tls()?;
-            } else {
-                self.read_tls()?;
-            }
-        }
-        self.flush()
-    }
-
-    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.conn.writer().write_all(bytes)?;
-        self.flush()
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        while self.conn.wants_write() {
-            self.write_tls()?;
-        }
-        Ok(())
-    }
-
-    fn write_tls(&mut self) -> io::Result<()> {
-        self.arm()?;
-        self.conn.write_tls(&mut self.sock).map_err(timed_out)?;
-        Ok(())
-    }
-
-    /// Reads and processes TLS records; `Ok(false)` at the end of the stream.
-    fn read_tls(&mut self) -> io::Result<bool> {
-        self.arm()?;
-        let n = self.conn.read_tls(&mut self.sock).map_err(timed_out)?;
-        if let Err(err) = self.conn.process_new_packets() {
-            // Tell the kubelet why (an alert), then report the cause.
-            let _ = self.flush();
-            return Err(io::Error::new(io::ErrorKind::InvalidData, err));
-        }
-        if n == 0 && self.conn.is_handshaking() {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the kubelet closed the connection in the handshake",
-            ));
-        }
-        Ok(n > 0)
-    }
-}
-
-impl Read for TlsStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            match self.conn.reader().read(buf) {
-                Ok(n) => return Ok(n),
-                // No plaintext yet: read more records.
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
-                // The peer closed without close_notify: an end of stream
-                // like any other; the HTTP framing tells if it was early.
-                Err(err) if err.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
-                Err(err) => return Err(err),
-            }
-            self.flush()?;
-            self.read_tls()?;
-        }
-    }
-}
-
-/// A socket timeout shows as `WouldBlock` on Linux; call it what it is.
-fn timed_out(err: io::Error) -> io::Error {
-    if err.kind() == io::ErrorKind::WouldBlock { io::ErrorKind::TimedOut.into() } else { err }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 mod client;
 mod http;
 pub mod pods;
+mod tls;
 
 pub use client::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PORT, DEFAULT_READ_TIMEOUT, DEFAULT_TOKEN_FILE, HttpProblem, KubeletAuthz,
