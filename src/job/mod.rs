@@ -30,6 +30,7 @@
 //! with `restartPolicy: Always`, which the kubelet stops by itself).
 mod assess;
 mod containers;
+mod fuse_container;
 mod lifecycle;
 mod selector;
 mod unmount;
