@@ -7,20 +7,22 @@
 //! goes through an fd that was resolved without symlinks (beneath the kubelet
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
-use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+use std::sync::mpsc::{self};
 
 use fuse_supervisor_sys::{mount, ns, resolve};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::plan::{HealBatch, TargetHeal};
 use crate::priority::HealPriority;
 use crate::probe::SourceHandles;
 use crate::table::Dev;
+
+mod pool;
+
+use pool::{FLATTEN_THREADS, FlattenJob, FlattenPool, TARGETS_PER_FLATTEN_THREAD};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealError {
@@ -151,31 +153,6 @@ impl Staging {
             .collect::<std::io::Result<_>>()?;
         Ok(Staging { parks })
     }
-}
-
-/// At most this many threads flatten one batch: the loop thread and a
-/// pool of helpers. Each flatten waits in `umount2` for an expedited RCU
-/// grace period (namespace_unlock), tens of microseconds idle, far more when
-/// both CPUs are busy; concurrent requests queue on the grace-period
-/// machinery and share what they can, while the mount calls themselves take
-/// the namespace lock in turn. On the 2-CPU test VM 8 threads flattened 100
-/// targets faster than 4, and 16 no faster than 8.
-const FLATTEN_THREADS: usize = 8;
-
-/// Targets per flattening thread before another is worth waking.
-const TARGETS_PER_FLATTEN_THREAD: usize = 8;
-
-/// One target to flatten: its place in the batch, the handle on its planned
-/// top taken before the first stack (made private at the stack, and held
-/// open until the flatten ends: a held mount cannot be freed, so its ID,
-/// which the flatten looks for, is not handed to another), the handle on its
-/// new top, and where the outcome goes.
-struct FlattenJob {
-    targets: Arc<[TargetHeal]>,
-    index: usize,
-    _stale: OwnedFd,
-    new_top: OwnedFd,
-    done: Sender<(usize, Result<usize, HealError>)>,
 }
 
 /// What every flattening thread needs: the roots to resolve targets
@@ -370,103 +347,6 @@ impl Mounter {
         };
         // The heal waits for every job's outcome until all senders are gone.
         let _ = job.done.send((job.index, result));
-    }
-}
-
-/// Flatten jobs waiting for a thread.
-#[derive(Default)]
-struct FlattenQueue {
-    state: Mutex<QueueState>,
-    ready: Condvar,
-}
-
-#[derive(Default)]
-struct QueueState {
-    jobs: VecDeque<FlattenJob>,
-    closed: bool,
-}
-
-impl FlattenQueue {
-    fn lock(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The next job, waiting for one; None once the queue is closed.
-    fn next(&self) -> Option<FlattenJob> {
-        let mut state = self.lock();
-        loop {
-            if let Some(job) = state.jobs.pop_front() {
-                return Some(job);
-            }
-            if state.closed {
-                return None;
-            }
-            state = self.ready.wait(state).unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    fn try_next(&self) -> Option<FlattenJob> {
-        self.lock().jobs.pop_front()
-    }
-}
-
-/// Helper threads that flatten beside the loop thread, started once and
-/// asleep on the queue in between: starting them for each heal cost the
-/// loop a fraction of a millisecond before its first stack.
-struct FlattenPool {
-    queue: Arc<FlattenQueue>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl FlattenPool {
-    /// Helper `n` parks on parking directory `n` (the loop thread on 0).
-    /// They start in the calling thread's mount namespace and enter
-    /// `namespace` to be sure of it.
-    fn start(mounter: &Arc<Mounter>, namespace: &OwnedFd, priority: HealPriority) -> Self {
-        let queue = Arc::new(FlattenQueue::default());
-        let mut threads = Vec::with_capacity(FLATTEN_THREADS - 1);
-        for park in 1..FLATTEN_THREADS {
-            let (mounter, queue) = (Arc::clone(mounter), Arc::clone(&queue));
-            let namespace = match namespace.try_clone() {
-                Ok(namespace) => namespace,
-                Err(err) => {
-                    warn!(?err, "cannot start a flatten helper; flattening with fewer threads");
-                    break;
-                }
-            };
-            let helper = std::thread::Builder::new().name("flatten".into()).spawn(move || {
-                if let Err(err) = ns::enter_mount_namespace(namespace.as_fd()) {
-                    warn!(?err, "flatten helper cannot enter the mount namespace");
-                    return;
-                }
-                drop(namespace);
-                priority.raise();
-                while let Some(job) = queue.next() {
-                    mounter.run(job, park);
-                }
-            });
-            match helper {
-                Ok(thread) => threads.push(thread),
-                Err(err) => warn!(?err, "cannot start a flatten helper; flattening with fewer threads"),
-            }
-        }
-        FlattenPool { queue, threads }
-    }
-}
-
-impl Drop for FlattenPool {
-    fn drop(&mut self) {
-        self.queue.lock().closed = true;
-        self.queue.ready.notify_all();
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl std::fmt::Debug for FlattenPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FlattenPool").field("helpers", &self.threads.len()).finish()
     }
 }
 
