@@ -16,6 +16,7 @@ mod logs;
 mod reader;
 mod sandbox;
 pub mod scenario;
+mod supervisor_process;
 pub mod system;
 
 pub use logs::CapturedLogs;

@@ -3,14 +3,12 @@
 //! supervisor as a separate process. Shared by the heal tests, the demo and
 //! the latency harness.
 use std::collections::HashSet;
-use std::ffi::OsString;
 use std::fs;
-use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount;
@@ -19,6 +17,7 @@ use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::Poller;
 use fuse_supervisor_sys::process::{self, Signal};
 
+pub use super::supervisor_process::SupervisorProcess;
 use super::{Sandbox, SandboxChild};
 
 /// The file every source serves at its root, and the subdirectory that
@@ -43,7 +42,7 @@ pub enum ScenarioError {
     CannotMountOverStale { daemon: &'static str },
 }
 
-fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
+pub(super) fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
     let step = step.into();
     move |source| ScenarioError::Io { step, source }
 }
@@ -494,199 +493,4 @@ pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -
         std::thread::sleep(Duration::from_millis(5));
     }
     Ok(())
-}
-
-/// `fuse-supervisor run` in the sandbox, with its JSON log collected.
-pub struct SupervisorProcess {
-    process: SandboxChild,
-    log: Arc<(Mutex<Vec<String>>, Condvar)>,
-    /// Where its metrics and health endpoints listen, unless turned off.
-    metrics_addr: Option<SocketAddr>,
-}
-
-impl SupervisorProcess {
-    /// Starts it without kubelet confirmation (`--kubelet none`).
-    pub fn start(sandbox: &Sandbox, binary: &Path, state_dir: &Path) -> Result<Self, ScenarioError> {
-        Self::start_with(sandbox, binary, state_dir, ["--kubelet", "none"])
-    }
-
-    /// Starts it with extra `run` arguments. Unless they say otherwise,
-    /// metrics listen on a free port of 127.0.0.1 (the sandbox shares the
-    /// host's network, and tests run side by side), found in the log.
-    pub fn start_with<I, S>(sandbox: &Sandbox, binary: &Path, state_dir: &Path, args: I) -> Result<Self, ScenarioError>
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<std::ffi::OsStr>,
-    {
-        Self::start_wrapped(sandbox, &[], binary, state_dir, args)
-    }
-
-    /// Like [`SupervisorProcess::start_with`], started through `wrapper`
-    /// (e.g. `nsenter --pid=… --`: in a pod's pid namespace).
-    pub fn start_wrapped<I, S>(
-        sandbox: &Sandbox,
-        wrapper: &[OsString],
-        binary: &Path,
-        state_dir: &Path,
-        args: I,
-    ) -> Result<Self, ScenarioError>
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<std::ffi::OsStr>,
-    {
-        let mut args: Vec<OsString> = args.into_iter().map(|arg| arg.as_ref().to_owned()).collect();
-        if !args.iter().any(|arg| arg.to_string_lossy().starts_with("--metrics-addr")) {
-            args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
-        }
-        // Debug unless the caller chose (benchmarks measure at the default, info).
-        if !args.iter().any(|arg| arg == "--log" || arg.to_string_lossy().starts_with("--log=")) {
-            args.extend(["--log".into(), "debug".into()]);
-        }
-        let mut command = super::reader::wrapped(wrapper, binary);
-        command
-            .arg("run")
-            .arg("--kubelet-root")
-            .arg(sandbox.kubelet_root())
-            .arg("--state-dir")
-            .arg(state_dir)
-            .arg("--staging-dir")
-            .arg(sandbox.root().join("staging"))
-            // The sandbox thread's namespace is the child's own.
-            .args(["--mount-namespace", "/proc/self/ns/mnt", "--log-format", "json"])
-            // Tests never talk to a cluster, even when run inside one (CI in a
-            // pod has an in-cluster configuration); `--events on` overrides.
-            .env("FUSE_SUPERVISOR_EVENTS", "off")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let mut process = sandbox.spawn(command).map_err(io_step("start the supervisor"))?;
-        let stderr = process.take_stderr().ok_or_else(|| ScenarioError::Io {
-            step: "supervisor stderr".into(),
-            source: io::Error::other("no pipe"),
-        })?;
-        let log: Arc<(Mutex<Vec<String>>, Condvar)> = Arc::default();
-        let collector = Arc::clone(&log);
-        std::thread::Builder::new()
-            .name("supervisor-log".into())
-            .spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    let (lines, changed) = &*collector;
-                    lines.lock().unwrap_or_else(PoisonError::into_inner).push(line);
-                    changed.notify_all();
-                }
-            })
-            .map_err(io_step("start the supervisor log thread"))?;
-        let mut supervisor = SupervisorProcess { process, log, metrics_addr: None };
-        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
-        // Logged before the loop starts, so before "supervising".
-        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
-            let fields = value.get("fields")?;
-            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
-        });
-        Ok(supervisor)
-    }
-
-    pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics_addr
-    }
-
-    /// `GET path` from its metrics server: the status and the body.
-    pub fn http_get(&self, path: &str) -> Result<(u16, String), ScenarioError> {
-        let addr = self.metrics_addr.ok_or_else(|| ScenarioError::Io {
-            step: format!("GET {path}"),
-            source: io::Error::other("the supervisor serves no metrics (--metrics-addr off?)"),
-        })?;
-        http_get(addr, path).map_err(io_step(format!("GET http://{addr}{path}")))
-    }
-
-    /// The value of one series in its `/metrics`, e.g.
-    /// `fuse_supervisor_heals_total{result="stacked"}`; None if absent.
-    pub fn metric(&self, series: &str) -> Result<Option<f64>, ScenarioError> {
-        let (status, body) = self.http_get("/metrics")?;
-        if status != 200 {
-            return Err(ScenarioError::Io {
-                step: "GET /metrics".into(),
-                source: io::Error::other(format!("HTTP {status}: {body}")),
-            });
-        }
-        Ok(crate::metrics::series_value(&body, series))
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.process.pid()
-    }
-
-    /// Every log line so far.
-    pub fn log(&self) -> Vec<String> {
-        self.log.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-
-    /// How many lines it has logged so far.
-    pub fn log_len(&self) -> usize {
-        self.log.0.lock().unwrap_or_else(PoisonError::into_inner).len()
-    }
-
-    /// Waits until `count` lines from line `from` on match `pred`. Sleeps
-    /// until lines arrive and copies none: a harness waiting for a heal's
-    /// log must not compete with the heal for the CPU.
-    pub fn wait_for_lines(
-        &self,
-        timeout: Duration,
-        from: usize,
-        count: usize,
-        pred: impl Fn(&str) -> bool,
-    ) -> Result<(), ScenarioError> {
-        let deadline = Instant::now() + timeout;
-        let (lines, changed) = &*self.log;
-        let mut guard = lines.lock().unwrap_or_else(PoisonError::into_inner);
-        let (mut seen, mut matched) = (from, 0);
-        loop {
-            matched += guard.get(seen..).unwrap_or_default().iter().filter(|line| pred(line)).count();
-            seen = guard.len().max(from);
-            if matched >= count {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(ScenarioError::Timeout {
-                    what: format!("{count} matching supervisor log lines ({matched} seen)"),
-                    waited: timeout,
-                });
-            }
-            guard = changed.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
-        }
-    }
-
-    /// Waits for a log line matching `pred` and returns it.
-    pub fn wait_for_log(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Result<String, ScenarioError> {
-        let deadline = Instant::now() + timeout;
-        let (lines, changed) = &*self.log;
-        let mut guard = lines.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            if let Some(line) = guard.iter().find(|line| pred(line)) {
-                return Ok(line.clone());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(ScenarioError::Timeout {
-                    what: format!("supervisor log line; log so far:\n{}", guard.join("\n")),
-                    waited: timeout,
-                });
-            }
-            guard = changed.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
-        }
-    }
-
-    /// Its exit status, if it has exited (reaped then).
-    pub fn try_wait(&self) -> Result<Option<std::process::ExitStatus>, ScenarioError> {
-        self.process.try_wait().map_err(io_step("check the supervisor's exit"))
-    }
-
-    /// SIGTERM and wait: a clean shutdown.
-    pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
-        self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
-        self.process.wait().map_err(io_step("wait for the supervisor"))
-    }
 }
