@@ -10,7 +10,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc::{self};
+use std::sync::mpsc;
 
 use fuse_supervisor_sys::{mount, ns, resolve};
 use tracing::{debug, info};

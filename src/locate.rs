@@ -51,7 +51,8 @@ pub fn locate_unmapped(
             unmapped_pods.insert(target.pod_uid.clone());
             continue;
         };
-        let (source, root_in_source) = match journal.get(&found.path) {
+        let bind = journal.get(&found.path).filter(|bind| bind.kind == TargetKind::SourceBind);
+        let (source, root_in_source) = match bind {
             Some(bind) => (bind.source.clone(), bind.root_in_source.join(&found.root_in_source)),
             None => (found.path, found.root_in_source),
         };

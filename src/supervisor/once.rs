@@ -3,13 +3,13 @@ use std::collections::BTreeSet;
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::mpsc::{self};
+use std::sync::mpsc;
 
 use fuse_supervisor_sys::ns;
 
 use crate::heal::{Executor, Prepared};
 use crate::mountinfo::MountInfoReader;
-use crate::plan::{self};
+use crate::plan;
 use crate::probe::ProbeOutcome;
 use crate::report::error_chain;
 use crate::table::TargetKind;
