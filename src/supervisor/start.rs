@@ -14,11 +14,12 @@ use tracing::{debug, error, info};
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
+use crate::kube::Asker;
 use crate::kube::KubeletClient;
 use crate::model::mountinfo::{MountInfoReader, TableSource};
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
-use crate::plan::confirm::Asker;
+use crate::plan::confirm::Confirmations;
 use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
@@ -101,7 +102,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
     let mut supervisor =
         Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone(), heal_activity)?;
-    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
+    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
     // From this thread: the writer sees the state directory as the loop does.
