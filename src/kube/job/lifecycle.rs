@@ -29,7 +29,7 @@ use super::containers::ContainerProcesses;
 use super::fuse_container::{Fuse, identify_fuse};
 use super::unmount::unmount_devices;
 use super::{JobConfig, JobError, JobScope, WatcherKind};
-use crate::kube::{KubeletClient, Pod, PodList};
+use crate::kube::{Kubelet, Pod, PodList};
 use crate::watch::processes::fuse_server::FuseServers;
 use crate::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
@@ -56,7 +56,7 @@ impl JobLifecycle {
     /// the one pod of [`JobScope::Pod`] is done, so that the sidecar
     /// supervisor ends too and the pod can complete.
     pub fn spawn(config: JobConfig, finished: impl FnOnce() + Send + 'static) -> Result<JobLifecycle, JobError> {
-        let client = KubeletClient::new(config.kubelet.clone())?;
+        let client = config.kubelet.clone();
         let setup = |what| move |source| JobError::Setup { what, source };
         let poller = Poller::new().map_err(setup("epoll"))?;
         let stop = Arc::new(Waker::new().map_err(setup("eventfd"))?);
@@ -213,7 +213,7 @@ fn recheck_delay(wait: Wait, attempts: u32) -> Duration {
 
 struct Lifecycle {
     config: JobConfig,
-    client: KubeletClient,
+    client: Kubelet,
     watcher: Box<dyn ProcessWatcher>,
     inbox: Arc<Mutex<Vec<ProcessEvent>>>,
     arrived: Arc<Waker>,
