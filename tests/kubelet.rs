@@ -210,7 +210,7 @@ fn an_unreadable_pod_is_skipped_and_warned_about_once_while_it_stays() {
         assert!(warnings[0].contains(says), "{says}: {logs}");
     }
     // Events still name it: its metadata reads.
-    let mut names = Kubelet::from_client(client);
+    let mut names = Kubelet::new(client.config().clone());
     let named: Vec<String> = PodNames::pods(&mut names).unwrap().into_iter().map(|pod| pod.name).collect();
     assert_eq!(named, ["mount-a", "mount-b"]);
 }

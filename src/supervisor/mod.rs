@@ -110,6 +110,8 @@ pub enum SupervisorError {
     #[error(transparent)]
     Watch(#[from] crate::watch::mount_table::WatchError),
     #[error(transparent)]
+    Kubelet(#[from] crate::kube::KubeletError),
+    #[error(transparent)]
     Pods(#[from] crate::watch::pods::PodWatchError),
     #[error(transparent)]
     Job(#[from] crate::kube::job::JobError),

@@ -43,6 +43,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // container's, not the host's.
     let asker = match &config.kubelet {
         Some(kubelet) => {
+            kubelet.kubelet.load()?;
             let events = events.clone();
             let asker =
                 Asker::spawn(kubelet.kubelet.clone(), move |answer| events.send(Event::Kubelet(answer)).is_ok())

@@ -100,7 +100,7 @@ impl KubeletArgs {
                 Authz::NodesProxy => KubeletAuthz::NodesProxy,
             },
         };
-        let kubelet = Kubelet::new(client)?;
+        let kubelet = Kubelet::new(client);
         Ok(Some(KubeletConfirmation { kubelet, grace: self.kubelet_grace }))
     }
 }

@@ -29,7 +29,7 @@ pub use occurrence::{Occurrence, PodRef, Reason, Regarding};
 pub use resolve::{PodNames, Resolver};
 pub use series::{CONTROLLER, Correlator, Observed, SERIES_WINDOW, SeriesKey, Write};
 
-use crate::kube::Kubelet;
+use crate::kube::{Kubelet, KubeletError};
 use crate::report::{Report, Reporter};
 
 /// Occurrences the queue holds before new ones are dropped.
@@ -54,6 +54,8 @@ pub enum EventsError {
     },
     #[error("cannot build the API server client")]
     Client(#[source] kube::Error),
+    #[error("cannot build the kubelet client that resolves pod names for events")]
+    Kubelet(#[source] KubeletError),
     #[error("cannot start the events runtime")]
     Runtime(#[source] std::io::Error),
     #[error("cannot start the events publisher thread")]
@@ -173,7 +175,10 @@ impl Events {
         client_config.connect_timeout.get_or_insert(CONNECT_TIMEOUT);
         client_config.read_timeout.get_or_insert(READ_TIMEOUT);
         let names = match &config.kubelet {
-            Some(kubelet) => Some(Box::new(kubelet.clone()) as Box<dyn PodNames>),
+            Some(kubelet) => {
+                kubelet.load().map_err(EventsError::Kubelet)?;
+                Some(Box::new(kubelet.clone()) as Box<dyn PodNames>)
+            }
             None => {
                 info!(
                     "no kubelet for events: only FuseDaemonRestarted is published (application pods are known by UID only)"

@@ -89,6 +89,8 @@ pub struct JobConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     #[error(transparent)]
+    Kubelet(#[from] crate::kube::KubeletError),
+    #[error(transparent)]
     Watcher(#[from] crate::watch::processes::ProcessWatchError),
     #[error("cannot set up the job lifecycle's {what}")]
     Setup {
