@@ -36,6 +36,10 @@ pub enum Report<'a> {
     /// found `pids` still holding the connection (a daemon that daemonized,
     /// or handed its descriptor on).
     DeathRetracted { target: &'a TargetEvent<'a>, pids: &'a [u32] },
+    /// A dead daemon's own mount was detached from `source` once nobody
+    /// held its connection, so that the daemon's next start mounts on a
+    /// directory again; `owner` is the pod last confirmed to serve it.
+    DeadSourceDetached { source: &'a Path, owner: Option<&'a Owner> },
     /// The process watcher reported an event of a watched daemon:
     /// `exited`, `exec` (a search for a missing daemon), `lost` (events
     /// dropped, all daemons searched again) or `failed`.

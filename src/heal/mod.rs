@@ -120,6 +120,11 @@ pub trait Executor {
     /// reaches it now); `target.top_mount_id` is the propagated new top.
     /// Returns the number of layers removed.
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError>;
+
+    /// Detaches the mount on top of `source` if it is on the dead
+    /// connection `dead`: the source's own dead mount, never a target (its
+    /// binds are other mounts and stay). Returns whether it detached one.
+    fn detach_dead_source(&mut self, source: &Path, dead: Dev) -> Result<bool, HealError>;
 }
 
 /// Where a new top is parked while the layer under it is removed: a
@@ -404,6 +409,20 @@ impl Executor for MountExecutor {
 
     fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
         self.mounter.resolve_target(path)
+    }
+
+    fn detach_dead_source(&mut self, source: &Path, dead: Dev) -> Result<bool, HealError> {
+        let (top, _) = self.mounter.resolve_target(source)?;
+        let dev = resolve::device_of(top.as_fd())
+            .map_err(|source_err| HealError::Resolve { path: source.to_path_buf(), source: source_err })?;
+        if Dev::from(dev) != dead {
+            return Ok(false);
+        }
+        // The top is checked a syscall before it is detached: a new daemon
+        // mounting there in between would take a process start and a FUSE
+        // handshake, far longer than that.
+        mount::detach_top(top.as_fd()).map_err(HealError::mount("detach the dead source", source))?;
+        Ok(true)
     }
 
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {

@@ -132,6 +132,8 @@ metrics! {
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",
         "Targets back from Degraded without a heal: a process not seen before still served the connection when its known daemon exited (daemon_deaths counts those deaths too)";
+    dead_sources_detached: Counter = Counter::default(), "dead_sources_detached",
+        "Dead daemons' own mounts detached from their source paths once nobody held the connection";
     daemon_restarts: Counter = Counter::default(), "daemon_restarts",
         "Restarts of a FUSE daemon's pod confirmed by the kubelet";
     kubelet_requests: Family<CodeLabel, Counter> = Family::default(), "kubelet_requests",
@@ -245,6 +247,9 @@ impl Reporter for Metrics {
             }
             Report::DeathRetracted { .. } => {
                 self.death_retractions.inc();
+            }
+            Report::DeadSourceDetached { .. } => {
+                self.dead_sources_detached.inc();
             }
             Report::ProcessEvent { kind } => {
                 self.process_events.get_or_create(&EventLabel { event: kind }).inc();
