@@ -30,6 +30,8 @@ struct Watched {
     entries: Vec<String>,
     /// Its mount table before the first crash: (mount point, fs type) counted.
     baseline: BTreeMap<(PathBuf, String), usize>,
+    /// HostToContainer: its volume is a slave of the host's mount.
+    receives_host_mounts: bool,
 }
 
 struct Node {
@@ -89,7 +91,8 @@ impl Node {
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         let baseline = table_of(&container);
         let entries = entries.iter().map(|entry| (*entry).to_owned()).collect();
-        self.containers.push(Watched { container, fixed_content, entries, baseline });
+        let receives_host_mounts = propagation == VolumePropagation::HostToContainer;
+        self.containers.push(Watched { container, fixed_content, entries, baseline, receives_host_mounts });
     }
 
     fn start_supervisor(&mut self) {
@@ -97,6 +100,14 @@ impl Node {
         let supervisor =
             SupervisorProcess::start_with(&self.sandbox, Path::new(BINARY), &state_dir, ["--kubelet", "none"]);
         self.supervisor = Some(supervisor.expect("supervisor"));
+    }
+
+    /// The supervisor watches the current daemon: its death will be seen
+    /// (and the containers' dead mounts isolated) before the new mount.
+    fn daemon_watched(&self) {
+        let daemon = format!("[{}]", self.source.pid().expect("daemon running"));
+        let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);
+        self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
     }
 
     fn host_mounts(&self) -> usize {
@@ -142,7 +153,7 @@ impl Node {
 
     /// After a heal: the host, every container and the kernel's FUSE
     /// connections are as they were before the first crash.
-    fn settled(&self, cycle: usize, host_baseline: usize, dead_minors: &[u32]) {
+    fn settled(&self, cycle: usize, host_baseline: usize, dead_minor: u32) {
         scenario::wait_for("the host's baseline mount count", HEAL_TIMEOUT, || self.host_mounts() == host_baseline)
             .unwrap_or_else(|err| panic!("cycle {cycle}: {err}: {} now, {host_baseline} before", self.host_mounts()));
         for watched in &self.containers {
@@ -160,14 +171,22 @@ impl Node {
             });
             let layers = watched.container.volume_mounts().expect("the container's volume mounts");
             assert_eq!(layers.len(), 1, "cycle {cycle}: container {name} holds {layers:?}");
+            // Its propagation unchanged: a slave of the (new) source for
+            // HostToContainer, private for None, never a peer.
+            let slave = layers[0].propagation.contains("master:");
+            assert_eq!(slave, watched.receives_host_mounts, "cycle {cycle}: container {name}: {layers:?}");
+            assert!(!layers[0].propagation.contains("shared:"), "cycle {cycle}: container {name}: {layers:?}");
         }
-        scenario::wait_for("the dead FUSE connections to go", HEAL_TIMEOUT, || {
+        // Minors are reused once free: the current connection may have the
+        // number of an earlier dead one (which was then gone already).
+        let current = self.source_minor();
+        scenario::wait_for("the dead FUSE connection to go", HEAL_TIMEOUT, || {
             let alive = runc::fuse_connections(&self.sandbox.outside_path(&self.fusectl));
-            dead_minors.iter().all(|minor| !alive.contains(minor))
+            dead_minor == current || !alive.contains(&dead_minor)
         })
         .unwrap_or_else(|err| {
             let alive = runc::fuse_connections(&self.sandbox.outside_path(&self.fusectl));
-            panic!("cycle {cycle}: {err}: dead {dead_minors:?}, alive {alive:?}")
+            panic!("cycle {cycle}: {err}: dead {dead_minor}, current {current}, alive {alive:?}")
         });
     }
 }
@@ -202,15 +221,21 @@ fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
     node.start_supervisor();
     let host_baseline = node.host_mounts();
 
-    let mut dead_minors = Vec::new();
     for cycle in 1..=cycles {
-        dead_minors.push(node.source_minor());
+        node.daemon_watched();
+        let dead_minor = node.source_minor();
         node.source.crash().expect("crash the daemon");
         node.all_fail(cycle);
         node.source.restart(&node.sandbox, restart).expect("restart the daemon");
         node.all_read(cycle);
-        node.settled(cycle, host_baseline, &dead_minors);
+        node.settled(cycle, host_baseline, dead_minor);
     }
+    // Each of them by the in-namespace heal, every cycle, as reported.
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let replaced = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="replaced"}"#).unwrap();
+    assert_eq!(replaced, Some((cycles * node.containers.len()) as f64));
+    let healed = supervisor.log().iter().filter(|line| line.contains("\"container healed\"")).count();
+    assert_eq!(healed, cycles * node.containers.len());
     // Once read again, a container never failed again in the same cycle:
     // no read of a dead layer after a good one.
     for watched in &node.containers {
@@ -227,7 +252,6 @@ fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
 }
 
 #[test]
-#[ignore = "fails on today's heal by propagation: the None containers are never healed, and the others keep a dead layer per crash; un-ignored with the in-namespace heal"]
 fn every_runc_container_heals_with_one_layer_after_bindfs_restarts() {
     every_container_heals(Daemon::Bindfs, Restart::UnmountThenMount, 10);
 }

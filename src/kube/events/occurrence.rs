@@ -170,7 +170,8 @@ impl Occurrence {
             | Report::Scanned(_)
             | Report::KubeletAnswered { .. }
             | Report::DaemonDied { .. }
-            | Report::ProcessEvent { .. } => return None,
+            | Report::ProcessEvent { .. }
+            | Report::ContainerHealed { .. } => return None,
         };
         Some(Occurrence { reason, regarding, note, at })
     }
