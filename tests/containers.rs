@@ -41,6 +41,7 @@ struct Node {
     source: FuseSource,
     runc: Runc,
     fusectl: PathBuf,
+    restart: Restart,
     sandbox: Sandbox,
 }
 
@@ -53,7 +54,7 @@ fn table_of(container: &RuncContainer) -> BTreeMap<(PathBuf, String), usize> {
 }
 
 impl Node {
-    fn new(daemon: Daemon) -> Node {
+    fn new(daemon: Daemon, restart: Restart) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
         let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
         let runc = Runc::new(&sandbox).expect("runc image");
@@ -62,7 +63,7 @@ impl Node {
         sandbox
             .run(move || std::fs::create_dir_all(&at).and_then(|()| fuse_supervisor_sys::mount::mount_fusectl(&at)))
             .expect("mount fusectl in the sandbox");
-        Node { containers: Vec::new(), supervisor: None, source, runc, fusectl, sandbox }
+        Node { containers: Vec::new(), supervisor: None, source, runc, fusectl, restart, sandbox }
     }
 
     /// A pod whose volume (its whole target) a container mounts with `propagation`.
@@ -110,8 +111,15 @@ impl Node {
         self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
     }
 
+    /// The host's mounts: all of the sandbox's, or, after a restart over
+    /// the stale mount, the kubelet tree's only: the daemon's own dead mount
+    /// stays under its new one at the source (left alone, a README limit),
+    /// and that one pins its dead connection.
     fn host_mounts(&self) -> usize {
-        self.sandbox.count_mounts_under(self.sandbox.root())
+        match self.restart {
+            Restart::UnmountThenMount => self.sandbox.count_mounts_under(self.sandbox.root()),
+            Restart::MountOverStale => self.sandbox.count_mounts_under(&self.sandbox.kubelet_root()),
+        }
     }
 
     fn expected(&self, watched: &Watched) -> String {
@@ -143,9 +151,11 @@ impl Node {
     fn source_minor(&self) -> u32 {
         let ids = scenario::fuse_mount_ids_at(&self.sandbox, &self.source.path);
         let table = self.sandbox.mountinfo();
+        // The last at the path is the top one (a restart over the stale
+        // mount leaves the dead one under it).
         let line = table
             .lines()
-            .find(|line| line.split(' ').next().and_then(|id| id.parse().ok()).is_some_and(|id| ids.contains(&id)))
+            .rfind(|line| line.split(' ').next().and_then(|id| id.parse().ok()).is_some_and(|id| ids.contains(&id)))
             .expect("the source is mounted");
         let device = line.split(' ').nth(2).expect("a device field");
         device.split_once(':').and_then(|(_, minor)| minor.parse().ok()).expect("major:minor")
@@ -180,6 +190,9 @@ impl Node {
         // Minors are reused once free: the current connection may have the
         // number of an earlier dead one (which was then gone already).
         let current = self.source_minor();
+        if self.restart == Restart::MountOverStale {
+            return;
+        }
         scenario::wait_for("the dead FUSE connection to go", HEAL_TIMEOUT, || {
             let alive = runc::fuse_connections(&self.sandbox.outside_path(&self.fusectl));
             dead_minor == current || !alive.contains(&dead_minor)
@@ -212,7 +225,7 @@ impl Drop for Node {
 /// again and holds exactly one layer at its volume; the host is flat; no
 /// dead connection is left in the kernel.
 fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
-    let mut node = Node::new(daemon);
+    let mut node = Node::new(daemon, restart);
     node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
     node.add_volume_container("none", VolumePropagation::None);
     node.add_subpath_container("subpath-host-to-container", VolumePropagation::HostToContainer);
@@ -256,11 +269,56 @@ fn every_runc_container_heals_with_one_layer_after_bindfs_restarts() {
     every_container_heals(Daemon::Bindfs, Restart::UnmountThenMount, 10);
 }
 
+#[test]
+fn every_runc_container_heals_with_one_layer_after_demofs_mounts_over_its_stale_mount() {
+    every_container_heals(Daemon::DemoFs, Restart::MountOverStale, 10);
+}
+
+/// After a heal, a HostToContainer container still receives what the host
+/// mounts under the pod's volume (its new mount is a slave of the source),
+/// and a None container still does not.
+#[test]
+fn a_healed_host_to_container_volume_still_receives_host_mounts() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+    node.daemon_watched();
+    let dead_minor = node.source_minor();
+    node.source.crash().expect("crash the daemon");
+    node.all_fail(1);
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    node.all_read(1);
+    node.settled(1, host_baseline, dead_minor);
+
+    // The host mounts a tmpfs on the volume's subdirectory of the first pod.
+    let under = node.sandbox.pod_volume_dir("host-to-container", "data").join(SUBDIR);
+    node.sandbox.run(move || fuse_supervisor_sys::mount::mount_tmpfs(&under)).expect("mount under the pod's volume");
+    let sub = Path::new(runc::VOLUME_IN_CONTAINER).join(SUBDIR);
+    let tmpfs_at_sub = |watched: &Watched| {
+        let mounts = watched.container.mounts_at(&sub).expect("the container's mount table");
+        mounts.iter().any(|mount| mount.fs_type == "tmpfs")
+    };
+    scenario::wait_for("the host's mount in the HostToContainer container", HEAL_TIMEOUT, || {
+        tmpfs_at_sub(&node.containers[0])
+    })
+    .unwrap_or_else(|err| {
+        panic!(
+            "{err}:
+{}",
+            node.containers[0].container.mountinfo().unwrap_or_default()
+        )
+    });
+    assert!(!tmpfs_at_sub(&node.containers[1]), "the None container received a host mount");
+}
+
 /// The test bed itself: a container reads its volume through runc, `runc
 /// exec` reads it too, and its table shows the bind with its propagation.
 #[test]
 fn a_runc_container_mounts_the_pod_target_with_its_propagation() {
-    let mut node = Node::new(Daemon::Bindfs);
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
     node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
     node.add_volume_container("none", VolumePropagation::None);
     node.all_read(0);
