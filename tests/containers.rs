@@ -336,3 +336,89 @@ fn a_runc_container_mounts_the_pod_target_with_its_propagation() {
         assert_ne!(container.namespace_inode().ok(), host_ns.ok(), "a namespace of its own");
     }
 }
+
+/// A container controls its own tree: one that mounts over its volume
+/// while the daemon is down gets nothing mounted by the heal (its mount
+/// point is no longer the recorded dead mount), and the refusal is reported;
+/// the other container is healed as usual.
+#[test]
+fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("tampering", VolumePropagation::None);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    node.daemon_watched();
+    node.source.crash().expect("crash the daemon");
+    node.all_fail(1);
+    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    let tampering = &node.containers[0].container;
+    tampering
+        .exec_with_sys_admin(&["mount", "-t", "tmpfs", "tmpfs", runc::VOLUME_IN_CONTAINER])
+        .expect("mount over the volume");
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+
+    let healthy = &node.containers[1];
+    let expected = node.source.expected_content();
+    healthy.container.wait_until(HEAL_TIMEOUT, |seen| seen.content() == Some(expected.as_str())).unwrap();
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let refused = |line: &str| line.contains("\"container heal failed\"") && line.contains("changed");
+    supervisor.wait_for_log(HEAL_TIMEOUT, refused).unwrap();
+    let failed = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="failed"}"#).unwrap();
+    assert_eq!(failed, Some(1.0));
+    // Its own tmpfs on top, the dead mount under it, nothing live: the heal
+    // mounted nothing in its tree.
+    let layers = tampering.volume_mounts().expect("the container's mount table");
+    let kinds: Vec<&str> = layers.iter().map(|mount| mount.fs_type.as_str()).collect();
+    assert_eq!(kinds, ["fuse", "tmpfs"], "{layers:?}");
+    let live = healthy.container.volume_mounts().expect("the other container's mount table");
+    assert_ne!(layers[0].device, live[0].device, "the FUSE layer under the tmpfs is the dead one: {layers:?}");
+}
+
+/// Not only pods' containers: any process that unshared its own mount
+/// namespace with a copy of a target pins the dead connection as much, and
+/// is healed the same way (here the fast tier's container model, a plain
+/// process whose copy is a slave of the target).
+#[test]
+fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    let target = node.source.bind_volume(&node.sandbox, "plain", "data").expect("bind volume");
+    let reader = fuse_supervisor::testbed::ContainerReader::spawn(
+        &node.sandbox,
+        Path::new(BINARY),
+        "plain",
+        &target,
+        Path::new(DATA_FILE),
+    )
+    .expect("reader");
+    let volume = fuse_supervisor::testbed::ContainerReader::volume_in_container(
+        &fuse_supervisor::testbed::container::ContainerOptions {
+            volume: target.clone(),
+            rootfs: node.sandbox.root().join("containers/plain/rootfs"),
+            hide: Vec::new(),
+            read: DATA_FILE.into(),
+            interval: READ_INTERVAL,
+        },
+    );
+    let fuse_layers = || {
+        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", reader.child().pid())).unwrap_or_default();
+        table
+            .lines()
+            .filter(|line| line.split(' ').nth(4) == volume.to_str() && line.contains(" - fuse"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(fuse_layers().len(), 1);
+    node.start_supervisor();
+    for cycle in 1..=3 {
+        node.daemon_watched();
+        node.source.crash().expect("crash the daemon");
+        reader.wait_until(HEAL_TIMEOUT, |seen| seen.error().is_some()).expect("the reader sees the crash");
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+        let expected = node.source.expected_content();
+        reader.wait_until(HEAL_TIMEOUT, |seen| seen.content() == Some(expected.as_str())).expect("reads again");
+        scenario::wait_for("one layer in the process's namespace", HEAL_TIMEOUT, || fuse_layers().len() == 1)
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}: {:?}", fuse_layers()));
+    }
+}

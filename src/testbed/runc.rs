@@ -41,6 +41,25 @@ pub const VOLUME_IN_CONTAINER: &str = "/volume";
 /// A line the reader prints every second so that a closed pipe ends it.
 const HEARTBEAT: &str = "#";
 
+/// The capabilities containerd gives a container by default: no
+/// `CAP_SYS_ADMIN`, so no mount calls.
+const DEFAULT_CAPABILITIES: [&str; 14] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
 static NEXT_CONTAINER: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Debug, thiserror::Error)]
@@ -280,6 +299,12 @@ done"#,
             "args": ["/bin/sh", "-c", script],
             "env": ["PATH=/bin"],
             "cwd": "/",
+            // A pod's default set; `runc exec --cap` needs the section.
+            "capabilities": {
+                "bounding": DEFAULT_CAPABILITIES,
+                "effective": DEFAULT_CAPABILITIES,
+                "permitted": DEFAULT_CAPABILITIES,
+            },
         },
         "root": {"path": image, "readonly": true},
         "hostname": spec.name,
@@ -362,6 +387,14 @@ impl RuncContainer {
     /// `runc exec <id> <args>`: its output, or the error with its stderr.
     pub fn exec(&self, args: &[&str]) -> Result<Output, RuncError> {
         let mut full = vec!["exec", self.id.as_str()];
+        full.extend_from_slice(args);
+        self.runc.run(&full)
+    }
+
+    /// [`RuncContainer::exec`] with `CAP_SYS_ADMIN` (mount calls): a
+    /// tenant tampering with its own tree.
+    pub fn exec_with_sys_admin(&self, args: &[&str]) -> Result<Output, RuncError> {
+        let mut full = vec!["exec", "--cap", "CAP_SYS_ADMIN", self.id.as_str()];
         full.extend_from_slice(args);
         self.runc.run(&full)
     }
