@@ -5,11 +5,13 @@ use std::time::{Duration, Instant};
 
 use tracing::error;
 
-use super::{KubeletClient, KubeletError, PodList};
+use std::sync::Arc;
+
+use super::{Kubelet, KubeletError, PodList};
 
 /// One `/pods` call and how long it took.
 pub struct Answer {
-    pub pods: Result<PodList, KubeletError>,
+    pub pods: Result<Arc<PodList>, KubeletError>,
     pub took: Duration,
 }
 
@@ -27,12 +29,12 @@ pub struct Asker {
 impl Asker {
     /// Starts the thread; every answer is passed to `deliver`, which
     /// returns false when nobody listens any more.
-    pub fn spawn(client: KubeletClient, deliver: impl Fn(Answer) -> bool + Send + 'static) -> io::Result<Self> {
+    pub fn spawn(kubelet: Kubelet, deliver: impl Fn(Answer) -> bool + Send + 'static) -> io::Result<Self> {
         let (requests, inbox) = mpsc::channel::<()>();
         std::thread::Builder::new().name("kubelet".into()).spawn(move || {
             while inbox.recv().is_ok() {
                 let started = Instant::now();
-                let pods = client.pods();
+                let pods = kubelet.pods();
                 if !deliver(Answer { pods, took: started.elapsed() }) {
                     return;
                 }

@@ -7,6 +7,7 @@
 //! target's own pod that mounts with Bidirectional propagation.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::kube::KubeletError;
@@ -162,7 +163,7 @@ impl Confirmations {
     /// seen, the owner last confirmed).
     pub fn answered(
         &mut self,
-        pods: &Result<PodList, KubeletError>,
+        pods: &Result<Arc<PodList>, KubeletError>,
         journal: &Journal,
         now: Instant,
     ) -> Vec<(PathBuf, Decision)> {
@@ -524,11 +525,11 @@ mod tests {
     const GRACE: Duration = Duration::from_secs(10);
 
     /// An error that repeats until the configuration changes.
-    fn refused_by_kubelet() -> Result<PodList, KubeletError> {
+    fn refused_by_kubelet() -> Result<Arc<PodList>, KubeletError> {
         Err(KubeletError::Unauthorized { addr: "127.0.0.1:10250".into(), token_file: None })
     }
 
-    fn timed_out() -> Result<PodList, KubeletError> {
+    fn timed_out() -> Result<Arc<PodList>, KubeletError> {
         Err(KubeletError::Timeout {
             addr: "127.0.0.1:10250".into(),
             phase: crate::kube::TimeoutPhase::Connect,
@@ -553,7 +554,7 @@ mod tests {
         let mut confirmations = Confirmations::new(GRACE);
         assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Ask { first: true });
         assert_eq!(gate(&mut confirmations, 2, true, now), Gate::Wait, "the call on its way serves it");
-        let decided = confirmations.answered(&Ok(pods(200, "containerd://new", None)), &journal(), now);
+        let decided = confirmations.answered(&Ok(Arc::new(pods(200, "containerd://new", None))), &journal(), now);
         assert!(matches!(&decided[..], [(_, Decision::Restarted(owner))] if owner.pod == "juicefs-mount"));
         assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Heal);
         assert_eq!(confirmations.next_deadline(), None);
@@ -564,7 +565,7 @@ mod tests {
         let now = Instant::now();
         let mut confirmations = Confirmations::new(GRACE);
         gate(&mut confirmations, 2, false, now);
-        let not_yet = Ok(pods(50, "containerd://old", None));
+        let not_yet = Ok(Arc::new(pods(50, "containerd://old", None)));
         let decided = confirmations.answered(&not_yet, &journal(), now);
         let [(_, Decision::NotYet { first: true, recheck_in, .. })] = &decided[..] else { panic!("{decided:?}") };
         assert_eq!(confirmations.next_deadline(), Some(now + *recheck_in));

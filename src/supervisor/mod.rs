@@ -20,7 +20,7 @@ use crate::heal::probe::{ProbeReport, Prober};
 use crate::heal::{Executor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kube::Answer;
-use crate::kube::KubeletConfig;
+use crate::kube::Kubelet;
 use crate::model::mountinfo::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter, TargetState};
 use crate::model::table::{Classified, Dev, Layout, Snapshot};
@@ -85,7 +85,7 @@ pub struct Config {
 /// How restarts are confirmed with the kubelet.
 #[derive(Debug, Clone)]
 pub struct KubeletConfirmation {
-    pub client: KubeletConfig,
+    pub kubelet: Kubelet,
     /// How long an unreachable or failing kubelet may delay a heal before
     /// it goes ahead on mount evidence alone.
     pub grace: Duration,

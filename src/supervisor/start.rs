@@ -15,7 +15,6 @@ use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
 use crate::kube::Asker;
-use crate::kube::KubeletClient;
 use crate::model::mountinfo::{MountInfoReader, TableSource};
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
@@ -44,10 +43,11 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // container's, not the host's.
     let asker = match &config.kubelet {
         Some(kubelet) => {
-            let client = KubeletClient::new(kubelet.client.clone())?;
+            kubelet.kubelet.load()?;
             let events = events.clone();
-            let asker = Asker::spawn(client, move |answer| events.send(Event::Kubelet(answer)).is_ok())
-                .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
+            let asker =
+                Asker::spawn(kubelet.kubelet.clone(), move |answer| events.send(Event::Kubelet(answer)).is_ok())
+                    .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
             Some((asker, kubelet.grace))
         }
         None => {

@@ -105,7 +105,7 @@ impl JobArgs {
             (PathBuf::from("/proc"), node.mount_namespace.clone(), watcher)
         };
         Ok(Some(job::JobConfig {
-            kubelet: kubelet.client.clone(),
+            kubelet: kubelet.kubelet.clone(),
             scope,
             grace: self.job_grace,
             watcher,
