@@ -44,6 +44,10 @@ pub enum Report<'a> {
     /// `exited`, `exec` (a search for a missing daemon), `lost` (events
     /// dropped, all daemons searched again) or `failed`.
     ProcessEvent { kind: &'static str },
+    /// A mount of a dead connection in another namespace (a container) was
+    /// dealt with after the host heal of `source`: `result` is `replaced`
+    /// (one live layer left), `stacked` (the dead one under it) or `failed`.
+    ContainerHealed { source: &'a Path, result: &'static str },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

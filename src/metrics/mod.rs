@@ -128,6 +128,8 @@ metrics! {
         "From the start of the outage (the daemon's death when it was seen, else the target first seen broken) to healed";
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
         "Stale mount layers removed from under healed targets";
+    container_heals: Family<ResultLabel, Counter> = Family::default(), "container_heals",
+        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), failed";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",
@@ -242,6 +244,9 @@ impl Reporter for Metrics {
                 self.stale_layers_removed.inc_by(heal.layers_removed as u64);
             }
             Report::HealFailed { .. } => self.heal("failed"),
+            Report::ContainerHealed { result, .. } => {
+                self.container_heals.get_or_create(&ResultLabel { result }).inc();
+            }
             Report::DaemonDied { .. } => {
                 self.daemon_deaths.inc();
             }

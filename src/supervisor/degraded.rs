@@ -16,7 +16,7 @@ use crate::heal::{Executor, Prepared};
 use crate::model::state::{DaemonDeath, TargetState};
 use crate::model::table::{Classified, Dev};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
-use crate::report::{Report, TargetEvent};
+use crate::report::{Report, TargetEvent, error_chain};
 use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
 use crate::watch::processes::{Detection, ProcessEvent};
 
@@ -203,6 +203,8 @@ impl<E: Executor> Supervisor<E> {
         }
         // First, before a new mount can cover them.
         self.hold_stale_layers(&targets, dev);
+        // Then the containers' copies, before the host heal can propagate onto them.
+        self.isolate_containers(dev);
         info!(
             source = %source.display(),
             connection = %dev,
@@ -247,6 +249,22 @@ impl<E: Executor> Supervisor<E> {
             })
             .collect();
         self.executor.prepare(batch, held)
+    }
+
+    /// Makes the dead connection's mounts in containers private (see
+    /// [`crate::heal::containers`]) and says how many there were.
+    fn isolate_containers(&mut self, dev: Dev) {
+        let Some(isolated) = self.executor.isolate_containers(dev) else { return };
+        for (foreign, err) in &isolated.failed {
+            warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");
+        }
+        info!(
+            connection = %dev,
+            namespaces = isolated.namespaces,
+            mounts = isolated.mounts,
+            failed = isolated.failed.len(),
+            "containers' dead mounts isolated"
+        );
     }
 
     /// Takes a handle on each target's top while it is still the dead

@@ -128,6 +128,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     );
     supervisor.table_watch = Some(table_watch);
     supervisor.serve(&inbox, shutdown);
+    // No heal follows: background work waiting for one to end (the search
+    // for daemons, which dropping the supervisor joins) must not wait forever.
+    supervisor.heal_window.close(false);
     // What changed last is written before the writer stops.
     supervisor.save_state();
     drop(supervisor);

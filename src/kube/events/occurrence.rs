@@ -192,7 +192,8 @@ impl Occurrence {
             | Report::KubeletAnswered { .. }
             | Report::DaemonDied { .. }
             | Report::DeadSourceDetached { owner: None, .. }
-            | Report::ProcessEvent { .. } => return None,
+            | Report::ProcessEvent { .. }
+            | Report::ContainerHealed { .. } => return None,
         };
         Some(Occurrence { reason, regarding, note, at })
     }
