@@ -253,7 +253,7 @@ impl<E: Executor> Supervisor<E> {
 
     /// Makes the dead connection's mounts in containers private (see
     /// [`crate::heal::containers`]) and says how many there were.
-    fn isolate_containers(&mut self, dev: Dev) {
+    pub(super) fn isolate_containers(&mut self, dev: Dev) {
         let Some(isolated) = self.executor.isolate_containers(dev) else { return };
         for (foreign, err) in &isolated.failed {
             warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");

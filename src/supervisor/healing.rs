@@ -66,6 +66,13 @@ impl<E: Executor> Supervisor<E> {
             .filter_map(|target| self.journal.get(&target.path).map(|mapping| mapping.dev))
             .filter(|dev| *dev != new_dev)
             .collect();
+        // Their mounts in containers are isolated when the daemon's death
+        // is seen; a death not seen yet (the process event came after the
+        // new mount, on a loaded node) is isolated now, before the host
+        // heal stacks onto targets whose slaves they are.
+        for dev in &dead {
+            self.isolate_containers(*dev);
+        }
         let outcomes = self.executor.heal(batch, prepared, handles);
         if let Some(watch) = &self.table_watch {
             // Reported as one change, so that a rescan follows even if the
