@@ -160,9 +160,13 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
     assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
     world.wait_for_target_state("degraded");
     let target = world.target.display().to_string();
+    // The state file is written once the loop is idle: shortly after.
+    let target_row = |status: &str| status.lines().find(|line| line.contains(&target)).map(str::to_owned);
+    wait_for("status shows the target degraded", TIMEOUT, || {
+        target_row(&world.status()).is_some_and(|row| row.starts_with("degraded "))
+    })
+    .unwrap();
     let status = world.status();
-    let row = status.lines().find(|line| line.contains(&target)).expect("the target in status");
-    assert!(row.starts_with("degraded "), "{status}");
     assert!(status.contains(&format!("DEGRADED: daemon pid {pid} died")), "{status}");
     world.reader().wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
 
