@@ -178,7 +178,9 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
     let outage_ms = field(&healed, "outage_ms").as_u64().expect("outage in the heal line");
     let latency_us = field(&healed, "latency_us").as_u64().expect("latency in the heal line");
     assert!(outage_ms >= 300, "outage {outage_ms} ms should start at the death: {healed}");
-    assert!(u128::from(outage_ms) <= killed.elapsed().as_millis(), "{healed}");
+    // The outage is on the wall clock (it is reported), `killed` on the
+    // monotonic one: a few milliseconds of slack for their drift.
+    assert!(u128::from(outage_ms) <= killed.elapsed().as_millis() + 5, "{healed}");
     assert!(latency_us < outage_ms * 1000, "latency runs from the new mount: {healed}");
     assert!(!world.status().contains("DEGRADED"), "a replaced source is no longer degraded");
 }
