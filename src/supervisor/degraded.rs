@@ -5,6 +5,7 @@
 //! covers it on every root-level target) does not leave it unreachable.
 //! A death is retracted when the discovery that follows it finds another
 //! process holding the connection: the targets are healthy again.
+use std::collections::BTreeSet;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -139,6 +140,14 @@ impl<E: Executor> Supervisor<E> {
     /// deleted pod's unmount of its target is never held up by one.
     fn death_confirmed(&mut self, Death { source, dev }: Death) {
         if !self.daemons.as_ref().is_some_and(Daemons::detaches_dead_sources) {
+            return;
+        }
+        // Only the death still recorded: a verdict that comes after the new
+        // mount was seen is about a connection already replaced (and whose
+        // device number a new connection may have taken since).
+        let recorded = self.journal.source(&source).and_then(|record| record.daemon_died);
+        if recorded.is_none_or(|death| death.dev != dev) {
+            debug!(source = %source.display(), connection = %dev, "death settled before its verdict; nothing to detach");
             return;
         }
         match self.executor.detach_dead_source(&source, dev) {
@@ -342,8 +351,17 @@ impl<E: Executor> Supervisor<E> {
                     .then(|| (TargetHeal::of(path, target, mapping), mapping.source.clone()))
             })
             .collect();
+        let mut containers_of = BTreeSet::new();
         for (heal, source) in covered {
             let Some(held) = self.held.remove(&heal.path) else { continue };
+            // The covered layer is the dead connection's (the mapping may
+            // already name the new one).
+            let covered = classified.targets.get(&heal.path).and_then(|target| {
+                target.stack.layers.iter().find(|layer| layer.mount_id == held.mount_id).map(|layer| layer.dev)
+            });
+            if let Some(dead) = covered {
+                containers_of.insert((source.clone(), dead));
+            }
             let result = self.executor.flatten_covered(&heal, held.fd);
             let record =
                 self.records.entry(heal.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
@@ -372,6 +390,15 @@ impl<E: Executor> Supervisor<E> {
             if let Some(record) = self.records.get_mut(&heal.path) {
                 record.broken_since = None;
             }
+            if let Some(stack) = classified.sources.get(&source) {
+                self.count_source_heal(&source, stack.top().dev);
+            }
+        }
+        // The containers' copies were isolated at the death: nothing
+        // propagated onto them.
+        for (source, dead) in containers_of {
+            let Some(stack) = classified.sources.get(&source) else { continue };
+            self.heal_containers(&BTreeSet::from([dead]), &source, stack.top());
         }
     }
 
@@ -395,6 +422,14 @@ impl<E: Executor> Supervisor<E> {
             // Aborted: nothing will ever serve the connection again.
             self.death_confirmed(Death { source, dev });
         }
+    }
+
+    /// Whether a seen death's new mount is expected any moment: while its
+    /// stale layers are held, or (let go when the dead source was detached)
+    /// for as long as they would have been.
+    pub(super) fn restart_expected(&self) -> bool {
+        let recent = |death: &DaemonDeath| death.at.elapsed().is_ok_and(|age| age < HOLD_STALE_FOR);
+        !self.held.is_empty() || self.journal.deaths().any(|(_, death)| recent(death))
     }
 
     /// Drops the handle on a target (healed, or its pod gone).

@@ -19,6 +19,7 @@ use crate::model::mountinfo::{MountInfoReader, TableSource};
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
 use crate::plan::confirm::Confirmations;
+use crate::plan::flapping::Flapping;
 use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
@@ -246,6 +247,7 @@ impl<E: Executor> Supervisor<E> {
             polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             held: BTreeMap::new(),
+            flapping: Flapping::new(config.daemons.flapping),
             state_dirty: false,
             state_writer: None,
             table_watch: None,
