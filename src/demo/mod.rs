@@ -34,6 +34,10 @@ const SOURCE_NAME: &str = "shared-data";
 const VOLUME: &str = "shared-data";
 /// How long the supervisor gets to go quiet after the containers recovered.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the demo waits for the supervisor to detach a dead daemon's
+/// mount before it restarts the daemon anyway (with the process watcher
+/// off, nothing is detached).
+const DETACH_WAIT: Duration = Duration::from_secs(2);
 /// How often long waits look at the interrupt flag.
 const INTERRUPT_CHECK: Duration = Duration::from_millis(100);
 
@@ -398,9 +402,23 @@ impl<'a> Demo<'a> {
         }
         self.say(timeline.take())?;
 
+        // The supervisor detaches the dead daemon's own mount once nobody
+        // holds its connection, milliseconds after the death: a pod's
+        // restart takes longer than that.
+        let detached = |line: &str| line.contains("\"message\":\"dead source detached");
+        if self.supervisor().wait_for_lines(DETACH_WAIT, log_mark, 1, detached).is_ok() {
+            let log = self.supervisor().log();
+            let line = log.iter().skip(log_mark).find(|line| detached(line));
+            let at = line.and_then(|line| LogEntry::parse(line)).and_then(|entry| entry.at);
+            timeline
+                .add(at.unwrap_or_else(SystemTime::now), "the supervisor detached the dead global mount".to_owned());
+            self.say(timeline.take())?;
+        }
+
         // Phase 2: the daemon comes back; the supervisor (or the kernel) heals.
         self.interrupt.check()?;
         let restarting_at = SystemTime::now();
+        let detached_before = self.supervisor().log().iter().skip(log_mark).any(|line| detached(line));
         let mounted_at = self.restart(style)?;
         // An earlier mount-over-stale restart leaves a stale layer under the
         // global mount that unmounting the top does not remove: the new
@@ -410,7 +428,12 @@ impl<'a> Demo<'a> {
         timeline.add(
             restarting_at,
             match style {
-                Restart::MountOverStale => "new daemon starting; it mounts over the stale global mount".to_owned(),
+                Restart::MountOverStale if global_layers > 1 || !detached_before => {
+                    "new daemon starting; it mounts over the stale global mount".to_owned()
+                }
+                Restart::MountOverStale => {
+                    "new daemon starting; it would mount over the stale global mount, but that was detached".to_owned()
+                }
                 Restart::UnmountThenMount => "stale global mount unmounted; new daemon starting".to_owned(),
                 Restart::InPlace => "new daemon starting on its mount point".to_owned(),
             },
