@@ -5,7 +5,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::kubelet::{KubeletClient, KubeletConfig, KubeletTls, PodList};
+use fuse_supervisor::kube::{KubeletClient, KubeletConfig, KubeletTls, PodList};
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, full_node_pods};
 
 const SAMPLES: usize = 300;

@@ -26,11 +26,11 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::process_watch::{
-    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
-};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
+use fuse_supervisor::watch::processes::{
+    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
+};
 
 #[allow(dead_code)]
 mod common;

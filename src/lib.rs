@@ -1,33 +1,29 @@
 //! fuse-supervisor: heals the FUSE bind mounts of Kubernetes pods when the
 //! FUSE daemon behind them restarts.
+//!
+//! The folders are the layers, each using only those listed after it:
+//! the CLI (`src/bin/`) starts a [`supervisor`] (node mode) or a [`sidecar`],
+//! whose loop takes kernel events from [`watch`], decides with [`plan`] over
+//! the [`model`] of the mount table and the state file, carries the plan out
+//! through [`heal`], confirms with the kubelet and reports through [`kube`]
+//! (its API, Events, the Job lifecycle), [`metrics`] and [`report`]. Every
+//! system call is in the `fuse-supervisor-sys` crate.
 #![forbid(unsafe_code)]
 
-pub mod confirm;
-pub mod daemons;
 #[cfg(feature = "testbed")]
 pub mod demo;
 #[cfg(feature = "testbed")]
 pub mod demofs;
-pub mod events;
 pub mod heal;
 pub mod health;
-pub mod job;
-pub mod kubelet;
-pub mod layout;
-pub mod locate;
+pub mod kube;
 pub mod metrics;
-pub mod mountinfo;
+pub mod model;
 pub mod plan;
-pub mod pods;
-pub mod priority;
-pub mod probe;
-pub mod process_watch;
 pub mod report;
 pub mod sidecar;
-pub mod state;
 pub mod status;
 pub mod supervisor;
-pub mod table;
 #[cfg(feature = "testbed")]
 pub mod testbed;
 pub mod watch;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::heal::Healed;
-use crate::kubelet::KubeletError;
-use crate::state::Owner;
+use crate::kube::KubeletError;
+use crate::model::state::Owner;
 
 /// One thing that happened, borrowed from the loop for the call.
 #[derive(Debug)]

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::layout::SourceLayouts;
-use crate::locate::{self, VolDataCache};
+use crate::model::state::{DaemonDeath, Journal, Owner};
+use crate::model::table::{Classified, Dev, Layout, TargetKind};
+use crate::plan::layout::SourceLayouts;
+use crate::plan::locate::{self, VolDataCache};
 use crate::plan::{self, Assessment};
-use crate::state::{DaemonDeath, Journal, Owner};
-use crate::table::{Classified, Dev, Layout, TargetKind};
 
 #[derive(Debug, Serialize)]
 pub struct SourceRow {

@@ -12,7 +12,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fuse_supervisor::mountinfo::parse_table;
+use fuse_supervisor::model::mountinfo::parse_table;
 use fuse_supervisor::testbed::scenario::{self, DATA_FILE, FuseSource};
 use fuse_supervisor::testbed::{Sandbox, SandboxChild};
 use fuse_supervisor_sys::mount as sys_mount;

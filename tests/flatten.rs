@@ -6,12 +6,12 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use fuse_supervisor::heal::priority::HealPriority;
+use fuse_supervisor::heal::probe::SourceHandles;
 use fuse_supervisor::heal::{Executor, Healed, MountExecutor, Prepared};
+use fuse_supervisor::model::state::Journal;
+use fuse_supervisor::model::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::plan::{learn, plan};
-use fuse_supervisor::priority::HealPriority;
-use fuse_supervisor::probe::SourceHandles;
-use fuse_supervisor::state::Journal;
-use fuse_supervisor::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
 use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
 use fuse_supervisor_sys::resolve;

@@ -5,8 +5,8 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use fuse_supervisor::events::PodNames;
-use fuse_supervisor::kubelet::{
+use fuse_supervisor::kube::events::PodNames;
+use fuse_supervisor::kube::{
     KubeletAuthz, KubeletClient, KubeletConfig, KubeletError, KubeletTls, PodList, TimeoutPhase,
 };
 use fuse_supervisor::testbed::CapturedLogs;

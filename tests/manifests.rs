@@ -107,21 +107,21 @@ fn capabilities() -> Vec<Capability> {
             when: Started::heals,
             why: "opening /proc/1/ns/mnt or a container's /proc/PID/ns/mnt, and reading a FUSE daemon's \
                   /proc/PID/fd, are ptrace read checks on processes with more capabilities (sys/src/ns.rs, \
-                  src/daemons.rs, src/sidecar/scan.rs)",
+                  src/supervisor/daemons/, src/sidecar/scan.rs)",
         },
         Capability {
             name: "DAC_READ_SEARCH",
             required: true,
             when: Started::heals,
             why: "a heal opens a subPath's root inside the FUSE volume, whose directories may belong to the \
-                  application's user (src/heal.rs, src/sidecar/heal.rs)",
+                  application's user (src/heal/mod.rs, src/sidecar/heal.rs)",
         },
         Capability {
             name: "SYS_NICE",
             required: true,
             // The namespaces sidecar's loop has no heal priority.
             when: |started| started.in_host_namespace() && started.realtime_priority > 0,
-            why: "the heal path runs SCHED_FIFO at --realtime-priority (src/priority.rs, sys/src/process.rs)",
+            why: "the heal path runs SCHED_FIFO at --realtime-priority (src/heal/priority.rs, sys/src/process.rs)",
         },
         Capability {
             name: "NET_ADMIN",
@@ -134,7 +134,7 @@ fn capabilities() -> Vec<Capability> {
             required: false,
             when: |started| started.job_lifecycle,
             why: "the Job lifecycle signals FUSE daemons; one running as another user than root needs it \
-                  (src/job/lifecycle.rs)",
+                  (src/kube/job/lifecycle.rs)",
         },
     ]
 }
@@ -152,7 +152,7 @@ fn pod_fields() -> Vec<PodField> {
             field: "hostPID",
             when: Started::in_host_namespace,
             why: "the loop joins /proc/1/ns/mnt, the node's mount namespace only in the host's PID namespace, \
-                  and finds FUSE daemons in the host's /proc (src/supervisor.rs, src/daemons.rs)",
+                  and finds FUSE daemons in the host's /proc (src/supervisor/, src/supervisor/daemons/)",
         },
         PodField {
             field: "shareProcessNamespace",
@@ -199,7 +199,7 @@ fn api_calls() -> Vec<ApiCall> {
             when: |started| started.heals() && started.events,
             // A sidecar reports on its own pod; the node agent on any.
             own_namespace: sidecar,
-            code: "src/events/publisher.rs: creates Events, patches a series' count",
+            code: "src/kube/events/publisher.rs: creates Events, patches a series' count",
         },
         ApiCall {
             group: "",
@@ -207,7 +207,7 @@ fn api_calls() -> Vec<ApiCall> {
             verbs: &["get"],
             when: |started| started.heals() && started.kubelet_authz.as_deref() == Some("nodes-pods"),
             own_namespace: |_| false,
-            code: "src/kubelet/client.rs: GET /pods on the node's kubelet",
+            code: "src/kube/client.rs: GET /pods on the node's kubelet",
         },
         ApiCall {
             group: "",
@@ -215,7 +215,7 @@ fn api_calls() -> Vec<ApiCall> {
             verbs: &["get"],
             when: |started| started.heals() && started.kubelet_authz.as_deref() == Some("nodes-proxy"),
             own_namespace: |_| false,
-            code: "src/kubelet/client.rs: GET /pods, as kubelets before 1.33 authorize it",
+            code: "src/kube/client.rs: GET /pods, as kubelets before 1.33 authorize it",
         },
         ApiCall {
             group: "",

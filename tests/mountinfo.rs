@@ -7,7 +7,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use fuse_supervisor::mountinfo::{
+use fuse_supervisor::model::mountinfo::{
     Escaped, Field, MountInfo, MountInfoReader, ParseErrorKind, Propagation, parse_line, parse_lines, parse_table,
     parse_table_with, synthetic_table,
 };

@@ -10,13 +10,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::process_watch::fuse_server::{FuseServers, MatchedBy, MountDevice};
-use fuse_supervisor::process_watch::{
+use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
+use fuse_supervisor::testbed::{Sandbox, system};
+use fuse_supervisor::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
+use fuse_supervisor::watch::processes::{
     ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher,
 };
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
-use fuse_supervisor::testbed::{Sandbox, system};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);

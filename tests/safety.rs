@@ -3,11 +3,11 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
+use fuse_supervisor::heal::priority::HealPriority;
+use fuse_supervisor::heal::probe::SourceHandles;
 use fuse_supervisor::heal::{Executor, HealError, MountExecutor, Prepared};
+use fuse_supervisor::model::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor::plan::{HealBatch, TargetHeal};
-use fuse_supervisor::priority::HealPriority;
-use fuse_supervisor::probe::SourceHandles;
-use fuse_supervisor::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, fuse_mount_ids_at, layers_at};
 use fuse_supervisor_sys::resolve;

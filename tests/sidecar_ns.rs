@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use fuse_supervisor::table::Snapshot;
+use fuse_supervisor::model::table::Snapshot;
 use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::container::ContainerOptions;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};

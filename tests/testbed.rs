@@ -488,8 +488,8 @@ fn sandbox_run_resumes_panics_in_the_caller() {
 /// last read without reading.
 #[test]
 fn the_table_watcher_reports_once_per_burst_and_again_after_a_rearm() {
-    use fuse_supervisor::mountinfo::MountInfoReader;
-    use fuse_supervisor::watch::{MountWatcher, MountinfoWatcher, Wake};
+    use fuse_supervisor::model::mountinfo::MountInfoReader;
+    use fuse_supervisor::watch::mount_table::{MountWatcher, MountinfoWatcher, Wake};
     use fuse_supervisor_sys::poll::Waker;
 
     require_root();

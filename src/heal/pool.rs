@@ -11,8 +11,8 @@ use fuse_supervisor_sys::ns;
 use tracing::warn;
 
 use super::{HealError, Mounter};
+use crate::heal::priority::HealPriority;
 use crate::plan::TargetHeal;
-use crate::priority::HealPriority;
 
 /// At most this many threads flatten one batch: the loop thread and a
 /// pool of helpers. Each flatten waits in `umount2` for an expedited RCU

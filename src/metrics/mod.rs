@@ -279,7 +279,7 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     use super::*;
-    use crate::kubelet::{KubeletAuthz, KubeletError};
+    use crate::kube::{KubeletAuthz, KubeletError};
     use crate::report::{HealReport, TargetEvent};
 
     fn value(metrics: &Metrics, series: &str) -> Option<f64> {

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use fuse_supervisor_sys::{mount, ns, probe, resolve};
 
 use super::plan::SidecarHeal;
-use crate::table::{Dev, FuseMount};
+use crate::model::table::{Dev, FuseMount};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SidecarHealError {

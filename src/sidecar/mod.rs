@@ -14,7 +14,7 @@
 //!   ([`heal`]).
 //!
 //! Event-driven: `EPOLLPRI` on every namespace's mountinfo (one epoll for
-//! all of them, rather than a [`crate::watch::MountinfoWatcher`] thread per
+//! all of them, rather than a [`crate::watch::mount_table::MountinfoWatcher`] thread per
 //! container), daemon deaths from the pidfd watcher, and health pings. The
 //! only timer runs while a target is dead with nothing to heal it from yet:
 //! a FUSE container restarted with a new namespace mounts where no watched
@@ -37,10 +37,10 @@ use tracing::{debug, info, warn};
 
 use crate::heal::Healed;
 use crate::health::{Health, Pong};
-use crate::process_watch::fuse_server::FuseServerError;
-use crate::process_watch::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
 use crate::report::{HealReport, Report, Reporters, TargetEvent};
 use crate::supervisor::Shutdown;
+use crate::watch::processes::fuse_server::FuseServerError;
+use crate::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
 use heal::{HealNamespaces, SidecarHealError, SidecarHealed};
 use plan::{SidecarHeal, SidecarPlan};
 
@@ -286,7 +286,7 @@ impl Sidecar<'_> {
     /// and when each live source was.
     fn note_broken(&mut self, plan: &SidecarPlan) {
         let now = Instant::now();
-        let dead: Vec<(u64, &crate::table::FuseMount)> = plan
+        let dead: Vec<(u64, &crate::model::table::FuseMount)> = plan
             .heals
             .iter()
             .map(|heal| (heal.namespace, &heal.target))

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use crate::table::{Dev, FuseMount, root_within};
+use crate::model::table::{Dev, FuseMount, root_within};
 
 /// A mount namespace of the pod, as one scan saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,7 +128,7 @@ pub fn live_devices(namespaces: &[NamespaceView]) -> Vec<Dev> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::Snapshot;
+    use crate::model::table::Snapshot;
 
     /// The FUSE container: its daemon's new mount (0:77) over nothing, the
     /// old one gone.

@@ -18,9 +18,9 @@ use tracing::debug;
 
 use super::SidecarError;
 use super::plan::{NamespaceView, ObservedMount, Serving, SidecarHeal};
-use crate::process_watch::ProcessId;
-use crate::process_watch::fuse_server::{FuseServers, MountDevice};
-use crate::table::Snapshot;
+use crate::model::table::Snapshot;
+use crate::watch::processes::ProcessId;
+use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
 
 /// What one scan saw.
 #[derive(Debug, Default)]

@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::confirm::{self, Answer, Asker, Verdict};
 use crate::heal::Executor;
+use crate::model::table::TargetKind;
 use crate::plan::HealBatch;
+use crate::plan::confirm::{self, Answer, Asker, Verdict};
 use crate::report::Report;
-use crate::table::TargetKind;
 
 use super::Supervisor;
 

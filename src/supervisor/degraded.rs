@@ -12,13 +12,13 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
-use crate::daemons::{Aborted, DaemonEvent, Retraction};
 use crate::heal::{Executor, Prepared};
+use crate::model::state::{DaemonDeath, TargetState};
+use crate::model::table::{Classified, Dev};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
-use crate::process_watch::{Detection, ProcessEvent};
 use crate::report::{Report, TargetEvent};
-use crate::state::{DaemonDeath, TargetState};
-use crate::table::{Classified, Dev};
+use crate::supervisor::daemons::{Aborted, DaemonEvent, Retraction};
+use crate::watch::processes::{Detection, ProcessEvent};
 
 /// How long the stale layers of a dead daemon's targets are held. A held
 /// layer cannot be unmounted (the kubelet's unmount of a deleted pod's

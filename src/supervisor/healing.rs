@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 use tracing::{info, info_span, warn};
 
 use crate::heal::{Executor, Healed, Prepared};
+use crate::model::state::{Mapping, TargetState, retry_delay};
+use crate::model::table::Dev;
 use crate::plan::HealBatch;
 use crate::report::{HealReport, Report, TargetEvent, error_chain};
-use crate::state::{Mapping, TargetState, retry_delay};
-use crate::table::Dev;
 
 use super::{Event, Supervisor, TargetRecord};
 
@@ -38,7 +38,7 @@ impl<E: Executor> Supervisor<E> {
         &mut self,
         batch: &HealBatch,
         prepared: Prepared,
-        handles: &crate::probe::SourceHandles,
+        handles: &crate::heal::probe::SourceHandles,
         source_wait: Duration,
     ) {
         let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());

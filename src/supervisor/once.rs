@@ -7,12 +7,12 @@ use std::sync::mpsc;
 
 use fuse_supervisor_sys::ns;
 
+use crate::heal::probe::ProbeOutcome;
 use crate::heal::{Executor, Prepared};
-use crate::mountinfo::MountInfoReader;
+use crate::model::mountinfo::MountInfoReader;
+use crate::model::table::TargetKind;
 use crate::plan;
-use crate::probe::ProbeOutcome;
 use crate::report::error_chain;
-use crate::table::TargetKind;
 
 use super::{Config, Event, Supervisor, SupervisorError};
 

@@ -9,10 +9,10 @@ use fuse_supervisor_sys::{resolve, statmount};
 use tracing::{debug, error, info, warn};
 
 use crate::heal::Executor;
-use crate::mountinfo::is_fuse_type;
+use crate::heal::probe::{ProbeOutcome, ProbeReport};
+use crate::model::mountinfo::is_fuse_type;
+use crate::model::table::{Classified, Dev, Role};
 use crate::plan::{self, Assessment, HealBatch};
-use crate::probe::{ProbeOutcome, ProbeReport};
-use crate::table::{Classified, Dev, Role};
 
 use super::{Event, Supervisor};
 

@@ -11,18 +11,18 @@ use std::time::Instant;
 use fuse_supervisor_sys::ns;
 use tracing::{debug, error, info};
 
-use crate::confirm::Asker;
-use crate::daemons::Daemons;
+use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
+use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
-use crate::kubelet::KubeletClient;
-use crate::locate::VolDataCache;
-use crate::mountinfo::{MountInfoReader, TableSource};
-use crate::pods::PodWatcher;
-use crate::priority::{HealActivity, HealPriority, HealWindow};
-use crate::probe::Prober;
-use crate::state::{Journal, StateError, StateWriter};
-use crate::table::Layout;
-use crate::watch::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
+use crate::kube::KubeletClient;
+use crate::model::mountinfo::{MountInfoReader, TableSource};
+use crate::model::state::{Journal, StateError, StateWriter};
+use crate::model::table::Layout;
+use crate::plan::confirm::Asker;
+use crate::plan::locate::VolDataCache;
+use crate::supervisor::daemons::Daemons;
+use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
+use crate::watch::pods::PodWatcher;
 
 use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
 
@@ -84,7 +84,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
         // In the watched namespace now: the fanotify mark goes on this thread's.
         WatchMode::Events(wanted) => {
-            let (watcher, backend) = watch::event_watcher::<SupervisorError>(
+            let (watcher, backend) = mount_table::event_watcher::<SupervisorError>(
                 wanted,
                 || {
                     let namespace = ns::open_thread_mount_namespace()
@@ -145,12 +145,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
 /// Starts the Job lifecycle when configured; the supervisor stops once it
 /// has ended its pod's FUSE container (sidecar mode).
 pub fn start_job_lifecycle(
-    job: Option<&crate::job::JobConfig>,
+    job: Option<&crate::kube::job::JobConfig>,
     shutdown: &Shutdown,
-) -> Result<Option<crate::job::JobLifecycle>, crate::job::JobError> {
+) -> Result<Option<crate::kube::job::JobLifecycle>, crate::kube::job::JobError> {
     let Some(job) = job else { return Ok(None) };
     let done = shutdown.clone();
-    crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
+    crate::kube::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
 fn spawn_watcher(

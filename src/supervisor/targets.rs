@@ -7,12 +7,12 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use crate::heal::{Executor, Healed};
-use crate::locate::{self, Located};
+use crate::model::state::TargetState;
+use crate::model::table::{Classified, TargetKind};
+use crate::plan::locate::{self, Located};
 use crate::plan::{self, Assessment};
-use crate::pods::PodChange;
 use crate::report::{HealReport, Report, ScanCounts, TargetEvent};
-use crate::state::TargetState;
-use crate::table::{Classified, TargetKind};
+use crate::watch::pods::PodChange;
 
 use super::Supervisor;
 

@@ -9,16 +9,16 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::daemons::DaemonWatch;
+use crate::heal::priority::HealPriority;
+use crate::heal::probe::{ProbeOutcome, SourceHandles};
 use crate::heal::{Executor, HealError, Healed, Prepared, TargetOutcome};
-use crate::layout::SourceLayouts;
-use crate::mountinfo::TableSource;
+use crate::model::mountinfo::TableSource;
+use crate::model::state::TargetState;
+use crate::plan::layout::SourceLayouts;
 use crate::plan::{HealBatch, TargetHeal};
-use crate::priority::HealPriority;
-use crate::probe::{ProbeOutcome, SourceHandles};
 use crate::report::{Report, Reporter, Reporters};
-use crate::state::TargetState;
-use crate::watch::{TableEvents, WatchMode};
+use crate::supervisor::daemons::DaemonWatch;
+use crate::watch::mount_table::{TableEvents, WatchMode};
 
 use super::{Config, Event, Supervisor};
 

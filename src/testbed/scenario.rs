@@ -351,7 +351,7 @@ impl FuseSource {
         self.kill_successor()
     }
 
-    /// SIGSTOP: the mount stays and every access hangs until [`resume`].
+    /// SIGSTOP: the mount stays and every access hangs until [`resume`](Self::resume).
     pub fn stop(&self) -> Result<(), ScenarioError> {
         self.signal(Signal::Stop)
     }
@@ -428,7 +428,7 @@ pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {
 }
 
 fn fuse_mount_ids_in(table: &str, path: &Path) -> HashSet<u32> {
-    let Ok(snapshot) = crate::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
+    let Ok(snapshot) = crate::model::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
     snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.mount_id).collect()
 }
 

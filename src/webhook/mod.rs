@@ -10,7 +10,7 @@
 //! never touched. PVC → PV → driver comes from [`cache::VolumeCache`], fed
 //! by watches; an admission never calls the API server.
 //!
-//! Parts: [`policy`] (pure: pod → mounts to change), [`review`]
+//! Parts: [`policy`] (pure: pod → mounts to change), [`review`](mod@review)
 //! (AdmissionReview in and out), [`cache`], [`tls`] (certificates reloaded
 //! on change), [`server`] (HTTPS and metrics), [`metrics`].
 pub mod cache;

@@ -170,7 +170,7 @@ pub(crate) fn parse_period(text: &str) -> Result<Duration, String> {
 mod tests {
     use std::path::Path;
 
-    use fuse_supervisor::watch::{TableEvents, WatchMode};
+    use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
     use super::*;
 

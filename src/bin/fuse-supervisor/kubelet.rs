@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
-use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
-use fuse_supervisor::kubelet::{KubeletAuthz, KubeletConfig, KubeletTls};
+use fuse_supervisor::kube::events::{ApiServer, Events, EventsConfig, EventsError};
+use fuse_supervisor::kube::{KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::supervisor::KubeletConfirmation;
 
 use crate::cli::{OnOff, parse_duration};

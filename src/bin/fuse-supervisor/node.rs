@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use fuse_supervisor::daemons::DaemonWatch;
-use fuse_supervisor::layout::{self, SourceLayouts};
-use fuse_supervisor::priority::HealPriority;
+use fuse_supervisor::heal::priority::HealPriority;
+use fuse_supervisor::plan::layout::{self, SourceLayouts};
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::supervisor::Config;
-use fuse_supervisor::watch::{TableEvents, WatchMode};
+use fuse_supervisor::supervisor::daemons::DaemonWatch;
+use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::parse_duration;
 

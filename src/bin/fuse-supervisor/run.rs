@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
-use fuse_supervisor::daemons::{DaemonWatch, ProcessWatch};
-use fuse_supervisor::events::Events;
-use fuse_supervisor::job;
+use fuse_supervisor::kube::events::Events;
+use fuse_supervisor::kube::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::sidecar::{self, SidecarConfig};
+use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
-use fuse_supervisor::watch::{TableEvents, WatchMode};
+use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::{Listen, LogArgs, parse_duration, parse_listen, parse_period};
 use crate::kubelet::{EventsArgs, KubeletArgs};

@@ -3,9 +3,9 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::Context as _;
-use fuse_supervisor::state::Journal;
+use fuse_supervisor::model::state::Journal;
+use fuse_supervisor::model::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::status::Status;
-use fuse_supervisor::table::{Classified, Layout, Snapshot};
 
 use crate::node::NodeArgs;
 

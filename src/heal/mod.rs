@@ -1,0 +1,507 @@
+//! Carrying out a heal plan in the watched mount namespace.
+//!
+//! README, "How a heal works": stack the new source onto each stale
+//! target so running containers (slaves of the target's peer group) receive
+//! it, skip targets a previous stack already reached by propagation, then
+//! flatten so the host keeps exactly one layer per target. Every mount call
+//! goes through an fd that was resolved without symlinks (beneath the kubelet
+//! root, for everything under it) and checked to be, at that moment, the
+//! mount the plan recorded.
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use fuse_supervisor_sys::{mount, ns, resolve};
+use tracing::{debug, info};
+
+use crate::heal::priority::HealPriority;
+use crate::heal::probe::SourceHandles;
+use crate::model::table::Dev;
+use crate::plan::{HealBatch, TargetHeal};
+
+mod pool;
+pub mod priority;
+pub mod probe;
+
+use pool::{FLATTEN_THREADS, FlattenJob, FlattenPool, TARGETS_PER_FLATTEN_THREAD};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HealError {
+    #[error("target {path} is not an absolute path")]
+    NotAbsolute { path: PathBuf },
+    #[error("cannot resolve target {path} without symlinks")]
+    Resolve {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("target {path} changed since it was planned (mount {found}, planned {planned})")]
+    Changed { path: PathBuf, planned: u32, found: u32 },
+    #[error("no handle on {root} inside the source for target {path}")]
+    NoSourceRoot { path: PathBuf, root: PathBuf },
+    #[error("subdirectory {root} of the source cannot be opened beneath it for target {path}")]
+    SourceRootRefused {
+        path: PathBuf,
+        root: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error("{step} failed for target {path}")]
+    Mount {
+        step: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl HealError {
+    /// The error of mount step `step` on `path`, for `map_err` (the path is
+    /// copied only when the step fails).
+    fn mount<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> HealError + 'a {
+        move |source| HealError::Mount { step, path: path.to_path_buf(), source }
+    }
+}
+
+/// What happened to one target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Healed {
+    /// The new source was stacked onto it.
+    Stacked,
+    /// A stack on a peer reached it by propagation.
+    Propagated,
+}
+
+#[derive(Debug)]
+pub struct TargetOutcome {
+    pub path: PathBuf,
+    pub result: Result<Healed, HealError>,
+    /// Stale layers removed from the host by flattening.
+    pub layers_removed: usize,
+    /// Flattening failed: healed, but stale layers remain.
+    pub flatten_error: Option<HealError>,
+}
+
+/// Handles on each target's planned top, taken before the first stack
+/// covers them (in batch order; each checked against the plan when taken).
+/// Taking them needs nothing from the source, so it is done while the
+/// source's probe waits for its daemon.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    stale: Vec<Result<OwnedFd, HealError>>,
+}
+
+impl Prepared {
+    /// Whether it was prepared for a batch of `targets` targets.
+    fn fits(&self, targets: usize) -> bool {
+        self.stale.len() == targets
+    }
+}
+
+/// Carries out heal batches. The real one mounts; tests record.
+pub trait Executor {
+    /// What a heal of `batch` can do before its source answers. `held` are
+    /// handles already taken on targets' planned tops, in batch order (None,
+    /// or missing at the end, where there is none): the rest are opened.
+    fn prepare(&self, batch: &HealBatch, held: Vec<Option<OwnedFd>>) -> Prepared;
+
+    /// Heals `batch` from `source`; `prepared` is what [`Executor::prepare`]
+    /// returned for this batch, or empty (then it is done here).
+    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome>;
+
+    /// Resolves a target as the executor would for a heal, returning an
+    /// O_PATH handle on it and the ID of the mount on top.
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError>;
+
+    /// Removes the stale layers under a target that a mount over its stale
+    /// source healed by propagation. `stale` is a handle on the stale layer
+    /// taken when its daemon died, before the new mount covered it (no path
+    /// reaches it now); `target.top_mount_id` is the propagated new top.
+    /// Returns the number of layers removed.
+    fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError>;
+}
+
+/// Where a new top is parked while the layer under it is removed: a
+/// private tmpfs on a directory of the supervisor's, with one parking
+/// directory per flattening thread (a top parked on another's would be moved
+/// back with it). (A detached tmpfs would leave no trace, but 6.18 refuses to
+/// move an attached mount onto a detached tree, and to move it back out:
+/// EINVAL both ways.)
+#[derive(Debug)]
+struct Staging {
+    parks: Vec<OwnedFd>,
+}
+
+impl Staging {
+    /// Mounts a private tmpfs on `path` (creating it), or reuses the one a
+    /// previous run left there.
+    fn prepare(path: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(path)?;
+        let parent = path.parent().unwrap_or(Path::new("/"));
+        let here = resolve::mount_id_of(resolve::open_dir(path)?.as_fd())?;
+        if here == resolve::mount_id_of(resolve::open_dir(parent)?.as_fd())? {
+            mount::mount_tmpfs(path)?;
+        }
+        // Private: a new top parked here must not propagate anywhere, and
+        // it could not be moved back out of a shared parent.
+        mount::set_propagation(path, mount::Propagation::Private, false)?;
+        let parks = (0..FLATTEN_THREADS)
+            .map(|index| {
+                let park = path.join(format!("park-{index}"));
+                std::fs::create_dir_all(&park)?;
+                resolve::open_dir(&park)
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(Staging { parks })
+    }
+}
+
+/// What every flattening thread needs: the roots to resolve targets
+/// beneath, and the parking directories.
+#[derive(Debug)]
+struct Mounter {
+    kubelet_root: PathBuf,
+    kubelet_root_fd: OwnedFd,
+    /// The namespace's root, for a source's binds outside the kubelet tree.
+    root_fd: OwnedFd,
+    staging: Staging,
+}
+
+impl Mounter {
+    /// Resolves a target (no symlinks, no magic links, no escaping) and
+    /// returns it with the ID of its top mount. Pod targets and CSI staging
+    /// binds lie beneath the kubelet root and are resolved from it; a
+    /// source's bind elsewhere (learned from the table as the source's peer,
+    /// never from anything a pod wrote) from the namespace's root.
+    fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        let (base, relative) = match path.strip_prefix(&self.kubelet_root) {
+            Ok(relative) => (self.kubelet_root_fd.as_fd(), relative),
+            Err(_) => {
+                let relative =
+                    path.strip_prefix("/").map_err(|_| HealError::NotAbsolute { path: path.to_path_buf() })?;
+                (self.root_fd.as_fd(), relative)
+            }
+        };
+        let resolve_error = |source| HealError::Resolve { path: path.to_path_buf(), source };
+        let fd = resolve::open_beneath(base, relative).map_err(resolve_error)?;
+        let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
+        Ok((fd, id))
+    }
+
+    /// A handle on the target's top, if it is still the planned one.
+    fn open_planned(&self, target: &TargetHeal) -> Result<OwnedFd, HealError> {
+        let (fd, id) = self.resolve_target(&target.path)?;
+        if id != target.top_mount_id {
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
+        }
+        Ok(fd)
+    }
+
+    /// Stacks the new source onto the target unless an earlier stack of the
+    /// batch reached it by propagation; either way returns a handle on the
+    /// target's new top, for flattening. `source_dev` is the device of the
+    /// source's new mount.
+    fn stack(
+        &self,
+        target: &TargetHeal,
+        source: &SourceHandles,
+        source_dev: Dev,
+    ) -> Result<(Healed, OwnedFd), HealError> {
+        let (fd, top) = self.resolve_target(&target.path)?;
+        if top != target.top_mount_id {
+            // An earlier stack of this batch propagated onto it if the new top
+            // is on the source's connection; anything else was mounted there
+            // by someone else: changed under the heal, like a failed check.
+            let found = resolve::device_of(fd.as_fd())
+                .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
+            if found != (source_dev.major, source_dev.minor) {
+                return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+            }
+            // `fd` was resolved onto the copy.
+            return Ok((Healed::Propagated, fd));
+        }
+        let from = match source.for_root(&target.root_in_source) {
+            Some(Ok(from)) => from,
+            // A symlink, another mount, or gone: only the targets on this root fail.
+            Some(Err(refusal)) => {
+                return Err(HealError::SourceRootRefused {
+                    path: target.path.clone(),
+                    root: target.root_in_source.clone(),
+                    source: Arc::clone(refusal),
+                });
+            }
+            None => {
+                return Err(HealError::NoSourceRoot { path: target.path.clone(), root: target.root_in_source.clone() });
+            }
+        };
+        let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
+        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(HealError::mount("stack onto target", &target.path))?;
+        // Attached now, the clone's fd is a handle on the target's new top.
+        Ok((Healed::Stacked, clone))
+    }
+
+    /// Leaves one layer: parks the new top, removes every stale layer that
+    /// was under it (private, so the removal does not propagate into
+    /// containers: the planned top already is, the covered ones are made so
+    /// on the way), and puts the new top back. `new_top` is the handle the
+    /// stack returned: it is moved by handle, and the path is resolved again
+    /// only to see what lies under the parked top.
+    fn flatten(&self, target: &TargetHeal, new_top: BorrowedFd<'_>, park: usize) -> Result<usize, HealError> {
+        self.park(target, new_top, park)?;
+        self.remove_under_parked(target, new_top)
+    }
+
+    fn park(&self, target: &TargetHeal, new_top: BorrowedFd<'_>, park: usize) -> Result<(), HealError> {
+        let park = self
+            .staging
+            .parks
+            .get(park)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))
+            .map_err(HealError::mount("find a parking directory", &target.path))?;
+        mount::move_mount(new_top, park.as_fd()).map_err(HealError::mount("park new top", &target.path))
+    }
+
+    /// With the new top parked: detaches each planned layer now on top at
+    /// the target (making the lower ones private first), then puts the new
+    /// top back, also when a removal failed. Returns the layers removed.
+    fn remove_under_parked(&self, target: &TargetHeal, new_top: BorrowedFd<'_>) -> Result<usize, HealError> {
+        let mut removed = 0;
+        let result = loop {
+            let (fd, id) = match self.resolve_target(&target.path) {
+                Ok(opened) => opened,
+                Err(err) => break Err(err),
+            };
+            if !target.layer_ids.contains(&id) {
+                break Ok(fd);
+            }
+            // Layers below the planned top were covered until now: make them
+            // private too. The planned top already is.
+            let private = if id == target.top_mount_id { Ok(()) } else { mount::make_private(fd.as_fd()) };
+            if let Err(err) = private.and_then(|()| mount::detach_top(fd.as_fd())) {
+                break Err(HealError::mount("remove stale layer", &target.path)(err));
+            }
+            removed += 1;
+        };
+        // Whatever happened, the new top goes back: a parked mount serves no one.
+        let restore_onto = match result {
+            Ok(fd) => fd,
+            Err(err) => {
+                let (fd, _) = self.resolve_target(&target.path)?;
+                mount::move_mount(new_top, fd.as_fd()).map_err(HealError::mount("restore new top", &target.path))?;
+                return Err(err);
+            }
+        };
+        mount::move_mount(new_top, restore_onto.as_fd()).map_err(HealError::mount("restore new top", &target.path))?;
+        Ok(removed)
+    }
+
+    /// The first half of flattening a target whose only stale layer is the
+    /// (already private) planned top: parks the new top and slides it back
+    /// *beneath* the stale layer (`MOVE_MOUNT_BENEATH`), so the target's
+    /// final tree is in place and the stale layer sits on the root of a peer
+    /// of the new source, where [`Mounter::detach_slid`] removes it. Where
+    /// the kernel refuses this slide all the same, the stale layer is
+    /// removed under the parked top instead: `Ok(Some(layers removed))`.
+    fn slide_beneath(
+        &self,
+        target: &TargetHeal,
+        stale: BorrowedFd<'_>,
+        new_top: BorrowedFd<'_>,
+    ) -> Result<Option<usize>, HealError> {
+        self.park(target, new_top, 0)?;
+        match mount::move_mount_beneath(new_top, stale) {
+            Ok(()) => Ok(None),
+            Err(err) => {
+                debug!(?err, path = %target.path.display(), "cannot slide the new top beneath; detaching the stale layer alone");
+                self.remove_under_parked(target, new_top).map(Some)
+            }
+        }
+    }
+
+    /// Removes the stale layer a slide left on top of `new_top`, unless an
+    /// earlier detach took it: a detach propagates to the same place on
+    /// every peer of the detached mount's parent, so the first detach of a
+    /// batch takes the stale layers of all the targets slid onto new tops
+    /// with the same root, in one RCU grace period. Nothing else is mounted
+    /// on the root of a peer of the source (the global mount, its copies in
+    /// pods, their slaves in containers, whose mount paths Kubernetes keeps
+    /// unique), and the kernel leaves a layer with mounts of its own on it
+    /// (a copy a stack propagated there) for this function to detach.
+    /// Returns whether it detached the layer itself.
+    fn detach_slid(&self, target: &TargetHeal, new_top: BorrowedFd<'_>) -> Result<bool, HealError> {
+        let resolve_error = |source| HealError::Resolve { path: target.path.clone(), source };
+        let new_id = resolve::mount_id_of(new_top).map_err(resolve_error)?;
+        let (fd, top) = self.resolve_target(&target.path)?;
+        if top == new_id {
+            return Ok(false);
+        }
+        if top != target.top_mount_id {
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+        }
+        mount::detach_top(fd.as_fd()).map(|()| true).map_err(HealError::mount("remove stale layer", &target.path))
+    }
+
+    fn run(&self, job: FlattenJob, park: usize) {
+        let result = match job.targets.get(job.index) {
+            Some(target) => self.flatten(target, job.new_top.as_fd(), park),
+            None => return,
+        };
+        // The heal waits for every job's outcome until all senders are gone.
+        let _ = job.done.send((job.index, result));
+    }
+}
+
+/// Mounts in the namespace of the calling thread (the supervisor's loop
+/// thread, which joined the watched namespace), with a pool of helper
+/// threads in the same namespace to flatten large batches.
+#[derive(Debug)]
+pub struct MountExecutor {
+    mounter: Arc<Mounter>,
+    pool: FlattenPool,
+    /// Whether the kernel slides mounts beneath others (6.5): without it,
+    /// every target is flattened on the pool.
+    mount_beneath: bool,
+}
+
+impl MountExecutor {
+    /// Must be called from the thread that mounts, once it is in the
+    /// watched namespace.
+    /// The flatten helpers run at `priority` (see [`crate::heal::priority`]).
+    pub fn new(kubelet_root: &Path, staging_dir: &Path, priority: HealPriority) -> std::io::Result<Self> {
+        let mounter = Arc::new(Mounter {
+            kubelet_root: kubelet_root.to_path_buf(),
+            kubelet_root_fd: resolve::open_dir(kubelet_root)?,
+            root_fd: resolve::open_dir(Path::new("/"))?,
+            staging: Staging::prepare(staging_dir)?,
+        });
+        let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?, priority);
+        let mount_beneath = mount::move_mount_beneath_supported();
+        if !mount_beneath {
+            info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
+        }
+        Ok(MountExecutor { mounter, pool, mount_beneath })
+    }
+
+    /// Flattens as on a kernel that cannot slide a mount beneath another.
+    pub fn without_mount_beneath(mut self) -> Self {
+        self.mount_beneath = false;
+        self
+    }
+}
+
+impl Executor for MountExecutor {
+    fn prepare(&self, batch: &HealBatch, held: Vec<Option<OwnedFd>>) -> Prepared {
+        let held = held.into_iter().chain(std::iter::repeat_with(|| None));
+        let stale = batch
+            .targets
+            .iter()
+            .zip(held)
+            .map(|(target, held)| held.map_or_else(|| self.mounter.open_planned(target), Ok))
+            .collect();
+        Prepared { stale }
+    }
+
+    fn open_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        self.mounter.resolve_target(path)
+    }
+
+    fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
+        let top = self.mounter.open_planned(target)?;
+        mount::make_private(stale.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
+        // The loop thread flattens alone here, on its own parking directory.
+        self.mounter.flatten(target, top.as_fd(), 0)
+    }
+
+    fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
+        let mounter = &*self.mounter;
+        let source_dev = batch.source.top().dev;
+        // Handles on every stale top, taken before the first stack covers them.
+        let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
+        let mut outcomes = Vec::with_capacity(batch.targets.len());
+        let mut flattens = Vec::with_capacity(batch.targets.len());
+        for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
+            let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
+            let mut flatten_error = None;
+            let result = match stacked {
+                Ok((stale, (how, new_top))) => {
+                    // Out of the old peer group as soon as the new mount is on
+                    // it: a later stack (a subPath's) can then no longer
+                    // propagate a copy onto this stale layer, a mount on it
+                    // that would keep it from going with the others.
+                    match mount::make_private(stale.as_fd()) {
+                        Ok(()) => flattens.push((index, stale, new_top)),
+                        Err(err) => {
+                            flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
+                        }
+                    }
+                    Ok(how)
+                }
+                Err(err) => Err(err),
+            };
+            outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error });
+        }
+        // Containers read again from here on; the heal ends with the flatten.
+        debug!(targets = outcomes.len(), "stacks in place");
+        // Every stack before any flatten, as tests/testbed.rs shows it: the
+        // containers read again once the stacks are in place, and the
+        // flatten, which only the host sees, comes after.
+        //
+        // A target with one stale layer is flattened by sliding its new top
+        // beneath that layer and detaching the layers together (one grace
+        // period for the batch instead of one per target: a detach waits for
+        // one); older stacks of several layers, and every target on a
+        // kernel that cannot slide, are taken apart one by one, by the
+        // pool's threads beside this one.
+        let (slides, layered): (Vec<_>, Vec<_>) = flattens.into_iter().partition(|(index, _, _)| {
+            self.mount_beneath && batch.targets.get(*index).is_some_and(|target| target.layer_ids.len() == 1)
+        });
+        let helpers = layered.len().div_ceil(TARGETS_PER_FLATTEN_THREAD).min(FLATTEN_THREADS - 1);
+        let targets: Arc<[TargetHeal]> = batch.targets.clone().into();
+        let (done, finished) = mpsc::channel();
+        {
+            let mut queue = self.pool.queue.lock();
+            for (index, stale, new_top) in layered {
+                let targets = Arc::clone(&targets);
+                queue.jobs.push_back(FlattenJob { targets, index, _stale: stale, new_top, done: done.clone() });
+            }
+        }
+        drop(done);
+        for _ in 0..helpers {
+            self.pool.queue.ready.notify_one();
+        }
+        let mut slid = Vec::with_capacity(slides.len());
+        for (index, stale, new_top) in slides {
+            let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
+            match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {
+                Ok(None) => slid.push((index, new_top)),
+                Ok(Some(removed)) => outcome.layers_removed = removed,
+                Err(err) => outcome.flatten_error = Some(err),
+            }
+        }
+        let (slid_count, mut detaches) = (slid.len(), 0);
+        for (index, new_top) in slid {
+            let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
+            match mounter.detach_slid(target, new_top.as_fd()) {
+                Ok(detached) => {
+                    outcome.layers_removed = 1;
+                    detaches += usize::from(detached);
+                }
+                Err(err) => outcome.flatten_error = Some(err),
+            }
+        }
+        while let Some(job) = self.pool.queue.try_next() {
+            mounter.run(job, 0);
+        }
+        // Ends when every job has sent its outcome and dropped its sender.
+        for (index, flattened) in finished.iter() {
+            let Some(outcome) = outcomes.get_mut(index) else { continue };
+            match flattened {
+                Ok(removed) => outcome.layers_removed = removed,
+                Err(err) => outcome.flatten_error = Some(err),
+            }
+        }
+        debug!(targets = outcomes.len(), slid = slid_count, detaches, "flattened");
+        outcomes
+    }
+}

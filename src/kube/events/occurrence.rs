@@ -1,0 +1,314 @@
+//! What one report becomes: an owned occurrence of an event, made on the
+//! loop thread (a few small strings) and published on another.
+use std::fmt::Write as _;
+use std::path::{Component, Path};
+use std::time::{Duration, SystemTime};
+
+use crate::heal::Healed;
+use crate::report::Report;
+
+/// The events the supervisor publishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// A pod's FUSE volume mount lost its connection (Warning, on the pod).
+    MountBroken,
+    /// A pod's FUSE volume mount was healed (Normal, on the pod).
+    MountHealed,
+    /// A heal of a pod's FUSE volume mount failed; it is retried (Warning, on the pod).
+    HealFailed,
+    /// The kubelet confirmed that a FUSE daemon's container restarted (Normal, on the daemon's pod).
+    DaemonRestarted,
+    /// A mount reported broken at its daemon's exit was not: another
+    /// process still served it (Normal, on the pod).
+    MountRestored,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::MountBroken => "FuseMountBroken",
+            Reason::MountHealed => "FuseMountHealed",
+            Reason::HealFailed => "FuseHealFailed",
+            Reason::DaemonRestarted => "FuseDaemonRestarted",
+            Reason::MountRestored => "FuseMountRestored",
+        }
+    }
+
+    /// The event's `action`: what the supervisor did about the pod.
+    pub fn action(self) -> &'static str {
+        match self {
+            Reason::MountBroken | Reason::MountRestored => "Detect",
+            Reason::MountHealed | Reason::HealFailed => "Heal",
+            Reason::DaemonRestarted => "Confirm",
+        }
+    }
+
+    /// `Normal` or `Warning`.
+    pub fn event_type(self) -> &'static str {
+        match self {
+            Reason::MountBroken | Reason::HealFailed => "Warning",
+            Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored => "Normal",
+        }
+    }
+}
+
+/// A pod by name, as an event's `regarding` needs it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// The pod an event is about: reports name application pods by UID only,
+/// which the publisher resolves through the kubelet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Regarding {
+    Uid(String),
+    Pod(PodRef),
+}
+
+impl Regarding {
+    pub fn uid(&self) -> &str {
+        match self {
+            Regarding::Uid(uid) => uid,
+            Regarding::Pod(pod) => &pod.uid,
+        }
+    }
+}
+
+/// One event to publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Occurrence {
+    pub reason: Reason,
+    pub regarding: Regarding,
+    pub note: String,
+    /// When it happened (the event's `eventTime`, or a series' `lastObservedTime`).
+    pub at: SystemTime,
+}
+
+impl Occurrence {
+    /// The event a report calls for, if any; `now` stands in for unknown times.
+    pub fn from_report(report: &Report<'_>, now: SystemTime) -> Option<Occurrence> {
+        if report.target().is_some_and(|target| target.pod_uid.is_empty()) {
+            return None; // A source's bind outside the pods: no pod to tell (its log lines say it).
+        }
+        let (reason, regarding, note, at) = match report {
+            Report::TargetBroken(target) => (
+                Reason::MountBroken,
+                Regarding::Uid(target.pod_uid.to_owned()),
+                format!(
+                    "FUSE volume mount {} lost its connection: its source {} is gone or was replaced; \
+                     it is healed once a live source answers",
+                    pod_path(target.target, target.pod_uid),
+                    target.source.display()
+                ),
+                target.broken_since.unwrap_or(now),
+            ),
+            Report::TargetHealed { target, heal } => {
+                let mut note = format!(
+                    "FUSE volume mount {} healed from {} by {}: outage ",
+                    pod_path(target.target, target.pod_uid),
+                    target.source.display(),
+                    match heal.how {
+                        Healed::Stacked => "stacking the new mount",
+                        Healed::Propagated => "propagation",
+                    }
+                );
+                match heal.outage {
+                    Some(outage) => note.push_str(&human(outage)),
+                    None => note.push_str("unknown"),
+                }
+                let layers = heal.layers_removed;
+                let _ = write!(
+                    note,
+                    ", heal latency {}, {layers} stale layer{} removed",
+                    human(heal.latency),
+                    if layers == 1 { "" } else { "s" }
+                );
+                (Reason::MountHealed, Regarding::Uid(target.pod_uid.to_owned()), note, now)
+            }
+            Report::HealFailed { target, error, attempts, retry_in } => (
+                Reason::HealFailed,
+                Regarding::Uid(target.pod_uid.to_owned()),
+                format!(
+                    "cannot heal FUSE volume mount {} from {} (attempt {attempts}): {error}; retrying in {}",
+                    pod_path(target.target, target.pod_uid),
+                    target.source.display(),
+                    human(*retry_in)
+                ),
+                now,
+            ),
+            Report::DeathRetracted { target, pids } => (
+                Reason::MountRestored,
+                Regarding::Uid(target.pod_uid.to_owned()),
+                format!(
+                    "FUSE volume mount {} was not broken after all: the daemon of {} exited, but process {} still \
+                     serves it",
+                    pod_path(target.target, target.pod_uid),
+                    target.source.display(),
+                    pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                ),
+                now,
+            ),
+            Report::DaemonRestarted { source, owner } => (
+                Reason::DaemonRestarted,
+                Regarding::Pod(PodRef {
+                    namespace: owner.namespace.clone(),
+                    name: owner.pod.clone(),
+                    uid: owner.pod_uid.clone(),
+                }),
+                format!(
+                    "container {} restarted and mounted {} again; the pods using it are being healed",
+                    owner.container,
+                    source.display()
+                ),
+                owner.started_at.unwrap_or(now),
+            ),
+            // A death is published through the FuseMountBroken of each target.
+            Report::TableChanged
+            | Report::Scanned(_)
+            | Report::KubeletAnswered { .. }
+            | Report::DaemonDied { .. }
+            | Report::ProcessEvent { .. } => return None,
+        };
+        Some(Occurrence { reason, regarding, note, at })
+    }
+}
+
+/// The target's path within its pod directory (`volumes/…/mount`), which
+/// is what a pod's owner recognises; the whole path when it is not under one.
+fn pod_path(target: &Path, pod_uid: &str) -> String {
+    let mut components = target.components();
+    while let Some(component) = components.next() {
+        if component == Component::Normal(pod_uid.as_ref()) {
+            return components.as_path().display().to_string();
+        }
+    }
+    target.display().to_string()
+}
+
+/// `850µs`, `2.7ms`, `1.4s`, `3m12s`.
+pub fn human(duration: Duration) -> String {
+    let micros = duration.as_micros();
+    if micros < 1_000 {
+        format!("{micros}µs")
+    } else if micros < 1_000_000 {
+        format!("{}ms", one_decimal(micros as f64 / 1e3))
+    } else if micros < 60_000_000 {
+        format!("{}s", one_decimal(micros as f64 / 1e6))
+    } else {
+        let secs = duration.as_secs();
+        format!("{}m{}s", secs / 60, secs % 60)
+    }
+}
+
+/// `2.7`, and `400` rather than `400.0`.
+fn one_decimal(value: f64) -> String {
+    let text = format!("{value:.1}");
+    match text.strip_suffix(".0") {
+        Some(whole) => whole.to_owned(),
+        None => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::state::Owner;
+    use crate::report::{HealReport, TargetEvent};
+
+    fn target<'a>(path: &'a Path, source: &'a Path) -> TargetEvent<'a> {
+        TargetEvent { target: path, pod_uid: "uid-1", source, broken_since: None }
+    }
+
+    #[test]
+    fn a_healed_target_names_outage_latency_and_layers() {
+        let path = PathBuf::from("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~csi/pv-1/mount");
+        let source = PathBuf::from("/runtime/shared");
+        let heal = HealReport {
+            how: Healed::Stacked,
+            latency: Duration::from_micros(2_700),
+            source_wait: Some(Duration::from_micros(1_100)),
+            outage: Some(Duration::from_millis(1_400)),
+            layers_removed: 1,
+        };
+        let report = Report::TargetHealed { target: &target(&path, &source), heal: &heal };
+        let now = SystemTime::now();
+        let occurrence = Occurrence::from_report(&report, now).unwrap();
+        assert_eq!(occurrence.reason, Reason::MountHealed);
+        assert_eq!(occurrence.regarding, Regarding::Uid("uid-1".into()));
+        assert_eq!(occurrence.at, now);
+        assert_eq!(
+            occurrence.note,
+            "FUSE volume mount volumes/kubernetes.io~csi/pv-1/mount healed from /runtime/shared by stacking \
+             the new mount: outage 1.4s, heal latency 2.7ms, 1 stale layer removed"
+        );
+    }
+
+    #[test]
+    fn a_broken_target_dates_from_the_start_of_its_outage() {
+        let path = PathBuf::from("/elsewhere/mount");
+        let source = PathBuf::from("/runtime/shared");
+        let since = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let event = TargetEvent { broken_since: Some(since), ..target(&path, &source) };
+        let occurrence = Occurrence::from_report(&Report::TargetBroken(&event), SystemTime::now()).unwrap();
+        assert_eq!((occurrence.reason.as_str(), occurrence.reason.event_type()), ("FuseMountBroken", "Warning"));
+        assert_eq!(occurrence.at, since);
+        assert!(occurrence.note.starts_with("FUSE volume mount /elsewhere/mount lost its connection"));
+    }
+
+    #[test]
+    fn a_restart_is_about_the_owner_pod() {
+        let owner = Owner {
+            namespace: "kube-system".into(),
+            pod: "juicefs-mount".into(),
+            pod_uid: "owner-uid".into(),
+            container: "jfs-mount".into(),
+            container_id: None,
+            started_at: None,
+        };
+        let report = Report::DaemonRestarted { source: Path::new("/var/lib/juicefs/volume/pv"), owner: &owner };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!(
+            occurrence.regarding,
+            Regarding::Pod(PodRef {
+                namespace: "kube-system".into(),
+                name: "juicefs-mount".into(),
+                uid: "owner-uid".into()
+            })
+        );
+        assert_eq!(occurrence.reason.action(), "Confirm");
+    }
+
+    #[test]
+    fn a_retracted_death_restores_the_mount() {
+        let path = PathBuf::from("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~csi/pv-1/mount");
+        let source = PathBuf::from("/runtime/shared");
+        let report = Report::DeathRetracted { target: &target(&path, &source), pids: &[41, 42] };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!((occurrence.reason.as_str(), occurrence.reason.event_type()), ("FuseMountRestored", "Normal"));
+        assert_eq!(occurrence.regarding, Regarding::Uid("uid-1".into()));
+        assert!(occurrence.note.ends_with("process 41, 42 still serves it"), "{}", occurrence.note);
+    }
+
+    #[test]
+    fn table_changes_make_no_event() {
+        assert_eq!(Occurrence::from_report(&Report::TableChanged, SystemTime::now()), None);
+    }
+
+    #[test]
+    fn durations_read_at_their_scale() {
+        let cases = [
+            (Duration::from_micros(850), "850µs"),
+            (Duration::from_millis(400), "400ms"),
+            (Duration::from_secs(1), "1s"),
+            (Duration::from_secs(192), "3m12s"),
+        ];
+        for (duration, text) in cases {
+            assert_eq!(human(duration), text);
+        }
+    }
+}

@@ -1,0 +1,810 @@
+//! The FUSE daemons behind the sources, watched so that a death is seen the
+//! moment it happens: a dead daemon changes nothing in the mount table.
+//!
+//! [`Daemons`] lives on the supervisor loop and keeps what is known of each
+//! source connection. A discovery thread walks `/proc` for the processes
+//! holding a new connection ([`FuseServers`]) and starts watching exactly
+//! those, so the loop never walks `/proc` itself; the process watcher's
+//! thread sends their exits. Exec events reach the loop only while some
+//! connection has no known daemon (the sink drops them otherwise), so a busy
+//! node's execs do not wake an idle supervisor.
+//!
+//! A connection is dead when every process holding it has exited: the
+//! kernel then aborts it and every access answers ENOTCONN. The last known
+//! holder's exit is taken as that at once, and a discovery of the
+//! connection follows: a daemon that daemonized or handed its descriptor on
+//! after it was found leaves the connection to a process nobody watched,
+//! and if the discovery finds one the death is retracted. When a serving
+//! process exits but others still hold the connection (a parent keeping the
+//! descriptor, a process it was handed to), requests may hang instead; if
+//! none of those left reads the device, discoveries go on until a holder
+//! that was not among them shows up (a watchdog's restarted child), which is
+//! then watched too. `--abort-dead-connections` aborts such a connection
+//! once requests wait and no holder reads the device.
+//!
+//! [`FuseServers`]: crate::watch::processes::fuse_server::FuseServers
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::heal::priority::HealActivity;
+use crate::model::table::Dev;
+use crate::watch::processes::fuse_server::MountDevice;
+use crate::watch::processes::{
+    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
+    ProcessWatchError, ProcessWatcher,
+};
+
+mod discovery;
+
+use discovery::{Holders, discovery_loop, lock};
+
+/// Which process watcher `run` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessWatch {
+    /// The netlink process connector (hostPID, hostNetwork, CAP_NET_ADMIN
+    /// before 6.6); the pidfd backend when it cannot subscribe. It wakes for
+    /// every exit and exec on the node, and its execs start a discovery for
+    /// a connection whose daemon was not found.
+    Connector,
+    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`),
+    /// and wake-ups for the watched processes only.
+    Pidfd,
+    /// No process watching: deaths are seen only when a new mount appears.
+    Off,
+}
+
+/// How daemons are watched.
+#[derive(Debug, Clone)]
+pub struct DaemonWatch {
+    pub mode: ProcessWatch,
+    /// Where pids are processes: the host's `/proc` with hostPID.
+    pub proc_root: PathBuf,
+    /// Abort a connection whose serving process exited while others still
+    /// hold it, once requests wait and nobody reads them.
+    pub abort_dead_connections: bool,
+    /// The FUSE control filesystem (`fusectl`) in the watched namespace.
+    pub fuse_connections: PathBuf,
+}
+
+impl Default for DaemonWatch {
+    fn default() -> Self {
+        DaemonWatch {
+            mode: ProcessWatch::Pidfd,
+            proc_root: PathBuf::from("/proc"),
+            abort_dead_connections: false,
+            fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot start the {backend} process watcher")]
+    Watcher {
+        backend: &'static str,
+        #[source]
+        source: ProcessWatchError,
+    },
+    #[error("cannot start the daemon discovery thread")]
+    Thread(#[source] io::Error),
+}
+
+/// What the watcher and the discovery thread tell the loop.
+#[derive(Debug)]
+pub enum DaemonEvent {
+    Process(ProcessEvent),
+    Discovered(Vec<Discovered>),
+}
+
+/// The processes found holding one connection, now watched.
+#[derive(Debug)]
+pub struct Discovered {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub result: Result<Vec<ProcessId>, String>,
+    /// When the `/proc` scan began: it saw no exit after that.
+    pub scanned_at: Instant,
+}
+
+/// A connection whose holders all exited: its daemon is dead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Death {
+    pub source: PathBuf,
+    pub dev: Dev,
+}
+
+/// A death taken back: the last known holder of the connection exited, but
+/// the discovery that followed found `pids` holding it, now watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retraction {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub pids: Vec<u32>,
+}
+
+/// A connection whose serving process exited while other processes hold
+/// it; `remaining` are those still watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartialExit {
+    pub source: PathBuf,
+    pub dev: Dev,
+    pub remaining: Vec<u32>,
+}
+
+/// A connection aborted through fusectl: requests were waiting on it and
+/// no holder was reading them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Aborted {
+    pub source: PathBuf,
+    pub dev: Dev,
+    /// The serving process whose exit left the connection orphaned.
+    pub pid: u32,
+    pub exited_at: Instant,
+    pub waiting: u64,
+}
+
+/// What is known of one connection at a source path.
+#[derive(Debug)]
+enum Known {
+    /// A discovery is on its way.
+    Asked,
+    /// Holders found and watched.
+    Served,
+    /// No process found to serve it yet: asked again at `retry_at`, then on
+    /// exec events. Either nobody holds it (a descriptor in flight between
+    /// `fusermount` and the daemon, an older kernel's ambiguous match), or
+    /// its serving process exited and the holders `left` behind do not read
+    /// it (a watchdog that keeps the descriptor and restarts its child on
+    /// it, as JuiceFS's mount process does): only a holder not among them is
+    /// the next server.
+    Unserved { left: Vec<ProcessId>, tries: u32, retry_at: Option<Instant> },
+    /// Every known holder exited (at `since`, on the loop's clock): a
+    /// discovery that began after that tells whether a process discovery
+    /// had not seen holds it still.
+    Dying { since: Instant },
+    /// Every holder exited.
+    Dead,
+}
+
+/// Discoveries that find nobody are repeated this many times, spaced out
+/// from 100 ms; then only exec events ask again (connector), or nothing
+/// does (pidfd): no timer runs for good, and the connection's end is seen
+/// when a new mount replaces it, as without a process watcher.
+const UNSERVED_RETRIES: u32 = 5;
+/// As [`UNSERVED_RETRIES`], for the next server of a connection whose
+/// holders stayed: a watchdog restarts its child some time after the crash
+/// (JuiceFS: one second, then the child's own start-up), so the search goes
+/// on for about 12 s.
+const SUCCESSOR_RETRIES: u32 = 7;
+/// Exec events ask for a discovery at most this often.
+const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
+
+/// A connection with a serving process gone and others holding it.
+#[derive(Debug)]
+struct Orphan {
+    source: PathBuf,
+    pid: u32,
+    exited_at: Instant,
+    attempts: u32,
+    check_at: Instant,
+}
+
+/// The loop's view of the daemons behind its sources.
+pub struct Daemons {
+    options: DaemonWatch,
+    watcher: Arc<dyn ProcessWatcher>,
+    holders: Holders,
+    known: BTreeMap<Dev, (PathBuf, Known)>,
+    want_exec: Arc<AtomicBool>,
+    last_exec_discovery: Option<Instant>,
+    orphans: BTreeMap<Dev, Orphan>,
+    /// None once dropped: closing it ends the discovery thread.
+    requests: Option<Sender<Vec<(PathBuf, Dev)>>>,
+    discovery: Option<JoinHandle<()>>,
+}
+
+impl Daemons {
+    /// Starts the process watcher and the discovery thread; None when
+    /// watching is off. Call before the loop thread leaves for the watched
+    /// namespace: the threads keep this one's `/proc`.
+    pub fn start(
+        options: &DaemonWatch,
+        heal_activity: Arc<HealActivity>,
+        send: impl Fn(DaemonEvent) -> bool + Send + Clone + 'static,
+    ) -> Result<Option<Daemons>, DaemonError> {
+        let want_exec = Arc::new(AtomicBool::new(false));
+        let sink = {
+            let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
+            move || -> crate::watch::processes::EventSink {
+                let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
+                Box::new(move |event| match event {
+                    // Most execs on a node are nobody's business: dropped
+                    // here, on the watcher's thread, unless a connection
+                    // waits for its daemon.
+                    ProcessEvent::Exec { .. } if !want_exec.load(Ordering::Relaxed) => true,
+                    event => send(DaemonEvent::Process(event)),
+                })
+            }
+        };
+        let pidfd = |options: &DaemonWatch| -> Result<Arc<dyn ProcessWatcher>, DaemonError> {
+            let watcher = PidfdWatcher::start(options.proc_root.clone(), sink())
+                .map_err(|source| DaemonError::Watcher { backend: "pidfd", source })?;
+            Ok(Arc::new(watcher))
+        };
+        let watcher: Arc<dyn ProcessWatcher> = match options.mode {
+            ProcessWatch::Off => {
+                info!("process watching is off: daemon deaths are seen only when a new mount appears");
+                return Ok(None);
+            }
+            ProcessWatch::Pidfd => pidfd(options)?,
+            ProcessWatch::Connector => {
+                let connector = ConnectorOptions {
+                    exec: ExecReports::All,
+                    proc_root: options.proc_root.clone(),
+                    ..ConnectorOptions::default()
+                };
+                match ProcConnectorWatcher::start(connector, sink()) {
+                    Ok(watcher) => Arc::new(watcher),
+                    Err(err) => {
+                        warn!(%err, "process connector unavailable; watching daemons with pidfds");
+                        pidfd(options)?
+                    }
+                }
+            }
+        };
+        info!(backend = ?watcher.backend(), "watching FUSE daemons");
+        let holders: Holders = Arc::default();
+        let (requests, queue) = mpsc::channel();
+        let discovery = {
+            let (watcher, holders, proc_root) = (Arc::clone(&watcher), Arc::clone(&holders), options.proc_root.clone());
+            std::thread::Builder::new()
+                .name("discovery".into())
+                .spawn(move || {
+                    // A new daemon is looked for while its mount is being
+                    // healed: the /proc walk waits for the heal, and takes
+                    // no CPU another process wants.
+                    if let Err(err) = fuse_supervisor_sys::process::lower_thread_priority() {
+                        debug!(%err, "daemon discovery keeps the normal CPU priority");
+                    }
+                    discovery_loop(&queue, &proc_root, &*watcher, &holders, &heal_activity, send)
+                })
+                .map_err(DaemonError::Thread)?
+        };
+        Ok(Some(Daemons {
+            options: options.clone(),
+            watcher,
+            holders,
+            known: BTreeMap::new(),
+            want_exec,
+            last_exec_discovery: None,
+            orphans: BTreeMap::new(),
+            requests: Some(requests),
+            discovery: Some(discovery),
+        }))
+    }
+
+    pub fn backend(&self) -> crate::watch::processes::Backend {
+        self.watcher.backend()
+    }
+
+    fn request(&mut self, wanted: Vec<(PathBuf, Dev)>) {
+        for (source, dev) in &wanted {
+            self.known.insert(*dev, (source.clone(), Known::Asked));
+        }
+        self.send_request(wanted);
+    }
+
+    fn send_request(&self, wanted: Vec<(PathBuf, Dev)>) {
+        if wanted.is_empty() {
+            return;
+        }
+        if let Some(requests) = &self.requests
+            && requests.send(wanted).is_err()
+        {
+            warn!("daemon discovery thread is gone; new daemons are not watched");
+        }
+    }
+
+    /// After a scan: asks who serves each connection not seen before, and
+    /// stops watching the holders of connections no longer at any source.
+    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) {
+        let current: BTreeMap<Dev, &Path> = sources.map(|(path, dev)| (dev, path)).collect();
+        let new: Vec<(PathBuf, Dev)> = current
+            .iter()
+            .filter(|(dev, _)| !self.known.contains_key(dev))
+            .map(|(dev, path)| (path.to_path_buf(), *dev))
+            .collect();
+        let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
+        for dev in gone {
+            self.known.remove(&dev);
+            self.orphans.remove(&dev);
+            let mut holders = lock(&self.holders);
+            holders.retain(|&pid, holder| {
+                holder.serves.retain(|(_, served)| *served != dev);
+                let keep = !holder.serves.is_empty();
+                if !keep {
+                    self.watcher.unwatch(pid);
+                }
+                keep
+            });
+        }
+        self.request(new);
+        self.update_exec_interest();
+    }
+
+    /// After lost process events: every connection is asked about again.
+    pub fn rediscover_all(&mut self) {
+        let (mut waiting, mut all) = (Vec::new(), Vec::new());
+        for (dev, (path, known)) in &self.known {
+            match known {
+                // A dying connection's discovery is on its way already.
+                Known::Dead | Known::Dying { .. } => {}
+                // Still looking for a server beside the holders it keeps.
+                Known::Unserved { left, .. } if !left.is_empty() => waiting.push((path.clone(), *dev)),
+                _ => all.push((path.clone(), *dev)),
+            }
+        }
+        self.send_request(waiting);
+        self.request(all);
+    }
+
+    /// A process exited: the connections it held, split into those it
+    /// leaves dead and those others still hold. A death is checked by a
+    /// discovery of the connection, which may retract it
+    /// ([`Daemons::discovered`]).
+    pub fn exited(&mut self, pid: u32) -> (Vec<Death>, Vec<PartialExit>) {
+        let mut holders = lock(&self.holders);
+        let Some(holder) = holders.remove(&pid) else { return (Vec::new(), Vec::new()) };
+        let (mut deaths, mut partial, mut check, mut left_unread) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let now = Instant::now();
+        for (source, dev) in holder.serves {
+            let left: Vec<ProcessId> = holders
+                .values()
+                .filter(|other| other.serves.iter().any(|(_, served)| *served == dev))
+                .map(|other| other.process)
+                .collect();
+            if !left.is_empty() {
+                let remaining = left.iter().map(|process| process.pid).collect();
+                // Nobody left reads it: a watchdog's next child is to come.
+                if !left.iter().any(|process| reads_fuse_device(&self.options.proc_root, process.pid)) {
+                    left_unread.push((dev, left));
+                }
+                partial.push(PartialExit { source, dev, remaining });
+                continue;
+            }
+            // A holder found by a discovery of a dying connection exited
+            // before its answer came: that answer is stale, the death
+            // already reported.
+            let before =
+                self.known.get_mut(&dev).map(|(_, known)| std::mem::replace(known, Known::Dying { since: now }));
+            let dying = matches!(before, Some(Known::Dying { .. }));
+            check.push((source.clone(), dev));
+            if !dying {
+                deaths.push(Death { source, dev });
+            }
+        }
+        drop(holders);
+        // The rest of a partly exited connection's holders may have changed
+        // (a descriptor handed to a new process): look again, and where
+        // nobody left reads it, until a new holder shows up.
+        let again = partial.iter().map(|exit| (exit.source.clone(), exit.dev)).collect();
+        self.request(again);
+        for (dev, left) in left_unread {
+            if let Some((_, known)) = self.known.get_mut(&dev) {
+                *known = Known::Unserved { left, tries: 0, retry_at: None };
+            }
+        }
+        self.send_request(check);
+        self.update_exec_interest();
+        (deaths, partial)
+    }
+
+    /// A discovery's answer; returns the deaths it retracts.
+    pub fn discovered(&mut self, found: Vec<Discovered>) -> Vec<Retraction> {
+        let now = Instant::now();
+        let mut retracted = Vec::new();
+        for Discovered { source, dev, result, scanned_at } in found {
+            let Some((_, known)) = self.known.get_mut(&dev) else { continue };
+            match known {
+                Known::Dead => continue,
+                // Begun before the exit: the answer to an earlier question.
+                Known::Dying { since } if scanned_at < *since => continue,
+                Known::Dying { .. } => {
+                    match result {
+                        Ok(processes) if !processes.is_empty() => {
+                            let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
+                            *known = Known::Served;
+                            retracted.push(Retraction { source, dev, pids });
+                        }
+                        Ok(_) => {
+                            debug!(source = %source.display(), connection = %dev, "no process holds the connection: the death stands");
+                            *known = Known::Dead;
+                        }
+                        Err(err) => {
+                            warn!(source = %source.display(), connection = %dev, %err, "cannot tell whether another process holds a dead daemon's connection; the death stands");
+                            *known = Known::Dead;
+                        }
+                    }
+                    continue;
+                }
+                _ => {}
+            }
+            let (left, tries) = match known {
+                Known::Unserved { left, tries, .. } => (std::mem::take(left), *tries + 1),
+                _ => (Vec::new(), 1),
+            };
+            match result {
+                Ok(processes) if processes.iter().any(|process| !left.contains(process)) => {
+                    let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
+                    info!(source = %source.display(), connection = %dev, ?pids, "watching the FUSE daemon");
+                    *known = Known::Served;
+                    continue;
+                }
+                Ok(_) if left.is_empty() => {
+                    debug!(source = %source.display(), connection = %dev, tries, "no process holds the connection yet")
+                }
+                Ok(_) => {
+                    let holders: Vec<u32> = left.iter().map(|process| process.pid).collect();
+                    debug!(source = %source.display(), connection = %dev, ?holders, tries, "no new process serves the connection yet")
+                }
+                Err(err) => {
+                    warn!(source = %source.display(), connection = %dev, %err, "cannot tell which process serves the source")
+                }
+            }
+            let execs = self.watcher.backend() == Backend::ProcConnector;
+            let limit = if left.is_empty() { UNSERVED_RETRIES } else { SUCCESSOR_RETRIES };
+            let retry_at = (tries < limit).then(|| now + Duration::from_millis(100) * (1 << tries));
+            if tries == limit {
+                let again =
+                    if execs { "when a process starts" } else { "never: its end is seen when a new mount appears" };
+                if left.is_empty() {
+                    info!(source = %source.display(), connection = %dev, again, "no daemon found for the source");
+                } else {
+                    let holders: Vec<u32> = left.iter().map(|process| process.pid).collect();
+                    info!(source = %source.display(), connection = %dev, ?holders, again, "no new process serves the connection; its holders stay watched");
+                }
+            }
+            *known = Known::Unserved { left, tries, retry_at };
+        }
+        self.update_exec_interest();
+        retracted
+    }
+
+    /// An exec somewhere: worth a discovery if a connection has no daemon.
+    pub fn exec_seen(&mut self) {
+        let now = Instant::now();
+        let spaced = self.last_exec_discovery.is_none_or(|last| now >= last + EXEC_DISCOVERY_SPACING);
+        for (_, known) in self.known.values_mut() {
+            if let Known::Unserved { retry_at: retry_at @ None, .. } = known {
+                // Too soon after the last one: a deadline asks instead, so
+                // this exec is not lost.
+                *retry_at = (!spaced).then(|| self.last_exec_discovery.unwrap_or(now) + EXEC_DISCOVERY_SPACING);
+            }
+        }
+        if spaced {
+            self.last_exec_discovery = Some(now);
+            self.retry_unserved(now, true);
+        }
+    }
+
+    fn retry_unserved(&mut self, now: Instant, on_exec: bool) {
+        let due: Vec<(PathBuf, Dev)> = self
+            .known
+            .iter()
+            .filter(|(_, (_, known))| match known {
+                Known::Unserved { retry_at: Some(at), .. } => *at <= now,
+                Known::Unserved { retry_at: None, .. } => on_exec,
+                _ => false,
+            })
+            .map(|(dev, (path, _))| (path.clone(), *dev))
+            .collect();
+        // Keep the count of tries across the new request.
+        for (_, dev) in &due {
+            if let Some((_, Known::Unserved { retry_at, .. })) = self.known.get_mut(dev) {
+                *retry_at = None;
+            }
+        }
+        if let Some(requests) = &self.requests
+            && !due.is_empty()
+            && requests.send(due).is_err()
+        {
+            warn!("daemon discovery thread is gone; new daemons are not watched");
+        }
+    }
+
+    fn update_exec_interest(&self) {
+        let unserved = self.known.values().any(|(_, known)| matches!(known, Known::Unserved { retry_at: None, .. }));
+        self.want_exec.store(unserved, Ordering::Relaxed);
+    }
+
+    /// Whether `--abort-dead-connections` is on.
+    pub fn aborts(&self) -> bool {
+        self.options.abort_dead_connections
+    }
+
+    /// Starts checking a partly exited connection for waiting requests
+    /// that nobody reads.
+    pub fn watch_orphan(&mut self, exit: &PartialExit, pid: u32, exited_at: Instant) {
+        let orphan = Orphan { source: exit.source.clone(), pid, exited_at, attempts: 0, check_at: Instant::now() };
+        self.orphans.insert(exit.dev, orphan);
+    }
+
+    /// The earliest discovery retry or orphan check ahead.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let retries = self.known.values().filter_map(|(_, known)| match known {
+            Known::Unserved { retry_at, .. } => *retry_at,
+            _ => None,
+        });
+        retries.chain(self.orphans.values().map(|orphan| orphan.check_at)).min()
+    }
+
+    /// Runs what is due: discovery retries, and orphan checks, returning the
+    /// connections aborted.
+    pub fn on_deadline(&mut self) -> Vec<Aborted> {
+        let now = Instant::now();
+        self.retry_unserved(now, false);
+        self.update_exec_interest();
+        let due: Vec<Dev> =
+            self.orphans.iter().filter(|(_, orphan)| orphan.check_at <= now).map(|(dev, _)| *dev).collect();
+        let mut aborted = Vec::new();
+        for dev in due {
+            if let Some(done) = self.check_orphan(dev, now) {
+                aborted.push(done);
+            }
+        }
+        aborted
+    }
+
+    /// One check of an orphaned connection; the entry goes once decided.
+    fn check_orphan(&mut self, dev: Dev, now: Instant) -> Option<Aborted> {
+        let remaining: Vec<u32> = lock(&self.holders)
+            .iter()
+            .filter(|(_, holder)| holder.serves.iter().any(|(_, served)| *served == dev))
+            .map(|(&pid, _)| pid)
+            .collect();
+        let orphan = self.orphans.get_mut(&dev)?;
+        let source = orphan.source.clone();
+        // Nobody left: the kernel aborted it, the death is reported as such.
+        if remaining.is_empty() {
+            self.orphans.remove(&dev);
+            return None;
+        }
+        if let Some(reader) = remaining.iter().find(|&&pid| reads_fuse_device(&self.options.proc_root, pid)) {
+            info!(source = %source.display(), connection = %dev, pid = reader, "connection is served by another process");
+            self.orphans.remove(&dev);
+            return None;
+        }
+        let control = connection_dir(&self.options.fuse_connections, dev);
+        let waiting = match read_waiting(&control) {
+            Ok(waiting) => waiting,
+            Err(err) => {
+                warn!(dir = %control.display(), %err, "cannot read the FUSE connection's waiting count; not aborting it");
+                self.orphans.remove(&dev);
+                return None;
+            }
+        };
+        if waiting == 0 {
+            orphan.attempts += 1;
+            orphan.check_at = now + orphan_recheck_delay(orphan.attempts);
+            return None;
+        }
+        let orphan = self.orphans.remove(&dev)?;
+        if let Err(err) = fs::write(control.join("abort"), b"1") {
+            warn!(dir = %control.display(), %err, "cannot abort the FUSE connection");
+            return None;
+        }
+        Some(Aborted { source, dev, pid: orphan.pid, exited_at: orphan.exited_at, waiting })
+    }
+}
+
+impl Drop for Daemons {
+    fn drop(&mut self) {
+        // Closing the queue ends the discovery thread after its scan.
+        self.requests = None;
+        if self.discovery.take().is_some_and(|thread| thread.join().is_err()) {
+            warn!("daemon discovery thread panicked");
+        }
+    }
+}
+
+/// Checks of an orphaned connection: soon at first, then every 2 s while
+/// it stays held and unread.
+fn orphan_recheck_delay(attempts: u32) -> Duration {
+    (Duration::from_millis(50) * (1 << attempts.min(6))).min(Duration::from_secs(2))
+}
+
+/// `<fusectl>/<connection>`: the control directory of a FUSE connection.
+pub fn connection_dir(fuse_connections: &Path, dev: Dev) -> PathBuf {
+    let device = MountDevice { major: dev.major, minor: dev.minor };
+    fuse_connections.join(device.connection().to_string())
+}
+
+/// Requests of the connection not yet answered.
+pub fn read_waiting(connection_dir: &Path) -> io::Result<u64> {
+    let text = fs::read_to_string(connection_dir.join("waiting"))?;
+    text.trim().parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("waiting: {text:?}")))
+}
+
+/// Whether a thread of `pid` sleeps reading a FUSE device (the kernel's
+/// `fuse_dev_do_read`): the process serves requests.
+fn reads_fuse_device(proc_root: &Path, pid: u32) -> bool {
+    let Ok(tasks) = fs::read_dir(proc_root.join(pid.to_string()).join("task")) else { return false };
+    tasks
+        .filter_map(Result::ok)
+        .any(|task| fs::read_to_string(task.path().join("wchan")).is_ok_and(|wchan| wchan.trim() == "fuse_dev_do_read"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::Receiver;
+
+    use super::discovery::add_holder;
+    use super::*;
+
+    #[test]
+    fn connection_directory_is_named_by_the_kernel_device_number() {
+        let dir = connection_dir(Path::new("/sys/fs/fuse/connections"), Dev { major: 0, minor: 52 });
+        assert_eq!(dir, Path::new("/sys/fs/fuse/connections/52"));
+    }
+
+    #[test]
+    fn waiting_count_is_read_from_the_control_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("waiting"), "3\n").unwrap();
+        assert_eq!(read_waiting(dir.path()).unwrap(), 3);
+        fs::write(dir.path().join("waiting"), "x\n").unwrap();
+        assert!(read_waiting(dir.path()).is_err());
+    }
+
+    #[test]
+    fn orphan_checks_space_out_to_two_seconds() {
+        assert_eq!(orphan_recheck_delay(0), Duration::from_millis(50));
+        assert_eq!(orphan_recheck_delay(1), Duration::from_millis(100));
+        assert_eq!(orphan_recheck_delay(10), Duration::from_secs(2));
+    }
+
+    struct NoWatcher;
+
+    impl ProcessWatcher for NoWatcher {
+        fn watch(&self, _: ProcessId) -> Result<(), ProcessWatchError> {
+            Ok(())
+        }
+        fn unwatch(&self, _: u32) -> bool {
+            false
+        }
+        fn watched(&self) -> Vec<ProcessId> {
+            Vec::new()
+        }
+        fn backend(&self) -> crate::watch::processes::Backend {
+            crate::watch::processes::Backend::Pidfd
+        }
+    }
+
+    /// Daemons without threads: discovery requests queue on the receiver.
+    fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
+        let (requests, queue) = mpsc::channel();
+        let daemons = Daemons {
+            options: DaemonWatch::default(),
+            watcher: Arc::new(NoWatcher),
+            holders: Arc::default(),
+            known: BTreeMap::new(),
+            want_exec: Arc::default(),
+            last_exec_discovery: None,
+            orphans: BTreeMap::new(),
+            requests: Some(requests),
+            discovery: None,
+        };
+        (daemons, queue)
+    }
+
+    fn found(dev: Dev, pids: &[u32], scanned_at: Instant) -> Vec<Discovered> {
+        let processes = pids.iter().map(|&pid| ProcessId { pid, start_time: 1 }).collect();
+        vec![Discovered { source: "/runtime/g".into(), dev, result: Ok(processes), scanned_at }]
+    }
+
+    /// A connection served by pid 10, discovered.
+    fn served(dev: Dev) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
+        let (mut daemons, queue) = daemons();
+        daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
+        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
+        add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
+        assert!(daemons.discovered(found(dev, &[10], Instant::now())).is_empty());
+        (daemons, queue)
+    }
+
+    #[test]
+    fn a_death_is_retracted_when_the_discovery_after_it_finds_a_holder() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, queue) = served(dev);
+        let before = Instant::now();
+        let (deaths, partial) = daemons.exited(10);
+        assert_eq!(deaths, vec![Death { source: "/runtime/g".into(), dev }]);
+        assert!(partial.is_empty());
+        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)], "the death is checked");
+        // A scan begun before the exit says nothing about after it.
+        assert!(daemons.discovered(found(dev, &[11], before)).is_empty());
+        let retracted = daemons.discovered(found(dev, &[11], Instant::now()));
+        assert_eq!(retracted, vec![Retraction { source: "/runtime/g".into(), dev, pids: vec![11] }]);
+    }
+
+    #[test]
+    fn a_death_stands_when_nobody_holds_the_connection() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _queue) = served(dev);
+        assert_eq!(daemons.exited(10).0.len(), 1);
+        assert!(daemons.discovered(found(dev, &[], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty(), "dead for good");
+    }
+
+    #[test]
+    fn a_holder_of_a_dying_connection_exiting_is_not_a_second_death() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, queue) = served(dev);
+        assert_eq!(daemons.exited(10).0.len(), 1);
+        // Found by the check, gone before its answer is read.
+        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
+        let scanned_at = Instant::now();
+        let (deaths, _) = daemons.exited(11);
+        assert!(deaths.is_empty());
+        assert_eq!(queue.try_iter().count(), 2, "each exit asks again");
+        assert!(daemons.discovered(found(dev, &[11], scanned_at)).is_empty(), "that answer is stale");
+    }
+
+    /// A connection served by pid 10, beside a watchdog, pid 11, that holds
+    /// it too; `/proc` is a stand-in where 11 sleeps reading the device if
+    /// `watchdog_reads`.
+    fn served_beside_a_watchdog(dev: Dev, watchdog_reads: bool) -> (Daemons, tempfile::TempDir) {
+        let proc_root = tempfile::tempdir().unwrap();
+        let task = proc_root.path().join("11/task/11");
+        fs::create_dir_all(&task).unwrap();
+        fs::write(task.join("wchan"), if watchdog_reads { "fuse_dev_do_read" } else { "do_sigtimedwait" }).unwrap();
+        let (mut daemons, _queue) = served(dev);
+        daemons.options.proc_root = proc_root.path().to_path_buf();
+        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
+        (daemons, proc_root)
+    }
+
+    fn is_served(daemons: &Daemons, dev: Dev) -> bool {
+        matches!(daemons.known.get(&dev), Some((_, Known::Served)))
+    }
+
+    #[test]
+    fn a_watchdogs_next_child_is_looked_for_until_it_holds_the_connection() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, false);
+        let (deaths, partial) = daemons.exited(10);
+        assert!(deaths.is_empty());
+        assert_eq!(partial[0].remaining, [11]);
+        // Only the watchdog, which does not read: looked for again, on a timer.
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(!is_served(&daemons, dev));
+        assert!(daemons.next_deadline().is_some(), "the next look is due");
+        // Its next child holds it now.
+        assert!(daemons.discovered(found(dev, &[11, 12], Instant::now())).is_empty());
+        assert!(is_served(&daemons, dev));
+        assert_eq!(daemons.next_deadline(), None, "no timer once served");
+    }
+
+    #[test]
+    fn holders_left_reading_the_connection_serve_it() {
+        let dev = Dev { major: 0, minor: 52 };
+        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, true);
+        assert_eq!(daemons.exited(10).1.len(), 1);
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(is_served(&daemons, dev));
+    }
+
+    #[test]
+    fn this_process_does_not_read_a_fuse_device() {
+        assert!(!reads_fuse_device(Path::new("/proc"), std::process::id()));
+    }
+}

@@ -1,0 +1,414 @@
+//! The supervisor loop: wakes on kernel events, reads the table, plans,
+//! probes sources off-thread and heals.
+//!
+//! The loop thread joins the watched mount namespace and does all mounting
+//! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
+//! calls never reach the daemon). Probes, which do, run on worker threads.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor_sys::poll::Waker;
+use tracing::{debug, error, warn};
+
+use crate::heal::priority::{HealPriority, HealWindow};
+use crate::heal::probe::{ProbeReport, Prober};
+use crate::heal::{Executor, Prepared};
+use crate::health::{Health, Pong};
+use crate::kube::KubeletConfig;
+use crate::model::mountinfo::TableSource;
+use crate::model::state::{Journal, StateError, StateWriter, TargetState};
+use crate::model::table::{Classified, Dev, Layout, Snapshot};
+use crate::plan::confirm::Answer;
+use crate::plan::layout::SourceLayouts;
+use crate::plan::locate::VolDataCache;
+use crate::plan::{self, HealBatch};
+use crate::report::{Report, Reporters};
+use crate::supervisor::daemons::{DaemonEvent, DaemonWatch, Daemons};
+use crate::watch::mount_table::{Rearm, WatchMode};
+use crate::watch::pods::PodChange;
+
+mod confirmation;
+pub mod daemons;
+mod degraded;
+mod healing;
+mod once;
+mod probes;
+mod start;
+mod targets;
+#[cfg(test)]
+mod tests;
+
+use confirmation::Confirmer;
+pub use once::{OnceSummary, heal_once};
+pub use start::{run, start_job_lifecycle};
+use targets::TargetRecord;
+
+/// How `run` is set up.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub kubelet_root: PathBuf,
+    pub state_dir: PathBuf,
+    /// The mount namespace to heal in (`/proc/1/ns/mnt`: the host's).
+    pub mount_namespace: PathBuf,
+    /// A directory in that namespace where a private tmpfs parks new mounts
+    /// while the stale layers under them are removed.
+    pub staging_dir: PathBuf,
+    /// How long a source may take to answer a probe before it is reported
+    /// as not answering (the probe goes on waiting in the background).
+    pub probe_timeout: Duration,
+    /// Confirm restarts with the local kubelet before rebinding; None
+    /// heals on mount evidence alone (`--kubelet none`).
+    pub kubelet: Option<KubeletConfirmation>,
+    /// Where sources are when no healthy observation taught it.
+    pub layouts: SourceLayouts,
+    /// Who hears about breaks, heals and kubelet calls (events, metrics).
+    pub reporters: Reporters,
+    /// Sidecar mode: only this pod's targets are healed.
+    pub pod_scope: Option<String>,
+    /// The serverless Job lifecycle, on its own thread, when enabled.
+    pub job: Option<crate::kube::job::JobConfig>,
+    /// How the daemons serving the sources are watched for their death.
+    pub daemons: DaemonWatch,
+    /// Kernel notifications, or a full scan on a timer.
+    pub watch: WatchMode,
+    /// Answers liveness pings and says when the first scan is done.
+    pub health: Arc<Health>,
+    /// Of the heal path's threads (see [`crate::heal::priority`]).
+    pub heal_priority: HealPriority,
+}
+
+/// How restarts are confirmed with the kubelet.
+#[derive(Debug, Clone)]
+pub struct KubeletConfirmation {
+    pub client: KubeletConfig,
+    /// How long an unreachable or failing kubelet may delay a heal before
+    /// it goes ahead on mount evidence alone.
+    pub grace: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("cannot join mount namespace {path}")]
+    Namespace {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot open {what}")]
+    Open {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Watch(#[from] crate::watch::mount_table::WatchError),
+    #[error(transparent)]
+    Kubelet(#[from] crate::kube::KubeletError),
+    #[error(transparent)]
+    Pods(#[from] crate::watch::pods::PodWatchError),
+    #[error(transparent)]
+    Job(#[from] crate::kube::job::JobError),
+    #[error(transparent)]
+    Daemons(#[from] crate::supervisor::daemons::DaemonError),
+    #[error("cannot start thread {name}")]
+    Thread {
+        name: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Asks a running supervisor to stop; cheap to clone.
+#[derive(Clone)]
+pub struct Shutdown {
+    waker: Arc<Waker>,
+    requested: Arc<AtomicBool>,
+}
+
+impl Shutdown {
+    pub fn new() -> io::Result<Self> {
+        Ok(Shutdown { waker: Arc::new(Waker::new()?), requested: Arc::new(AtomicBool::new(false)) })
+    }
+
+    pub fn request(&self) {
+        self.requested.store(true, Ordering::SeqCst);
+        if let Err(err) = self.waker.wake() {
+            error!(?err, "cannot wake the watcher for shutdown");
+        }
+    }
+
+    pub fn requested(&self) -> bool {
+        self.requested.load(Ordering::SeqCst)
+    }
+
+    /// The eventfd a shutdown request sets, for loops that wait on their own epoll.
+    pub fn waker(&self) -> Arc<Waker> {
+        Arc::clone(&self.waker)
+    }
+}
+
+enum Event {
+    /// With the unique IDs of the mounts the change attached, where the
+    /// watcher names them.
+    TableChanged(Vec<u64>),
+    Probed(ProbeReport),
+    Kubelet(Answer),
+    Pods(PodChange),
+    Daemon(DaemonEvent),
+    WatchFailed(crate::watch::mount_table::WatchError),
+    /// A liveness check (`/healthz`): answered at once.
+    Ping(Pong),
+    Shutdown,
+}
+
+struct Supervisor<E: Executor> {
+    layout: Layout,
+    journal: Journal,
+    records: BTreeMap<PathBuf, TargetRecord>,
+    /// The mount table of the watched namespace.
+    reader: Box<dyn TableSource>,
+    prober: Prober,
+    executor: E,
+    events: Sender<Event>,
+    /// When the loop last woke for a table change: the heal latency of a
+    /// target found dead on an unchanged source starts here.
+    woke_at: Instant,
+    /// When the last table read began.
+    scan_started: Instant,
+    /// Whether a read since the last scan took in a change no scan has seen.
+    unscanned: bool,
+    /// Each source's current connection and when a scan first saw it: the
+    /// heal latency of targets left behind by a replacement starts there.
+    /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
+    sources_seen_at: HashMap<PathBuf, (Dev, Instant)>,
+    /// Sources whose probe overran, already reported.
+    reported_overdue: BTreeSet<PathBuf>,
+    /// Targets on an unrecorded connection whose probe is running.
+    probing_targets: BTreeSet<PathBuf>,
+    /// Targets on an unrecorded connection that a probe found dead.
+    dead_targets: BTreeSet<PathBuf>,
+    /// Table reads so far; a batch planned at read N is current while no
+    /// other read happened and the table did not change since.
+    table_reads: u64,
+    /// The batch each running source probe was started for, and the read it
+    /// was planned from: healed as it is if the table has not moved on.
+    /// With it, the handles its heal takes before the first stack, taken
+    /// while the probe waits for the daemon.
+    probed_batches: BTreeMap<PathBuf, (u64, HealBatch, Prepared)>,
+    /// None when restarts are not confirmed with the kubelet.
+    confirmer: Option<Confirmer>,
+    /// Whether the first scan is done: mounts seen in it were there before
+    /// the supervisor, so when they appeared is unknown.
+    scanned_once: bool,
+    layouts: SourceLayouts,
+    /// The `vol_data.json`s unmapped targets need.
+    vol_data: VolDataCache,
+    /// Whether the pod watcher runs; without it deleted pods are found by
+    /// looking at their directories on each scan.
+    pods_watched: bool,
+    /// Pods with targets that neither a healthy observation nor a layout
+    /// mapped at the last scan: a new vol_data.json of theirs is worth one.
+    unmapped_pods: BTreeSet<String>,
+    reporters: Reporters,
+    /// Poll mode: every wake-up is a full scan, changed table or not.
+    polling: bool,
+    /// None when daemons are not watched (`--process-watch off`, `heal --once`).
+    daemons: Option<Daemons>,
+    /// Handles on the stale tops of targets whose daemon died.
+    held: BTreeMap<PathBuf, degraded::Held>,
+    /// The journal changed since the state file was last written: written
+    /// when the loop has nothing else to do, so never before a heal.
+    state_dirty: bool,
+    /// None: saved on the loop (`heal --once`).
+    state_writer: Option<StateWriter>,
+    /// Open from a heal's probe to its end.
+    heal_window: HealWindow,
+    /// The table watcher's handle: re-armed after each report, paused for
+    /// a heal's own changes. None without a watcher (`heal --once`).
+    table_watch: Option<Arc<dyn Rearm>>,
+}
+
+impl<E: Executor> Supervisor<E> {
+    fn serve(&mut self, inbox: &Receiver<Event>, shutdown: &Shutdown) {
+        while !shutdown.requested() {
+            let event = match inbox.try_recv() {
+                Ok(event) => Ok(event),
+                Err(TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
+                Err(TryRecvError::Empty) => {
+                    // Nothing to do: the time for chores that must not
+                    // delay a heal, unless a probe's answer (and its heal)
+                    // is due any moment.
+                    if !self.heal_imminent() {
+                        // A seen death's new mount is expected for as long
+                        // as its stale layers are held.
+                        self.heal_window.close(!self.held.is_empty());
+                        self.prober.keep_spare();
+                        self.save_state();
+                        // A scan of a large table frees megabytes scattered
+                        // between long-lived allocations: give them back.
+                        self.reader.release_buffer();
+                        fuse_supervisor_sys::memory::release_free_memory();
+                    }
+                    // Deadlines exist only while something is wrong: an idle
+                    // supervisor blocks on the channel with no timeout.
+                    match self.next_deadline() {
+                        None => inbox.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                        Some(at) => inbox.recv_timeout(at.saturating_duration_since(Instant::now())),
+                    }
+                }
+            };
+            match event {
+                Ok(Event::TableChanged(attached)) => {
+                    if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.rearm()) {
+                        error!(?err, "mount-table watcher stopped");
+                        return;
+                    }
+                    self.reporters.report(&Report::TableChanged);
+                    // A change the loop made itself (a heal) was read by the
+                    // scan that followed it: nothing new to see then. A
+                    // failed check rescans.
+                    // Poll mode scans on every tick, as polling healers do.
+                    if self.polling || self.unscanned || self.reader.changed_since_read().unwrap_or(true) {
+                        self.woke_at = Instant::now();
+                        self.probe_announced_sources(&attached);
+                        self.rescan();
+                    }
+                }
+                Ok(Event::Probed(report)) => self.on_probe(report),
+                Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
+                Ok(Event::Pods(change)) => self.on_pods(change),
+                Ok(Event::Daemon(event)) => self.on_daemon(event),
+                Ok(Event::Ping(pong)) => pong.answer(),
+                Ok(Event::WatchFailed(err)) => {
+                    error!(?err, "mount-table watcher stopped");
+                    return;
+                }
+                Ok(Event::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => self.on_deadline(),
+            }
+        }
+    }
+
+    /// Whether a probe started for a planned heal is still within its time:
+    /// its answer starts the heal.
+    fn heal_imminent(&self) -> bool {
+        self.probed_batches.keys().any(|source| !self.reported_overdue.contains(source))
+    }
+
+    /// Writes the state file if the journal changed, through the writer
+    /// thread when there is one.
+    fn save_state(&mut self) {
+        if !std::mem::take(&mut self.state_dirty) {
+            return;
+        }
+        let saved = match &self.state_writer {
+            Some(writer) => self.journal.save_with(writer),
+            None => self.journal.save(),
+        };
+        if let Err(err) = saved {
+            error!(%err, "cannot save state");
+        }
+    }
+
+    /// The earliest retry or probe deadline still ahead; none while idle.
+    fn next_deadline(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let retries = self.records.values().filter_map(|record| match record.state {
+            TargetState::Failed { retry_at, .. } => Some(retry_at),
+            _ => None,
+        });
+        let probes =
+            self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
+        let confirmations =
+            self.confirmer.iter().flat_map(|confirmer| confirmer.waiting.values().filter_map(|c| c.waiting.due_at()));
+        retries.chain(probes).chain(confirmations).chain(self.degraded_deadline()).filter(|at| *at > now).min()
+    }
+
+    fn on_deadline(&mut self) {
+        self.on_degraded_deadline();
+        for source in self.prober.overdue() {
+            // Handles on its targets' stale layers would keep their pods'
+            // volumes busy for as long as the daemon does not answer.
+            if let Some((_, _, prepared)) = self.probed_batches.get_mut(&source) {
+                *prepared = Prepared::default();
+            }
+            if self.reported_overdue.insert(source.clone()) {
+                warn!(source = %source.display(), "source does not answer; its heal waits until it does");
+            }
+        }
+        self.rescan();
+    }
+
+    /// Reads and classifies the table; returns None (state kept) when the
+    /// table cannot be read or parsed.
+    fn read_table(&mut self) -> Option<Classified> {
+        self.table_reads += 1;
+        self.scan_started = Instant::now();
+        // A read outside a scan (a daemon's death) may take in a change
+        // whose report is still on its way: it must not look already seen.
+        self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
+        let table = match self.reader.read() {
+            Ok(table) => table,
+            Err(err) => {
+                error!(?err, "cannot read the mount table");
+                return None;
+            }
+        };
+        match Snapshot::parse(table) {
+            Ok(snapshot) => {
+                let mut classified = Classified::from_snapshot(snapshot, &self.layout);
+                self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);
+                debug!(took_us = self.scan_started.elapsed().as_micros() as u64, "table read");
+                Some(classified)
+            }
+            Err(err) => {
+                error!(%err, "mount table did not parse; keeping the last known state");
+                None
+            }
+        }
+    }
+
+    fn rescan(&mut self) {
+        let Some(classified) = self.read_table() else { return };
+        self.unscanned = false;
+        self.report_propagated_heals(&classified);
+        let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
+        changed |= self.locate_unmapped(&classified);
+        changed |= self.sight_sources(&classified);
+        if !self.pods_watched {
+            changed |= self.forget_deleted_pods();
+        }
+        let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
+        if let Some(confirmer) = &mut self.confirmer {
+            confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
+        }
+        // Probes first: each waits for a FUSE daemon's answer, and the
+        // bookkeeping below is done while it does.
+        let probing: Vec<bool> = batches.iter().map(|batch| self.confirmed(batch) && self.start_probe(batch)).collect();
+        self.update_states(&classified);
+        changed |= self.track_daemons(&classified);
+        self.state_dirty |= changed;
+        self.probe_unknown_targets(&classified);
+        self.discover_daemons(&classified, &batches);
+        debug!(
+            mounts = classified.total_mounts,
+            targets = classified.targets.len(),
+            batches = batches.len(),
+            "scanned"
+        );
+        for (batch, probing) in batches.into_iter().zip(probing) {
+            if probing {
+                let prepared = self.prepare_heal(&batch);
+                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
+            }
+        }
+        self.reporters.report(&Report::Scanned(&self.counts(&classified)));
+    }
+}

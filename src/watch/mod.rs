@@ -1,0 +1,9 @@
+//! Thin adapters over the kernel's notifications: each decodes events into
+//! typed values for the loop and decides nothing. The mount table
+//! ([`mount_table`]: fanotify mount events, mountinfo `EPOLLPRI`, or a poll
+//! for comparison), processes ([`processes`]: the proc connector or pidfds,
+//! for FUSE daemon deaths) and the kubelet's pod directories ([`pods`]:
+//! inotify).
+pub mod mount_table;
+pub mod pods;
+pub mod processes;
