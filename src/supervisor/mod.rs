@@ -20,9 +20,9 @@ use crate::heal::probe::{ProbeReport, Prober};
 use crate::heal::{Executor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kube::KubeletConfig;
-use crate::model::mountinfo::TableSource;
+use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter, TargetState};
-use crate::model::table::{Classified, Dev, Layout, Snapshot};
+use crate::model::table::{Classified, Dev, Layout};
 use crate::plan::confirm::Answer;
 use crate::plan::layout::SourceLayouts;
 use crate::plan::locate::VolDataCache;
@@ -39,6 +39,7 @@ mod healing;
 mod once;
 mod probes;
 mod start;
+mod tables;
 mod targets;
 #[cfg(test)]
 mod tests;
@@ -354,14 +355,7 @@ impl<E: Executor> Supervisor<E> {
         // A read outside a scan (a daemon's death) may take in a change
         // whose report is still on its way: it must not look already seen.
         self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
-        let table = match self.reader.read() {
-            Ok(table) => table,
-            Err(err) => {
-                error!(?err, "cannot read the mount table");
-                return None;
-            }
-        };
-        match Snapshot::parse(table) {
+        match self.reader.snapshot() {
             Ok(snapshot) => {
                 let mut classified = Classified::from_snapshot(snapshot, &self.layout);
                 self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);
@@ -369,7 +363,7 @@ impl<E: Executor> Supervisor<E> {
                 Some(classified)
             }
             Err(err) => {
-                error!(%err, "mount table did not parse; keeping the last known state");
+                error!(err = %crate::report::error_chain(&err), "cannot read the mount table; keeping the last known state");
                 None
             }
         }

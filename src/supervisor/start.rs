@@ -15,7 +15,8 @@ use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
 use crate::kube::KubeletClient;
-use crate::model::mountinfo::{MountInfoReader, TableSource};
+use crate::model::mountinfo::MountInfoReader;
+use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
 use crate::plan::confirm::Asker;
@@ -24,6 +25,7 @@ use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 use crate::watch::pods::PodWatcher;
 
+use super::tables::KeptTable;
 use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
@@ -81,6 +83,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
+    // Where the loop reads the table, by what wakes it: the mount events
+    // themselves with fanotify; a listing of mount IDs where the kernel
+    // has one (6.8+) with mountinfo's flag; the whole text otherwise.
+    let mut feed = None;
     let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
         // In the watched namespace now: the fanotify mark goes on this thread's.
         WatchMode::Events(wanted) => {
@@ -89,7 +95,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
                 || {
                     let namespace = ns::open_thread_mount_namespace()
                         .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
-                    Ok(FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?)
+                    let watcher = FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?;
+                    feed = Some(watcher.feed());
+                    Ok(watcher)
                 },
                 || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
             )?;
@@ -97,10 +105,16 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         }
         WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
+    let (table, table_read): (Box<dyn TableSource>, _) = match (config.watch, feed) {
+        (WatchMode::Events(_), Some(feed)) => (Box::new(KeptTable::from_events(feed)), "mount events"),
+        (WatchMode::Events(_), None) if KeptTable::listing_supported() => {
+            (Box::new(KeptTable::from_listings(open_mountinfo()?)), "listmount")
+        }
+        _ => (Box::new(MountInfoReader::from_file(open_mountinfo()?)), "mountinfo text"),
+    };
     let table_watch = watcher.rearm_handle();
     let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
-    let mut supervisor =
-        Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone(), heal_activity)?;
+    let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
@@ -123,6 +137,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         namespace = %config.mount_namespace.display(),
         mode = %config.watch,
         %table_events,
+        table_read,
         "supervising"
     );
     supervisor.table_watch = Some(table_watch);
@@ -185,7 +200,7 @@ impl Supervisor<MountExecutor> {
     /// namespace.
     pub(super) fn new(
         config: &Config,
-        reader: MountInfoReader,
+        reader: Box<dyn TableSource>,
         events: Sender<Event>,
         heal_activity: Arc<HealActivity>,
     ) -> Result<Self, SupervisorError> {
@@ -200,7 +215,7 @@ impl Supervisor<MountExecutor> {
                     source,
                 }
             })?;
-        Ok(Supervisor::with_executor(config, Box::new(reader), executor, events, heal_activity))
+        Ok(Supervisor::with_executor(config, reader, executor, events, heal_activity))
     }
 }
 
