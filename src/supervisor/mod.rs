@@ -185,6 +185,8 @@ struct Supervisor<E: Executor> {
     scan_started: Instant,
     /// Whether a read since the last scan took in a change no scan has seen.
     unscanned: bool,
+    /// A table read happened since memory was last given back.
+    read_since_trim: bool,
     /// Each source's current connection and when a scan first saw it: the
     /// heal latency of targets left behind by a replacement starts there.
     /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
@@ -254,8 +256,12 @@ impl<E: Executor> Supervisor<E> {
                         self.save_state();
                         // A scan of a large table frees megabytes scattered
                         // between long-lived allocations: give them back.
-                        self.reader.release_buffer();
-                        fuse_supervisor_sys::memory::release_free_memory();
+                        // Only after one: a trim costs page faults and TLB
+                        // flushes, more than a wake for an unrelated mount.
+                        if std::mem::take(&mut self.read_since_trim) {
+                            self.reader.release_buffer();
+                            fuse_supervisor_sys::memory::release_free_memory();
+                        }
                     }
                     // Deadlines exist only while something is wrong: an idle
                     // supervisor blocks on the channel with no timeout.
@@ -351,6 +357,7 @@ impl<E: Executor> Supervisor<E> {
     /// table cannot be read or parsed.
     fn read_table(&mut self) -> Option<Classified> {
         self.table_reads += 1;
+        self.read_since_trim = true;
         self.scan_started = Instant::now();
         // A read outside a scan (a daemon's death) may take in a change
         // whose report is still on its way: it must not look already seen.

@@ -241,6 +241,7 @@ impl<E: Executor> Supervisor<E> {
             woke_at: Instant::now(),
             scan_started: Instant::now(),
             unscanned: false,
+            read_since_trim: false,
             sources_seen_at: HashMap::new(),
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
