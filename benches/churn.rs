@@ -5,12 +5,16 @@
 //! kubelet tree: nothing the supervisor heals) go on for T seconds. For each
 //! table size it runs each watch mode in turn and prints the supervisor's
 //! CPU over the window (utime + stime of `/proc/<pid>/stat`, and the finer
-//! sum of its threads' `schedstat`) and its resident memory, side by side. A benchmark, not a test: it prints numbers.
+//! sum of its threads' `schedstat`) and its resident memory, side by side.
+//! A benchmark, not a test: it prints numbers.
 //!
 //! ```text
 //! cargo bench --bench churn [-- --mounts 1000,10000,50000 --rate 100 --seconds 10 --targets 10
-//!     --modes fanotify,mountinfo,poll]
+//!     --modes fanotify,mountinfo,poll --binary PATH]
 //! ```
+//!
+//! `--binary` measures another build of `fuse-supervisor` (an older one, for
+//! a before-and-after) instead of this one.
 //!
 //! Modes: `fanotify` (`--table-events fanotify`), `mountinfo`
 //! (`--table-events mountinfo`), `poll` (`--mode poll --poll-period 5s`).
@@ -66,6 +70,8 @@ struct Options {
     window: Duration,
     targets: usize,
     modes: Vec<Mode>,
+    /// The supervisor measured; the daemon and the sandbox are this build's.
+    binary: PathBuf,
 }
 
 impl Options {
@@ -82,6 +88,7 @@ impl Options {
                 "poll" => Some(Mode::Poll),
                 _ => None,
             }),
+            binary: PathBuf::from(flags.text("binary", BINARY)),
         }
     }
 }
@@ -176,7 +183,7 @@ struct Row {
 }
 
 fn measure(sandbox: &Sandbox, mounts: usize, mode: Mode, options: &Options) -> Row {
-    let binary = Path::new(BINARY);
+    let binary = options.binary.as_path();
     let mut args: Vec<&str> = vec!["--kubelet", "none", "--log", "info"];
     args.extend(mode.args());
     let state = sandbox.root().join("state").join(mode.name().replace(' ', "-"));

@@ -164,10 +164,13 @@ impl Drop for Churn {
 #[test]
 fn a_hundred_targets_are_healed_while_unrelated_mounts_churn() {
     let (mut node, baseline) = Node::supervised(100, 5);
+    let started = node.supervisor().log().len();
     // About 200 changes a second around the crash, the heal and after.
     node.churn = Some(Churn::start(&node.sandbox, Duration::from_millis(10)));
     std::thread::sleep(Duration::from_millis(300));
     let from = node.supervisor().log().len();
+    let scans = node.supervisor().log()[started..].iter().filter(|line| line.contains("\"scanned\"")).count();
+    assert_eq!(scans, 0, "changes of mounts that are not FUSE made the loop scan");
 
     node.source.crash().unwrap();
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();

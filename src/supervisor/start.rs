@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use fuse_supervisor_sys::ns;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
@@ -25,7 +25,7 @@ use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 use crate::watch::pods::PodWatcher;
 
-use super::tables::KeptTable;
+use super::tables::{KeptTable, SettleError, SharedTable};
 use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
@@ -105,15 +105,20 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         }
         WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
+    let mut shared = None;
     let (table, table_read): (Box<dyn TableSource>, _) = match (config.watch, feed) {
-        (WatchMode::Events(_), Some(feed)) => (Box::new(KeptTable::from_events(feed)), "mount events"),
+        (WatchMode::Events(_), Some(feed)) => {
+            let table = SharedTable::new(KeptTable::from_events(feed));
+            shared = Some(table.clone());
+            (Box::new(table), "mount events")
+        }
         (WatchMode::Events(_), None) if KeptTable::listing_supported() => {
             (Box::new(KeptTable::from_listings(open_mountinfo()?)), "listmount")
         }
         _ => (Box::new(MountInfoReader::from_file(open_mountinfo()?)), "mountinfo text"),
     };
     let table_watch = watcher.rearm_handle();
-    let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
+    let watcher_thread = spawn_watcher(watcher, shared, events.clone(), config.heal_priority)?;
     let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
     supervisor.pods_watched = true;
@@ -168,11 +173,15 @@ pub fn start_job_lifecycle(
     crate::kube::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
+/// The watcher's thread. With a table kept from its events (`kept`), it
+/// applies them itself and wakes the loop only when a kept mount changed.
 fn spawn_watcher(
     mut watcher: Box<dyn MountWatcher>,
+    kept: Option<SharedTable>,
     events: Sender<Event>,
     priority: HealPriority,
 ) -> Result<JoinHandle<()>, SupervisorError> {
+    let rearm = watcher.rearm_handle();
     std::thread::Builder::new()
         .name("watcher".into())
         .spawn(move || {
@@ -182,7 +191,15 @@ fn spawn_watcher(
                 // A burst of changes becomes one rescan: the watcher stays
                 // disarmed from its report until the loop reads the table.
                 let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => Event::TableChanged(watcher.attached()),
+                    Ok(Wake::TableChanged) => match kept.as_ref().map(|kept| kept.settle(&*rearm)) {
+                        Some(Ok(false)) => continue,
+                        Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
+                        Some(Err(SettleError::Table(err))) => {
+                            warn!(err = %crate::report::error_chain(&err), "cannot apply mount events; the loop looks");
+                            Event::TableChanged(watcher.attached())
+                        }
+                        Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),
+                    },
                     Ok(Wake::Shutdown) => Event::Shutdown,
                     Err(err) => Event::WatchFailed(err),
                 };

@@ -13,6 +13,8 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
 
 use fuse_supervisor_sys::fanotify::MountEvent;
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
@@ -24,7 +26,7 @@ use fuse_supervisor_sys::statmount::{MountStat, Namespace, mount_stat};
 use crate::model::incremental::{IncrementalTable, MountQuery};
 use crate::model::source::{TableError, TableSource};
 use crate::model::table::Snapshot;
-use crate::watch::mount_table::MountEventFeed;
+use crate::watch::mount_table::{MountEventFeed, Rearm, WatchError};
 
 /// The calling thread's mount namespace (the loop's, which is the watched
 /// one), through the syscalls.
@@ -92,8 +94,9 @@ impl KeptTable {
         listmount::mount_ids_after(Namespace::Current, 0, &mut ids).is_ok()
     }
 
-    /// Applies what changed since the last look.
-    fn update(&mut self) -> Result<(), TableError> {
+    /// Applies what changed since the last look; whether there was any.
+    fn update(&mut self) -> Result<bool, TableError> {
+        let started = Instant::now();
         let (applied, reason) = match &mut self.changes {
             Changes::Events { feed, events } => {
                 events.clear();
@@ -104,7 +107,7 @@ impl KeptTable {
                     // A heal's own changes, made with the events off.
                     (self.table.refresh(&mut self.kernel)?, "unreported")
                 } else if events.is_empty() {
-                    return Ok(());
+                    return Ok(false);
                 } else {
                     (self.table.apply(events, &mut self.kernel)?, "events")
                 }
@@ -118,19 +121,20 @@ impl KeptTable {
                 } else if changed {
                     (self.table.refresh(&mut self.kernel)?, "changed")
                 } else {
-                    return Ok(());
+                    return Ok(false);
                 }
             }
         };
         self.synced = true;
         if applied.resynced {
             let reason = if reason == "events" { "overflow" } else { reason };
-            info!(reason, mounts = self.table.mounts(), kept = self.table.kept(), "mount table resynced");
+            let took_us = started.elapsed().as_micros() as u64;
+            info!(reason, mounts = self.table.mounts(), kept = self.table.kept(), took_us, "mount table resynced");
         } else {
             debug!(reason, stats = applied.stats, changed = applied.changed, "mount table updated");
         }
         self.dirty |= applied.changed;
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -144,5 +148,62 @@ impl TableSource for KeptTable {
     fn changed_since_read(&mut self) -> io::Result<bool> {
         self.update().map_err(io::Error::other)?;
         Ok(self.dirty)
+    }
+}
+
+/// A [`KeptTable`] shared by the loop (its table source) and the watcher
+/// thread, which applies the events it was woken for at once and wakes the
+/// loop only when a kept mount changed: an unrelated mount's change then
+/// wakes one thread, not two. Cheap to clone.
+#[derive(Clone)]
+pub struct SharedTable(Arc<Mutex<KeptTable>>);
+
+impl SharedTable {
+    pub fn new(table: KeptTable) -> Self {
+        SharedTable(Arc::new(Mutex::new(table)))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KeptTable> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// For the watcher thread after a report: applies the events, and if no
+    /// kept mount changed, re-arms the watcher (as the loop would) and
+    /// applies what the re-arm took in, until a re-arm takes in nothing.
+    /// True: a kept mount changed, the loop must look (and re-arm).
+    pub fn settle(&self, rearm: &dyn Rearm) -> Result<bool, SettleError> {
+        let mut rearmed = false;
+        loop {
+            let took = self.lock().update().map_err(SettleError::Table)?;
+            if self.lock().dirty {
+                return Ok(true);
+            }
+            if rearmed && !took {
+                return Ok(false);
+            }
+            rearm.rearm().map_err(SettleError::Rearm)?;
+            rearmed = true;
+        }
+    }
+}
+
+/// Why [`SharedTable::settle`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum SettleError {
+    /// The loop reads the table again and reports it.
+    #[error(transparent)]
+    Table(TableError),
+    /// The watcher cannot go on.
+    #[error(transparent)]
+    Rearm(WatchError),
+}
+
+impl TableSource for SharedTable {
+    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
+        self.lock().snapshot()
+    }
+
+    fn changed_since_read(&mut self) -> io::Result<bool> {
+        self.lock().changed_since_read()
     }
 }
