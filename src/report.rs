@@ -36,10 +36,18 @@ pub enum Report<'a> {
     /// found `pids` still holding the connection (a daemon that daemonized,
     /// or handed its descriptor on).
     DeathRetracted { target: &'a TargetEvent<'a>, pids: &'a [u32] },
+    /// A dead daemon's own mount was detached from `source` once nobody
+    /// held its connection, so that the daemon's next start mounts on a
+    /// directory again; `owner` is the pod last confirmed to serve it.
+    DeadSourceDetached { source: &'a Path, owner: Option<&'a Owner> },
     /// The process watcher reported an event of a watched daemon:
     /// `exited`, `exec` (a search for a missing daemon), `lost` (events
     /// dropped, all daemons searched again) or `failed`.
     ProcessEvent { kind: &'static str },
+    /// A mount of a dead connection in another namespace (a container) was
+    /// dealt with after the host heal of `source`: `result` is `replaced`
+    /// (one live layer left), `stacked` (the dead one under it) or `failed`.
+    ContainerHealed { source: &'a Path, result: &'static str },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

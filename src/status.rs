@@ -64,7 +64,7 @@ impl Status {
             located_by.insert(found.target.clone(), found.layout.to_string());
             journal.record(&found.target, found.mapping);
         }
-        let sources = classified
+        let mut sources: Vec<SourceRow> = classified
             .sources
             .values()
             .map(|stack| SourceRow {
@@ -77,6 +77,19 @@ impl Status {
                 daemon_died: journal.source(&stack.path).and_then(|record| record.daemon_died),
             })
             .collect();
+        // A dead daemon's mount detached from its source path: no layer is
+        // left there, but its targets wait for the daemon's return.
+        let detached = journal.deaths().filter(|(path, _)| !classified.sources.contains_key(*path));
+        sources.extend(detached.map(|(path, death)| SourceRow {
+            path: path.to_path_buf(),
+            fs_type: "-".to_owned(),
+            dev: death.dev,
+            peer_group: None,
+            layers: 0,
+            owner: journal.source(path).and_then(|record| record.owner.clone()),
+            daemon_died: Some(*death),
+        }));
+        sources.sort_by(|a, b| a.path.cmp(&b.path));
         let targets = classified
             .targets
             .iter()
@@ -135,6 +148,9 @@ impl Status {
             if let Some(death) = s.daemon_died.filter(|death| death.dev == s.dev) {
                 let ago = death.at.elapsed().map_or(String::new(), |ago| format!(" {}s ago", ago.as_secs()));
                 let _ = write!(owner, "  DEGRADED: daemon pid {} died{ago}", death.pid);
+                if s.layers == 0 {
+                    owner.push_str(", its dead mount detached");
+                }
             }
             let _ = writeln!(
                 out,

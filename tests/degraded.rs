@@ -9,7 +9,9 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
+use fuse_supervisor::testbed::scenario::{
+    DATA_FILE, Daemon, FuseSource, Restart, ScenarioError, SupervisorProcess, wait_for,
+};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::pidfd::PidFd;
@@ -380,4 +382,143 @@ fn a_watchdogs_restarted_child_is_watched_with_pidfds() {
 #[test]
 fn a_watchdogs_restarted_child_is_watched_with_the_process_connector() {
     a_watchdogs_restarted_child_is_watched("connector");
+}
+
+const DETACHED: &str = "dead source detached: its daemon can mount there again; its targets' stale layers are let go";
+
+/// A second pod on the same source, with its target.
+fn second_target(world: &World) -> PathBuf {
+    world.source.bind_volume(&world.sandbox, "pod-0001", "data").expect("bind a second volume")
+}
+
+/// How many FUSE mounts are stacked at `path` in the sandbox.
+fn layers_at(world: &World, path: &Path) -> usize {
+    let path = path.display().to_string();
+    world
+        .sandbox
+        .mountinfo()
+        .lines()
+        .filter(|line| line.split(' ').nth(4) == Some(path.as_str()) && line.contains(" - fuse"))
+        .count()
+}
+
+/// The CSI driver's NodeUnpublishVolume for a pod deleted while the daemon
+/// is dead: a plain umount(2) of its target (no MNT_DETACH), then the
+/// kubelet removes the pod's directory. The umount succeeds at the first
+/// try, the state forgets the target, and the other pod still heals.
+#[test]
+fn a_pod_deleted_during_an_outage_unmounts_at_the_first_try() {
+    let mut world = World::new(Daemon::Bindfs);
+    let deleted = second_target(&world);
+    world.reads_current();
+    world.supervise(&["--process-watch", "pidfd"]);
+    world.source.crash().unwrap();
+    world.supervisor().wait_for_log(TIMEOUT, message_is(DETACHED)).expect("the dead source is detached");
+
+    let path = deleted.clone();
+    let unmounted = world.sandbox.run(move || mount::unmount(&path));
+    assert!(unmounted.is_ok(), "the first plain umount of the deleted pod's target: {unmounted:?}");
+    let pod_dir = world.sandbox.kubelet_root().join("pods/pod-0001");
+    let removed = world.sandbox.run(move || std::fs::remove_dir_all(&pod_dir));
+    assert!(removed.is_ok(), "{removed:?}");
+
+    world.source.restart(&world.sandbox, Restart::InPlace).unwrap();
+    world.reads_current();
+    world.supervisor().wait_for_log(TIMEOUT, message_is("healed")).expect("the other pod heals");
+    let deleted_path = deleted.display().to_string();
+    let state_file = world.state_dir.join("state.json");
+    wait_for("the state file forgets the deleted pod's target", TIMEOUT, || {
+        let file = state_file.clone();
+        let state = world.sandbox.run(move || std::fs::read_to_string(file)).unwrap_or_default();
+        !state.contains(&deleted_path) && state.contains(&world.target.display().to_string())
+    })
+    .unwrap();
+    let complaints: Vec<String> = world
+        .supervisor()
+        .log()
+        .into_iter()
+        .filter(|line| line.contains(&deleted_path) && (line.contains("\"WARN\"") || line.contains("\"ERROR\"")))
+        .collect();
+    assert!(complaints.is_empty(), "nothing to retry about a deleted pod: {complaints:#?}");
+}
+
+/// A FUSE pod restarted while its dead mount is still at its mount point
+/// cannot mount there (libfuse stats the mount point: ENOTCONN) when the
+/// supervisor leaves the dead mount in place.
+#[test]
+fn a_dead_mount_left_in_place_blocks_the_daemons_restart() {
+    let mut world = World::new(Daemon::Bindfs);
+    world.reads_current();
+    world.supervise(&["--process-watch", "pidfd", "--detach-dead-sources", "off"]);
+    world.source.crash().unwrap();
+    world.supervisor().wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded")).expect("death seen");
+    let restarted = world.source.restart(&world.sandbox, Restart::InPlace);
+    assert!(
+        matches!(restarted, Err(ScenarioError::DaemonExited { .. })),
+        "bindfs cannot start on its dead mount: {restarted:?}"
+    );
+    // What an operator does by hand today, which the supervisor does by default.
+    let path = world.source.path.clone();
+    world.sandbox.run(move || mount::detach(&path)).unwrap();
+    world.source.restart(&world.sandbox, Restart::InPlace).unwrap();
+    world.reads_current();
+}
+
+/// With the default `--detach-dead-sources on`, the daemon's own dead mount
+/// goes once nobody holds its connection: the restarted FUSE pod mounts on
+/// a directory (bindfs would refuse a dead mount there), the source path
+/// keeps one layer, the targets heal, and an Event on the FUSE pod would
+/// say so (here the metric counts it).
+#[test]
+fn a_dead_source_is_detached_so_the_daemon_restarts_in_place() {
+    let mut world = World::new(Daemon::Bindfs);
+    let second = second_target(&world);
+    world.reads_current();
+    world.supervise(&["--process-watch", "pidfd", "--metrics-addr", "127.0.0.1:0"]);
+    for cycle in 0..3 {
+        let mark = world.supervisor().log_len();
+        world.source.crash().unwrap();
+        world.supervisor().wait_for_lines(TIMEOUT, mark, 1, message_is(DETACHED)).expect("the dead source is detached");
+        let log = world.supervisor().log();
+        let detached = log[mark..].iter().find(|line| message_is(DETACHED)(line)).expect("the line");
+        assert_eq!(field(detached, "targets"), serde_json::json!(2), "{detached}");
+        wait_for("no mount left at the source", TIMEOUT, || layers_at(&world, &world.source.path) == 0).unwrap();
+        let mark = world.supervisor().log_len();
+        world.source.restart(&world.sandbox, Restart::InPlace).unwrap();
+        world.reads_current();
+        // Its death is seen once the new daemon is found.
+        world.supervisor().wait_for_lines(TIMEOUT, mark, 1, message_is("watching the FUSE daemon")).expect("watched");
+        for target in [&world.target, &second] {
+            wait_for("one layer per target", TIMEOUT, || layers_at(&world, target) == 1)
+                .unwrap_or_else(|err| panic!("cycle {cycle}, {}: {err}", target.display()));
+        }
+        assert_eq!(layers_at(&world, &world.source.path), 1, "cycle {cycle}: one mount at the source");
+    }
+    let detached = world.supervisor().metric("fuse_supervisor_dead_sources_detached_total").expect("scrape");
+    assert_eq!(detached, Some(3.0));
+}
+
+/// A daemon that mounts over whatever is at its mount point (raw mount(2))
+/// and restarts within milliseconds of its death can beat the detach: its
+/// new mount is then never detached, and the targets heal either way.
+#[test]
+fn a_restart_that_beats_the_detach_keeps_its_new_mount() {
+    let mut world = World::new(Daemon::DemoFs);
+    world.reads_current();
+    world.supervise(&["--process-watch", "pidfd"]);
+    for cycle in 0..5 {
+        let mark = world.supervisor().log_len();
+        world.source.crash().unwrap();
+        let died = message_is("daemon died; its targets are degraded");
+        world.supervisor().wait_for_lines(TIMEOUT, mark, 1, died).expect("death");
+        let mark = world.supervisor().log_len();
+        world
+            .source
+            .restart(&world.sandbox, Restart::MountOverStale)
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}"));
+        world.reads_current();
+        wait_for("one layer at the target", TIMEOUT, || layers_at(&world, &world.target) == 1).unwrap();
+        // Its death is seen once the new daemon is found.
+        world.supervisor().wait_for_lines(TIMEOUT, mark, 1, message_is("watching the FUSE daemon")).expect("watched");
+    }
 }

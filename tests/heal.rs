@@ -425,7 +425,11 @@ fn mount_over_stale_heals(args: &[&str]) {
     let (mut node, subpath) = node_with_subpath(Daemon::DemoFs);
     let second = node.source.bind_volume(&node.sandbox, "pod-0001", "data").unwrap();
     node.targets.push(second);
-    node.start_supervisor_with(args);
+    // The dead mount is left at the source, so that the restart mounts
+    // over it (detached, it would mount on a directory: see
+    // `a_dead_source_is_detached_and_the_restart_mounts_on_a_directory`).
+    let args: Vec<&str> = args.iter().copied().chain(["--detach-dead-sources", "off"]).collect();
+    node.start_supervisor_with(&args);
     node.supervisor().wait_for_log(HEAL_TIMEOUT, |line| line.contains("watching the FUSE daemon")).unwrap();
     let kubelet_root = node.sandbox.kubelet_root();
     let baseline = node.sandbox.count_mounts_under(&kubelet_root);

@@ -5,6 +5,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use fuse_supervisor::kube::Kubelet;
 use fuse_supervisor::kube::events::PodNames;
 use fuse_supervisor::kube::{
     KubeletAuthz, KubeletClient, KubeletConfig, KubeletError, KubeletTls, PodList, TimeoutPhase,
@@ -209,7 +210,7 @@ fn an_unreadable_pod_is_skipped_and_warned_about_once_while_it_stays() {
         assert!(warnings[0].contains(says), "{says}: {logs}");
     }
     // Events still name it: its metadata reads.
-    let mut names = client;
+    let mut names = Kubelet::new(client.config().clone());
     let named: Vec<String> = PodNames::pods(&mut names).unwrap().into_iter().map(|pod| pod.name).collect();
     assert_eq!(named, ["mount-a", "mount-b"]);
 }

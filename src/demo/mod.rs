@@ -378,6 +378,7 @@ impl<'a> Demo<'a> {
         let how = match style {
             Restart::UnmountThenMount => "the stale global mount is unmounted, then the daemon mounts afresh",
             Restart::MountOverStale => "the new daemon mounts over the stale global mount",
+            Restart::InPlace => "the new daemon mounts where the old one did, as it finds it",
         };
         self.say(format!("\n── cycle {number}: {} ({how})", style_name(style)))?;
         let mounts_before = self.mounts();
@@ -411,6 +412,7 @@ impl<'a> Demo<'a> {
             match style {
                 Restart::MountOverStale => "new daemon starting; it mounts over the stale global mount".to_owned(),
                 Restart::UnmountThenMount => "stale global mount unmounted; new daemon starting".to_owned(),
+                Restart::InPlace => "new daemon starting on its mount point".to_owned(),
             },
         );
         let generation = self.source.expected_content();
@@ -477,7 +479,7 @@ impl<'a> Demo<'a> {
         if landed_on_stale {
             let under = global_layers - 1;
             let cause = match style {
-                Restart::MountOverStale => "the new global mount went over the stale one".to_owned(),
+                Restart::MountOverStale | Restart::InPlace => "the new global mount went over the stale one".to_owned(),
                 Restart::UnmountThenMount => format!(
                     "unmounting the top left {} from an earlier mount-over-stale restart, and the new global mount \
                      landed on {}",

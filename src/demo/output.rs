@@ -40,6 +40,7 @@ pub(super) fn style_name(style: Restart) -> &'static str {
     match style {
         Restart::UnmountThenMount => "unmount, then mount",
         Restart::MountOverStale => "mount over stale",
+        Restart::InPlace => "in place",
     }
 }
 

@@ -7,19 +7,22 @@
 //! goes through an fd that was resolved without symlinks (beneath the kubelet
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
 
 use fuse_supervisor_sys::{mount, ns, resolve};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::heal::priority::HealPriority;
 use crate::heal::probe::SourceHandles;
-use crate::model::table::Dev;
+use crate::model::table::{Dev, FuseMount};
 use crate::plan::{HealBatch, TargetHeal};
 
+pub mod containers;
 mod pool;
 pub mod priority;
 pub mod probe;
@@ -120,7 +123,41 @@ pub trait Executor {
     /// reaches it now); `target.top_mount_id` is the propagated new top.
     /// Returns the number of layers removed.
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError>;
+
+    /// Detaches the mount on top of `source` if it is on the dead
+    /// connection `dead`: the source's own dead mount, never a target (its
+    /// binds are other mounts and stay). Returns whether it detached one.
+    fn detach_dead_source(&mut self, source: &Path, dead: Dev) -> Result<bool, HealError>;
+
+    /// When connection `dev` died, before any new mount exists: records the
+    /// mounts of it in other mount namespaces (containers) and makes them
+    /// private, so the host heal propagates nothing onto them (see
+    /// [`containers`]). Returns how many namespaces and mounts it found,
+    /// and the mounts it could not isolate. None where the executor does
+    /// not see other namespaces.
+    fn isolate_containers(&mut self, _dev: Dev) -> Option<Isolated> {
+        None
+    }
+
+    /// After the host heal of a batch from `source`: replaces the mounts of
+    /// the `dead` connections in other namespaces with clones of `source`,
+    /// in parallel, and says how each went.
+    fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
+        Vec::new()
+    }
 }
+
+/// What [`Executor::isolate_containers`] did.
+#[derive(Debug, Default)]
+pub struct Isolated {
+    pub namespaces: usize,
+    pub mounts: usize,
+    pub failed: Vec<(containers::ForeignMount, containers::ContainerHealError)>,
+}
+
+/// How one mount in another namespace came out of a heal.
+pub type ContainerOutcome =
+    (containers::ForeignMount, Result<containers::ForeignHealed, containers::ContainerHealError>);
 
 /// Where a new top is parked while the layer under it is removed: a
 /// private tmpfs on a directory of the supervisor's, with one parking
@@ -362,6 +399,13 @@ pub struct MountExecutor {
     /// Whether the kernel slides mounts beneath others (6.5): without it,
     /// every target is flattened on the pool.
     mount_beneath: bool,
+    /// The watched namespace, which container heals clone the source in,
+    /// and its inode, which the search for containers skips.
+    watched: OwnedFd,
+    watched_inode: u64,
+    /// Mounts of dead connections in other namespaces, isolated when their
+    /// daemon died and replaced at the heal.
+    isolated: BTreeMap<Dev, Vec<containers::ForeignMount>>,
 }
 
 impl MountExecutor {
@@ -375,12 +419,14 @@ impl MountExecutor {
             root_fd: resolve::open_dir(Path::new("/"))?,
             staging: Staging::prepare(staging_dir)?,
         });
-        let pool = FlattenPool::start(&mounter, &ns::open_thread_mount_namespace()?, priority);
+        let watched = ns::open_thread_mount_namespace()?;
+        let watched_inode = std::fs::File::from(watched.try_clone()?).metadata()?.ino();
+        let pool = FlattenPool::start(&mounter, &watched, priority);
         let mount_beneath = mount::move_mount_beneath_supported();
         if !mount_beneath {
             info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
         }
-        Ok(MountExecutor { mounter, pool, mount_beneath })
+        Ok(MountExecutor { mounter, pool, mount_beneath, watched, watched_inode, isolated: BTreeMap::new() })
     }
 
     /// Flattens as on a kernel that cannot slide a mount beneath another.
@@ -406,11 +452,67 @@ impl Executor for MountExecutor {
         self.mounter.resolve_target(path)
     }
 
+    fn detach_dead_source(&mut self, source: &Path, dead: Dev) -> Result<bool, HealError> {
+        let (top, _) = self.mounter.resolve_target(source)?;
+        let dev = resolve::device_of(top.as_fd())
+            .map_err(|source_err| HealError::Resolve { path: source.to_path_buf(), source: source_err })?;
+        if Dev::from(dev) != dead {
+            return Ok(false);
+        }
+        // The top is checked a syscall before it is detached: a new daemon
+        // mounting there in between would take a process start and a FUSE
+        // handshake, far longer than that.
+        mount::detach_top(top.as_fd()).map_err(HealError::mount("detach the dead source", source))?;
+        Ok(true)
+    }
+
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
         let top = self.mounter.open_planned(target)?;
         mount::make_private(stale.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
         // The loop thread flattens alone here, on its own parking directory.
         self.mounter.flatten(target, top.as_fd(), 0)
+    }
+
+    fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
+        let found = containers::find(Path::new("/proc"), self.watched_inode, &BTreeSet::from([dev]));
+        let found = match found {
+            Ok(found) => found,
+            Err(err) => {
+                warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
+                return Some(Isolated::default());
+            }
+        };
+        let failed = containers::isolate(&found);
+        let namespaces = found.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
+        let isolated = Isolated { namespaces, mounts: found.len(), failed };
+        let kept = found.into_iter().filter(|foreign| !isolated.failed.iter().any(|(failed, _)| failed == foreign));
+        self.isolated.insert(dev, kept.collect());
+        Some(isolated)
+    }
+
+    fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
+        let mut mounts = Vec::new();
+        let mut unseen = BTreeSet::new();
+        for dev in dead {
+            match self.isolated.remove(dev) {
+                Some(isolated) => mounts.extend(isolated),
+                // The death was not seen: the host heal may have propagated
+                // onto them already (those are covered now, and left).
+                None => {
+                    unseen.insert(*dev);
+                }
+            }
+        }
+        if !unseen.is_empty() {
+            match containers::find(Path::new("/proc"), self.watched_inode, &unseen) {
+                Ok(found) => mounts.extend(found),
+                Err(err) => warn!(%err, "cannot look for the dead connections' mounts in containers"),
+            }
+        }
+        if mounts.is_empty() {
+            return Vec::new();
+        }
+        containers::replace(&self.watched, source, &source.root, &mounts)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {

@@ -128,10 +128,14 @@ metrics! {
         "From the start of the outage (the daemon's death when it was seen, else the target first seen broken) to healed";
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
         "Stale mount layers removed from under healed targets";
+    container_heals: Family<ResultLabel, Counter> = Family::default(), "container_heals",
+        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), failed";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",
         "Targets back from Degraded without a heal: a process not seen before still served the connection when its known daemon exited (daemon_deaths counts those deaths too)";
+    dead_sources_detached: Counter = Counter::default(), "dead_sources_detached",
+        "Dead daemons' own mounts detached from their source paths once nobody held the connection";
     daemon_restarts: Counter = Counter::default(), "daemon_restarts",
         "Restarts of a FUSE daemon's pod confirmed by the kubelet";
     kubelet_requests: Family<CodeLabel, Counter> = Family::default(), "kubelet_requests",
@@ -240,11 +244,17 @@ impl Reporter for Metrics {
                 self.stale_layers_removed.inc_by(heal.layers_removed as u64);
             }
             Report::HealFailed { .. } => self.heal("failed"),
+            Report::ContainerHealed { result, .. } => {
+                self.container_heals.get_or_create(&ResultLabel { result }).inc();
+            }
             Report::DaemonDied { .. } => {
                 self.daemon_deaths.inc();
             }
             Report::DeathRetracted { .. } => {
                 self.death_retractions.inc();
+            }
+            Report::DeadSourceDetached { .. } => {
+                self.dead_sources_detached.inc();
             }
             Report::ProcessEvent { kind } => {
                 self.process_events.get_or_create(&EventLabel { event: kind }).inc();

@@ -5,76 +5,217 @@
 //! this node whose hostPath volume contains the mount path with
 //! Bidirectional propagation, or, for a FUSE sidecar, the container of the
 //! target's own pod that mounts with Bidirectional propagation.
-use std::io;
-use std::path::Path;
-use std::sync::mpsc::{self, Sender};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tracing::error;
-
+use crate::kube::KubeletError;
 use crate::kube::pods::{Container, ContainerStatus, Pod, PodList};
-use crate::kube::{KubeletClient, KubeletError};
-use crate::model::state::Owner;
+use crate::model::state::{Journal, Owner};
 
-/// One `/pods` call and how long it took.
-pub struct Answer {
-    pub pods: Result<PodList, KubeletError>,
-    pub took: Duration,
+/// The sources replaced under their targets, each waiting for the kubelet
+/// to confirm that its owner restarted before its targets are healed. Pure:
+/// the loop gives it the time, the kubelet's answers and the journal, and
+/// carries out what it decides (asking, logging, healing).
+#[derive(Debug)]
+pub struct Confirmations {
+    /// How long a failing kubelet is waited for before healing on the
+    /// mount evidence alone.
+    grace: Duration,
+    by_source: BTreeMap<PathBuf, Pending>,
 }
 
-/// Calls the kubelet on a thread of its own, one call at a time, so a slow
-/// kubelet never holds up the loop. Requests made while a call is running
-/// are folded into one more call after it.
-pub struct Asker {
-    /// Dropping it ends the thread after its current call; nobody waits
-    /// for that (a call may take up to the kubelet timeout).
-    requests: Option<Sender<()>>,
-    in_flight: bool,
-    asked_again: bool,
+/// One replaced source's wait.
+#[derive(Debug)]
+struct Pending {
+    /// The new source mount, and the one its targets are still on.
+    mount_id: u32,
+    stuck_on: u32,
+    /// UIDs of the broken targets' pods: where a FUSE sidecar would be.
+    target_pods: Vec<String>,
+    waiting: Waiting,
+    /// Answers so far: they space out the re-checks.
+    attempts: u32,
+    /// When the kubelet began to fail for this source: the grace runs from here.
+    failing_since: Option<Instant>,
 }
 
-impl Asker {
-    /// Starts the thread; every answer is passed to `deliver`, which
-    /// returns false when nobody listens any more.
-    pub fn spawn(client: KubeletClient, deliver: impl Fn(Answer) -> bool + Send + 'static) -> io::Result<Self> {
-        let (requests, inbox) = mpsc::channel::<()>();
-        std::thread::Builder::new().name("kubelet".into()).spawn(move || {
-            while inbox.recv().is_ok() {
-                let started = Instant::now();
-                let pods = client.pods();
-                if !deliver(Answer { pods, took: started.elapsed() }) {
-                    return;
-                }
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// A call is wanted, or on its way.
+    Asking,
+    /// The owner shows no restart yet: ask again at the given time.
+    NotYet { recheck_at: Instant },
+    /// The kubelet fails: ask again at the given time, until the grace is over.
+    Failing { retry_at: Instant },
+    /// Confirmed, or decided without the kubelet: heal.
+    Go,
+}
+
+impl Waiting {
+    fn due_at(self) -> Option<Instant> {
+        match self {
+            Waiting::NotYet { recheck_at } => Some(recheck_at),
+            Waiting::Failing { retry_at } => Some(retry_at),
+            Waiting::Asking | Waiting::Go => None,
+        }
+    }
+}
+
+/// What the loop does for a replaced source now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Confirmed, or decided without the kubelet.
+    Heal,
+    /// Call the kubelet: for the first time for this mount, or again.
+    Ask { first: bool },
+    /// An answer or a re-check is due later.
+    Wait,
+}
+
+/// What one kubelet answer decided for one waiting source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The owner restarted: heal.
+    Restarted(Owner),
+    /// No pod on this node owns the source (`unreadable_pods` could not be
+    /// read and may hold it): heal on the mount evidence.
+    NoOwner { unreadable_pods: usize },
+    /// The kubelet refuses in a way that repeats until someone changes the
+    /// configuration: waiting helps nobody, heal on the mount evidence.
+    Refused,
+    /// The kubelet failed for the whole grace: heal on the mount evidence.
+    GraceOver { grace: Duration },
+    /// The kubelet fails: ask again after `retry_in`.
+    Failing { retry_in: Duration },
+    /// The owner shows no restart yet (`first` answer for this mount): ask
+    /// again after `recheck_in`.
+    NotYet { owner: Owner, first: bool, recheck_in: Duration },
+}
+
+impl Decision {
+    /// Whether the source's targets may be healed now.
+    pub fn heals(&self) -> bool {
+        matches!(
+            self,
+            Decision::Restarted(_) | Decision::NoOwner { .. } | Decision::Refused | Decision::GraceOver { .. }
+        )
+    }
+}
+
+/// Re-checks of a source whose owner shows no restart, and retries of a
+/// failing kubelet: short at first, then capped.
+fn recheck_delay(attempts: u32) -> Duration {
+    const FIRST: Duration = Duration::from_millis(100);
+    const CAP: Duration = Duration::from_secs(2);
+    FIRST.saturating_mul(1 << attempts.min(8)).min(CAP)
+}
+
+impl Confirmations {
+    pub fn new(grace: Duration) -> Self {
+        Confirmations { grace, by_source: BTreeMap::new() }
+    }
+
+    /// Whether `source`, whose new mount is `mount_id` while its targets are
+    /// still on `stuck_on`, may be healed at `now`. A new mount at the
+    /// source starts its wait afresh. `call_in_flight` says whether a
+    /// kubelet call is already on its way (its answer will serve this
+    /// source too).
+    pub fn gate(
+        &mut self,
+        source: &Path,
+        mount_id: u32,
+        stuck_on: u32,
+        target_pods: impl FnOnce() -> Vec<String>,
+        call_in_flight: bool,
+        now: Instant,
+    ) -> Gate {
+        let fresh = |target_pods: Vec<String>| Pending {
+            mount_id,
+            stuck_on,
+            target_pods,
+            waiting: Waiting::Asking,
+            attempts: 0,
+            failing_since: None,
+        };
+        let pending = match self.by_source.get_mut(source) {
+            Some(pending) if pending.mount_id == mount_id => pending,
+            Some(pending) => {
+                *pending = fresh(target_pods());
+                pending
             }
-        })?;
-        Ok(Asker { requests: Some(requests), in_flight: false, asked_again: false })
-    }
-
-    /// Asks for a fresh `/pods` answer.
-    pub fn ask(&mut self) {
-        if self.in_flight {
-            self.asked_again = true;
-            return;
-        }
-        if let Some(requests) = &self.requests
-            && requests.send(()).is_ok()
-        {
-            self.in_flight = true;
-        } else {
-            error!("kubelet thread is gone");
+            None => self.by_source.entry(source.to_path_buf()).or_insert_with(|| fresh(target_pods())),
+        };
+        match pending.waiting {
+            Waiting::Go => Gate::Heal,
+            Waiting::Asking if !call_in_flight => Gate::Ask { first: pending.attempts == 0 },
+            waiting if waiting.due_at().is_some_and(|at| at <= now) => {
+                pending.waiting = Waiting::Asking;
+                Gate::Ask { first: false }
+            }
+            _ => Gate::Wait,
         }
     }
 
-    pub fn in_flight(&self) -> bool {
-        self.in_flight
+    /// Applies one kubelet answer to every source that waits for one, with
+    /// what the journal remembers of each (when the replaced mount was first
+    /// seen, the owner last confirmed).
+    pub fn answered(
+        &mut self,
+        pods: &Result<Arc<PodList>, KubeletError>,
+        journal: &Journal,
+        now: Instant,
+    ) -> Vec<(PathBuf, Decision)> {
+        let mut decided = Vec::new();
+        for (source, pending) in &mut self.by_source {
+            if pending.waiting != Waiting::Asking {
+                continue;
+            }
+            pending.attempts += 1;
+            let delay = recheck_delay(pending.attempts);
+            let decision = match pods {
+                Ok(pods) => {
+                    pending.failing_since = None;
+                    let target_pods: Vec<&str> = pending.target_pods.iter().map(String::as_str).collect();
+                    let replaced_seen = journal.first_seen(source, pending.stuck_on);
+                    let known = journal.source(source).and_then(|record| record.owner.as_ref());
+                    match judge(pods, source, &target_pods, replaced_seen, known) {
+                        Verdict::Restarted(owner) => Decision::Restarted(owner),
+                        Verdict::NoOwner => Decision::NoOwner { unreadable_pods: pods.skipped.len() },
+                        Verdict::NotYet(owner) => {
+                            pending.waiting = Waiting::NotYet { recheck_at: now + delay };
+                            Decision::NotYet { owner, first: pending.attempts == 1, recheck_in: delay }
+                        }
+                    }
+                }
+                Err(err) if !err.is_retryable() => Decision::Refused,
+                Err(_) => {
+                    let since = *pending.failing_since.get_or_insert(now);
+                    if now.saturating_duration_since(since) >= self.grace {
+                        Decision::GraceOver { grace: self.grace }
+                    } else {
+                        pending.waiting = Waiting::Failing { retry_at: (now + delay).min(since + self.grace) };
+                        Decision::Failing { retry_in: delay }
+                    }
+                }
+            };
+            if decision.heals() {
+                pending.waiting = Waiting::Go;
+            }
+            decided.push((source.clone(), decision));
+        }
+        decided
     }
 
-    /// Notes that an answer arrived; asks again if that was requested.
-    pub fn answered(&mut self) {
-        self.in_flight = false;
-        if std::mem::take(&mut self.asked_again) {
-            self.ask();
-        }
+    /// When the next re-check or retry is due.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.by_source.values().filter_map(|pending| pending.waiting.due_at()).min()
+    }
+
+    /// Forgets the sources `keep` rejects: healed, or no longer replaced.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Path) -> bool) {
+        self.by_source.retain(|source, _| keep(source));
     }
 }
 
@@ -379,5 +520,97 @@ mod tests {
         status.state = Default::default();
         let verdict = judge(&pods, Path::new(SOURCE), &[], Some(at(100)), None);
         assert!(matches!(verdict, Verdict::NotYet(Owner { started_at: None, .. })), "{verdict:?}");
+    }
+
+    const GRACE: Duration = Duration::from_secs(10);
+
+    /// An error that repeats until the configuration changes.
+    fn refused_by_kubelet() -> Result<Arc<PodList>, KubeletError> {
+        Err(KubeletError::Unauthorized { addr: "127.0.0.1:10250".into(), token_file: None })
+    }
+
+    fn timed_out() -> Result<Arc<PodList>, KubeletError> {
+        Err(KubeletError::Timeout {
+            addr: "127.0.0.1:10250".into(),
+            phase: crate::kube::TimeoutPhase::Connect,
+            limit: Duration::from_secs(1),
+        })
+    }
+
+    /// A journal that saw the source's first mount (ID 1) at second 100.
+    fn journal() -> Journal {
+        let mut journal = Journal::in_memory();
+        journal.sight_source(Path::new(SOURCE), 1, Some(at(100)));
+        journal
+    }
+
+    fn gate(confirmations: &mut Confirmations, mount_id: u32, in_flight: bool, now: Instant) -> Gate {
+        confirmations.gate(Path::new(SOURCE), mount_id, 1, Vec::new, in_flight, now)
+    }
+
+    #[test]
+    fn a_replaced_source_asks_once_then_heals_when_the_owner_restarted() {
+        let now = Instant::now();
+        let mut confirmations = Confirmations::new(GRACE);
+        assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Ask { first: true });
+        assert_eq!(gate(&mut confirmations, 2, true, now), Gate::Wait, "the call on its way serves it");
+        let decided = confirmations.answered(&Ok(Arc::new(pods(200, "containerd://new", None))), &journal(), now);
+        assert!(matches!(&decided[..], [(_, Decision::Restarted(owner))] if owner.pod == "juicefs-mount"));
+        assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Heal);
+        assert_eq!(confirmations.next_deadline(), None);
+    }
+
+    #[test]
+    fn an_owner_not_restarted_yet_is_rechecked_sooner_then_later() {
+        let now = Instant::now();
+        let mut confirmations = Confirmations::new(GRACE);
+        gate(&mut confirmations, 2, false, now);
+        let not_yet = Ok(Arc::new(pods(50, "containerd://old", None)));
+        let decided = confirmations.answered(&not_yet, &journal(), now);
+        let [(_, Decision::NotYet { first: true, recheck_in, .. })] = &decided[..] else { panic!("{decided:?}") };
+        assert_eq!(confirmations.next_deadline(), Some(now + *recheck_in));
+        assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Wait, "not due yet");
+        let due = now + *recheck_in;
+        assert_eq!(gate(&mut confirmations, 2, false, due), Gate::Ask { first: false });
+        let decided = confirmations.answered(&not_yet, &journal(), due);
+        let [(_, Decision::NotYet { first: false, recheck_in: later, .. })] = &decided[..] else { panic!() };
+        assert!(later > recheck_in);
+    }
+
+    #[test]
+    fn a_failing_kubelet_is_retried_until_the_grace_is_over_then_heals_on_evidence() {
+        let start = Instant::now();
+        let mut confirmations = Confirmations::new(GRACE);
+        gate(&mut confirmations, 2, false, start);
+        let decided = confirmations.answered(&timed_out(), &journal(), start);
+        assert!(matches!(decided[..], [(_, Decision::Failing { .. })]));
+        let retry = confirmations.next_deadline().unwrap();
+        assert!(retry <= start + GRACE);
+        assert_eq!(gate(&mut confirmations, 2, false, retry), Gate::Ask { first: false });
+        let decided = confirmations.answered(&timed_out(), &journal(), start + GRACE);
+        assert!(matches!(decided[..], [(_, Decision::GraceOver { grace: GRACE })]));
+        assert_eq!(gate(&mut confirmations, 2, false, start + GRACE), Gate::Heal);
+    }
+
+    #[test]
+    fn a_refusing_kubelet_heals_on_evidence_at_once() {
+        assert!(refused_by_kubelet().is_err_and(|err| !err.is_retryable()));
+        let now = Instant::now();
+        let mut confirmations = Confirmations::new(GRACE);
+        gate(&mut confirmations, 2, false, now);
+        let decided = confirmations.answered(&refused_by_kubelet(), &journal(), now);
+        assert!(matches!(decided[..], [(_, Decision::Refused)]));
+        assert_eq!(gate(&mut confirmations, 2, false, now), Gate::Heal);
+    }
+
+    #[test]
+    fn a_newer_mount_at_the_source_waits_afresh_and_healed_sources_are_forgotten() {
+        let now = Instant::now();
+        let mut confirmations = Confirmations::new(GRACE);
+        gate(&mut confirmations, 2, false, now);
+        confirmations.answered(&refused_by_kubelet(), &journal(), now);
+        assert_eq!(gate(&mut confirmations, 3, false, now), Gate::Ask { first: true });
+        confirmations.retain(|_| false);
+        assert!(confirmations.answered(&refused_by_kubelet(), &journal(), now).is_empty());
     }
 }

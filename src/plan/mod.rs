@@ -1,7 +1,7 @@
-//! Decisions, with no I/O: the heal plan, a pure function of a classified
-//! table and the journal; where each target's source is ([`layout`] rules and
-//! [`locate`]); and what the kubelet's answer means for a confirmation
-//! ([`confirm`]).
+//! Decisions: the heal plan, a pure function of a classified table and the
+//! journal; where each target's source is ([`layout`] rules and [`locate`],
+//! which read the rules file and `vol_data.json`); and the wait for the
+//! kubelet's confirmation with what its answers mean ([`confirm`], pure).
 pub mod confirm;
 pub mod layout;
 pub mod locate;

@@ -17,7 +17,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor_sys::{mount, ns, probe, resolve};
+use fuse_supervisor_sys::mount::{self, Propagation};
+use fuse_supervisor_sys::{ns, probe, resolve};
 
 use super::plan::SidecarHeal;
 use crate::model::table::{Dev, FuseMount};
@@ -88,6 +89,14 @@ impl HealNamespaces {
     }
 }
 
+impl HealNamespaces {
+    /// Namespaces the caller already opened and checked: node mode's
+    /// watched namespace and a container's.
+    pub fn from_fds(source: OwnedFd, target: OwnedFd) -> Self {
+        HealNamespaces { source, target }
+    }
+}
+
 fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, SidecarHealError> {
     let path = proc_root.join(pid.to_string()).join("ns/mnt");
     let opened = File::open(&path).and_then(|file| Ok((file.metadata()?.ino(), file)));
@@ -99,9 +108,24 @@ fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, 
 }
 
 /// Heals one target. Call on a thread dedicated to it: the thread ends in
-/// the application container's namespace.
-pub fn heal_in_namespaces(heal: &SidecarHeal, namespaces: &HealNamespaces) -> Result<SidecarHealed, SidecarHealError> {
+/// the application container's namespace. With `clone_propagation`, the
+/// clone gets it before it is attached: a clone comes back a peer of the
+/// live mount, so mounts the container made under it would reach the
+/// source's namespace; `Slave` keeps a `HostToContainer` volume receiving
+/// the host's mounts, `Private` is a `None` volume's.
+pub fn heal_in_namespaces(
+    heal: &SidecarHeal,
+    namespaces: &HealNamespaces,
+    clone_propagation: Option<Propagation>,
+) -> Result<SidecarHealed, SidecarHealError> {
     let source_pid = heal.source.pid;
+    // The supervisor's /proc: the target namespace's may be another pid
+    // namespace's, where this thread has no entry.
+    let proc = resolve::open_dir(Path::new("/proc")).map_err(|source| SidecarHealError::Resolve {
+        pid: source_pid,
+        path: PathBuf::from("/proc"),
+        source,
+    })?;
     enter(namespaces.source.as_fd(), source_pid)?;
     let live = open_recorded(source_pid, &heal.source.mount)?;
     let step = |step, pid, path: &Path| {
@@ -119,6 +143,13 @@ pub fn heal_in_namespaces(heal: &SidecarHeal, namespaces: &HealNamespaces) -> Re
         })?
     };
     let clone = mount::clone_mount(from.as_fd()).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
+    if let Some(propagation) = clone_propagation {
+        mount::set_propagation_of(clone.as_fd(), propagation).map_err(step(
+            "set the clone's propagation",
+            source_pid,
+            &from_path(heal),
+        ))?;
+    }
 
     let pid = heal.pid;
     let target_path = &heal.target.mount_point;
@@ -130,7 +161,11 @@ pub fn heal_in_namespaces(heal: &SidecarHeal, namespaces: &HealNamespaces) -> Re
         Ok(()) => {
             // The dead mount is on top, and private: detaching it reaches no
             // other namespace.
-            mount::detach_top(stale.as_fd()).map_err(step("detach the dead mount", pid, target_path))?;
+            mount::detach_top_through(proc.as_fd(), stale.as_fd()).map_err(step(
+                "detach the dead mount",
+                pid,
+                target_path,
+            ))?;
             Ok(SidecarHealed::Replaced)
         }
         Err(why) => {
@@ -155,7 +190,7 @@ fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), SidecarHealError> {
 /// Resolves `recorded.mount_point` beneath the root of the namespace the
 /// thread is in (no symlinks, no magic links: the container's tree is not
 /// trusted) and checks that the mount on top there is the recorded one.
-fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, SidecarHealError> {
+pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, SidecarHealError> {
     let path = &recorded.mount_point;
     let resolve_error = |source| SidecarHealError::Resolve { pid, path: path.clone(), source };
     let root = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;

@@ -412,7 +412,7 @@ impl Sidecar<'_> {
         let job = heal.clone();
         let spawned = std::thread::Builder::new().name("sidecar-heal".into()).spawn(move || {
             // The loop may have given up waiting.
-            let _ = reply.send(heal::heal_in_namespaces(&job, &namespaces));
+            let _ = reply.send(heal::heal_in_namespaces(&job, &namespaces, None));
         });
         let thread_error = |source| SidecarHealError::Mount {
             step: "run the heal thread",

@@ -16,8 +16,8 @@ use crate::heal::{Executor, Prepared};
 use crate::model::state::{DaemonDeath, TargetState};
 use crate::model::table::{Classified, Dev};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
-use crate::report::{Report, TargetEvent};
-use crate::supervisor::daemons::{Aborted, DaemonEvent, Retraction};
+use crate::report::{Report, TargetEvent, error_chain};
+use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
 use crate::watch::processes::{Detection, ProcessEvent};
 
 /// How long the stale layers of a dead daemon's targets are held. A held
@@ -89,8 +89,12 @@ impl<E: Executor> Supervisor<E> {
                 self.daemons = None;
             }
             DaemonEvent::Discovered(found) => {
-                for retraction in daemons.discovered(found) {
+                let verdicts = daemons.discovered(found);
+                for retraction in verdicts.retracted {
                     self.death_retracted(retraction);
+                }
+                for death in verdicts.confirmed {
+                    self.death_confirmed(death);
                 }
             }
         }
@@ -124,6 +128,41 @@ impl<E: Executor> Supervisor<E> {
             targets = restored,
             "connection still served by another process; death retracted"
         );
+    }
+
+    /// A death that stands: nobody holds the connection, so the kernel has
+    /// aborted it and no process can ever serve it again. With
+    /// `--detach-dead-sources`, the daemon's own mount at the source goes:
+    /// the daemon's restart mounts on a directory (a dead mount there makes
+    /// some fail, and a mount over it would cover every target's stale
+    /// layer), so the targets' stale layers need no handle any more, and a
+    /// deleted pod's unmount of its target is never held up by one.
+    fn death_confirmed(&mut self, Death { source, dev }: Death) {
+        if !self.daemons.as_ref().is_some_and(Daemons::detaches_dead_sources) {
+            return;
+        }
+        match self.executor.detach_dead_source(&source, dev) {
+            Ok(true) => {
+                let targets = self.targets_on(&source, dev);
+                for path in &targets {
+                    self.release_held(path);
+                }
+                info!(
+                    source = %source.display(),
+                    connection = %dev,
+                    targets = targets.len(),
+                    "dead source detached: its daemon can mount there again; its targets' stale layers are let go"
+                );
+                let owner = self.journal.source(&source).and_then(|record| record.owner.as_ref());
+                self.reporters.report(&Report::DeadSourceDetached { source: &source, owner });
+            }
+            Ok(false) => {
+                debug!(source = %source.display(), connection = %dev, "source no longer on the dead connection");
+            }
+            Err(err) => {
+                warn!(source = %source.display(), connection = %dev, %err, "cannot detach the dead source; its targets' stale layers stay held");
+            }
+        }
     }
 
     /// The targets recorded on connection `dev` of `source`, in path order.
@@ -164,6 +203,8 @@ impl<E: Executor> Supervisor<E> {
         }
         // First, before a new mount can cover them.
         self.hold_stale_layers(&targets, dev);
+        // Then the containers' copies, before the host heal can propagate onto them.
+        self.isolate_containers(dev);
         info!(
             source = %source.display(),
             connection = %dev,
@@ -208,6 +249,22 @@ impl<E: Executor> Supervisor<E> {
             })
             .collect();
         self.executor.prepare(batch, held)
+    }
+
+    /// Makes the dead connection's mounts in containers private (see
+    /// [`crate::heal::containers`]) and says how many there were.
+    fn isolate_containers(&mut self, dev: Dev) {
+        let Some(isolated) = self.executor.isolate_containers(dev) else { return };
+        for (foreign, err) in &isolated.failed {
+            warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");
+        }
+        info!(
+            connection = %dev,
+            namespaces = isolated.namespaces,
+            mounts = isolated.mounts,
+            failed = isolated.failed.len(),
+            "containers' dead mounts isolated"
+        );
     }
 
     /// Takes a handle on each target's top while it is still the dead
@@ -335,6 +392,8 @@ impl<E: Executor> Supervisor<E> {
                 "connection held but not served, with requests waiting: aborted so that readers get an error"
             );
             self.daemon_died(&source, dev, pid, exited_at, "aborted", "abort");
+            // Aborted: nothing will ever serve the connection again.
+            self.death_confirmed(Death { source, dev });
         }
     }
 

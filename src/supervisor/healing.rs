@@ -1,9 +1,13 @@
 //! Carrying out a probed batch and reporting each target's outcome.
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use fuse_supervisor_sys::mount::Propagation;
+
 use tracing::{info, info_span, warn};
 
+use crate::heal::containers::ForeignHealed;
 use crate::heal::{Executor, Healed, Prepared};
 use crate::model::state::{Mapping, TargetState, retry_delay};
 use crate::model::table::Dev;
@@ -53,6 +57,15 @@ impl<E: Executor> Supervisor<E> {
         if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.pause()) {
             warn!(%err, "the heal's own mount changes will be reported");
         }
+        // The connections the targets were on, before the loop below records
+        // the new one: their mounts in containers are healed after the host's.
+        let new_dev = batch.source.top().dev;
+        let dead: BTreeSet<Dev> = batch
+            .targets
+            .iter()
+            .filter_map(|target| self.journal.get(&target.path).map(|mapping| mapping.dev))
+            .filter(|dev| *dev != new_dev)
+            .collect();
         let outcomes = self.executor.heal(batch, prepared, handles);
         if let Some(watch) = &self.table_watch {
             // Reported as one change, so that a rescan follows even if the
@@ -137,5 +150,43 @@ impl<E: Executor> Supervisor<E> {
             }
         }
         self.state_dirty |= healed_any;
+        self.heal_containers(&dead, batch);
+    }
+
+    /// The containers' mounts of the `dead` connections, after the host
+    /// heal of `batch`, in parallel.
+    fn heal_containers(&mut self, dead: &BTreeSet<Dev>, batch: &HealBatch) {
+        if dead.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let outcomes = self.executor.heal_containers(dead, batch.source.top());
+        let took = started.elapsed();
+        for (foreign, outcome) in &outcomes {
+            let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
+            let propagation = match foreign.propagation {
+                Propagation::Slave => "slave",
+                _ => "private",
+            };
+            match outcome {
+                Ok(ForeignHealed::Replaced) => {
+                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us = took.as_micros() as u64, "container healed");
+                }
+                Ok(ForeignHealed::Stacked { why }) => {
+                    warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
+                }
+                Err(err) => {
+                    warn!(namespace, pid, mount_point = %mount_point, err = %error_chain(err), "container heal failed");
+                }
+            }
+            self.reporters.report(&Report::ContainerHealed {
+                source: &batch.source.path,
+                result: match outcome {
+                    Ok(ForeignHealed::Replaced) => "replaced",
+                    Ok(ForeignHealed::Stacked { .. }) => "stacked",
+                    Err(_) => "failed",
+                },
+            });
+        }
     }
 }

@@ -19,11 +19,11 @@ use crate::heal::priority::{HealPriority, HealWindow};
 use crate::heal::probe::{ProbeReport, Prober};
 use crate::heal::{Executor, Prepared};
 use crate::health::{Health, Pong};
-use crate::kube::KubeletConfig;
+use crate::kube::Answer;
+use crate::kube::Kubelet;
 use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter, TargetState};
 use crate::model::table::{Classified, Dev, Layout};
-use crate::plan::confirm::Answer;
 use crate::plan::layout::SourceLayouts;
 use crate::plan::locate::VolDataCache;
 use crate::plan::{self, HealBatch};
@@ -86,7 +86,7 @@ pub struct Config {
 /// How restarts are confirmed with the kubelet.
 #[derive(Debug, Clone)]
 pub struct KubeletConfirmation {
-    pub client: KubeletConfig,
+    pub kubelet: Kubelet,
     /// How long an unreachable or failing kubelet may delay a heal before
     /// it goes ahead on mount evidence alone.
     pub grace: Duration,
@@ -333,8 +333,7 @@ impl<E: Executor> Supervisor<E> {
         });
         let probes =
             self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
-        let confirmations =
-            self.confirmer.iter().flat_map(|confirmer| confirmer.waiting.values().filter_map(|c| c.waiting.due_at()));
+        let confirmations = self.confirmer.as_ref().and_then(|confirmer| confirmer.confirmations.next_deadline());
         retries.chain(probes).chain(confirmations).chain(self.degraded_deadline()).filter(|at| *at > now).min()
     }
 
@@ -388,7 +387,7 @@ impl<E: Executor> Supervisor<E> {
         }
         let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
         if let Some(confirmer) = &mut self.confirmer {
-            confirmer.waiting.retain(|source, _| batches.iter().any(|batch| &batch.source.path == source));
+            confirmer.confirmations.retain(|source| batches.iter().any(|batch| batch.source.path == source));
         }
         // Probes first: each waits for a FUSE daemon's answer, and the
         // bookkeeping below is done while it does.

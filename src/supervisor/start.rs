@@ -14,12 +14,12 @@ use tracing::{debug, error, info, warn};
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
-use crate::kube::KubeletClient;
+use crate::kube::Asker;
 use crate::model::mountinfo::MountInfoReader;
 use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
-use crate::plan::confirm::Asker;
+use crate::plan::confirm::Confirmations;
 use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
@@ -45,10 +45,11 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // container's, not the host's.
     let asker = match &config.kubelet {
         Some(kubelet) => {
-            let client = KubeletClient::new(kubelet.client.clone())?;
+            kubelet.kubelet.load()?;
             let events = events.clone();
-            let asker = Asker::spawn(client, move |answer| events.send(Event::Kubelet(answer)).is_ok())
-                .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
+            let asker =
+                Asker::spawn(kubelet.kubelet.clone(), move |answer| events.send(Event::Kubelet(answer)).is_ok())
+                    .map_err(|source| SupervisorError::Thread { name: "kubelet", source })?;
             Some((asker, kubelet.grace))
         }
         None => {
@@ -120,7 +121,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let table_watch = watcher.rearm_handle();
     let watcher_thread = spawn_watcher(watcher, shared, events.clone(), config.heal_priority)?;
     let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
-    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, grace, waiting: BTreeMap::new() });
+    supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
     // From this thread: the writer sees the state directory as the loop does.
@@ -147,6 +148,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     );
     supervisor.table_watch = Some(table_watch);
     supervisor.serve(&inbox, shutdown);
+    // No heal follows: background work waiting for one to end (the search
+    // for daemons, which dropping the supervisor joins) must not wait forever.
+    supervisor.heal_window.close(false);
     // What changed last is written before the writer stops.
     supervisor.save_state();
     drop(supervisor);

@@ -14,7 +14,7 @@ use crate::heal::probe::{ProbeOutcome, SourceHandles};
 use crate::heal::{Executor, HealError, Healed, Prepared, TargetOutcome};
 use crate::model::source::{TableError, TableSource};
 use crate::model::state::TargetState;
-use crate::model::table::Snapshot;
+use crate::model::table::{Dev, Snapshot};
 use crate::plan::layout::SourceLayouts;
 use crate::plan::{HealBatch, TargetHeal};
 use crate::report::{Report, Reporter, Reporters};
@@ -111,6 +111,10 @@ impl Executor for RecordingExecutor {
 
     fn flatten_covered(&mut self, target: &TargetHeal, _stale: OwnedFd) -> Result<usize, HealError> {
         Err(HealError::NotAbsolute { path: target.path.clone() })
+    }
+
+    fn detach_dead_source(&mut self, source: &Path, _dead: Dev) -> Result<bool, HealError> {
+        Err(HealError::NotAbsolute { path: source.to_path_buf() })
     }
 }
 

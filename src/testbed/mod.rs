@@ -14,6 +14,7 @@ pub mod container;
 pub mod kubelet;
 mod logs;
 mod reader;
+pub mod runc;
 mod sandbox;
 pub mod scenario;
 mod supervisor_process;

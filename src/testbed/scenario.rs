@@ -40,6 +40,8 @@ pub enum ScenarioError {
     Timeout { what: String, waited: Duration },
     #[error("{daemon} cannot mount over a stale mount (it stats the mount point first)")]
     CannotMountOverStale { daemon: &'static str },
+    #[error("{daemon} exited before it mounted, {status}")]
+    DaemonExited { daemon: &'static str, status: std::process::ExitStatus },
 }
 
 pub(super) fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
@@ -74,6 +76,10 @@ pub enum Restart {
     /// The daemon mounts over the stale global mount (raw mount(2)); the
     /// kernel propagates the new mount to every target by itself.
     MountOverStale,
+    /// The daemon starts again on its mount point as it finds it, as a FUSE
+    /// pod restarted by its kubelet does: libfuse daemons stat the mount
+    /// point first, and a dead mount there makes them exit (ENOTCONN).
+    InPlace,
 }
 
 /// A global FUSE mount under the sandbox's runtime tree and its daemon.
@@ -295,7 +301,9 @@ impl FuseSource {
     }
 
     fn launch(&mut self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
-        let before = fuse_mount_ids_at(sandbox, &self.path);
+        // Connections, not mount IDs: the ID of a dead mount detached just
+        // before (by the supervisor) is free for the new one at once.
+        let before = fuse_connections_in(&sandbox.mountinfo(), &self.path);
         let watchdog_pid_file = match &self.delegation {
             Some((Delegation::Watchdog, _, pid_file)) => Some(pid_file.clone()),
             _ => None,
@@ -329,14 +337,19 @@ impl FuseSource {
             }
         };
         command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
-        self.process = Some(sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?);
+        let process = sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?;
         let path = self.path.clone();
+        let exited = || process.try_wait().ok().flatten();
         wait_for_table(
             sandbox,
             &format!("{} mounted at {}", self.daemon.name(), path.display()),
             MOUNT_TIMEOUT,
-            |table| fuse_mount_ids_in(table, &path).difference(&before).next().is_some(),
+            |table| fuse_connections_in(table, &path).difference(&before).next().is_some() || exited().is_some(),
         )?;
+        if let Some(status) = exited() {
+            return Err(ScenarioError::DaemonExited { daemon: self.daemon.name(), status });
+        }
+        self.process = Some(process);
         if watchdog_pid_file.is_some() {
             self.wait_for_serving_child(None)?;
         }
@@ -373,13 +386,19 @@ impl FuseSource {
         self.crash()?;
         match style {
             Restart::UnmountThenMount => {
+                // As restart scripts do (`umount -l … || true`): nothing to
+                // detach (EINVAL) when the supervisor detached it already.
                 let path = self.path.clone();
-                sandbox.run(move || mount::detach(&path)).map_err(io_step("detach the stale global mount"))?;
+                let detached = sandbox.run(move || match mount::detach(&path) {
+                    Err(err) if err.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
+                    other => other,
+                });
+                detached.map_err(io_step("detach the stale global mount"))?;
             }
             Restart::MountOverStale if self.daemon == Daemon::Bindfs => {
                 return Err(ScenarioError::CannotMountOverStale { daemon: self.daemon.name() });
             }
-            Restart::MountOverStale => {}
+            Restart::MountOverStale | Restart::InPlace => {}
         }
         self.generation += 1;
         self.write_generation(sandbox)?;
@@ -430,6 +449,12 @@ pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {
 fn fuse_mount_ids_in(table: &str, path: &Path) -> HashSet<u32> {
     let Ok(snapshot) = crate::model::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
     snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.mount_id).collect()
+}
+
+/// The FUSE connections mounted at `path`.
+fn fuse_connections_in(table: &str, path: &Path) -> HashSet<crate::model::table::Dev> {
+    let Ok(snapshot) = crate::model::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
+    snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.dev).collect()
 }
 
 /// Waits until `done` accepts the sandbox's mount table, reading it once

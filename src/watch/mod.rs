@@ -3,7 +3,8 @@
 //! ([`mount_table`]: fanotify mount events, mountinfo `EPOLLPRI`, or a poll
 //! for comparison), processes ([`processes`]: the proc connector or pidfds,
 //! for FUSE daemon deaths) and the kubelet's pod directories ([`pods`]:
-//! inotify).
+//! inotify), and [`dir_changes`]: "something changed in these directories".
+pub mod dir_changes;
 pub mod mount_table;
 pub mod pods;
 pub mod processes;

@@ -9,12 +9,10 @@
 //! the next connection without a restart. A pair that fails to load (a key
 //! written before its certificate, a typo) is logged and the old pair kept.
 use std::io;
-use std::ops::ControlFlow;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use fuse_supervisor_sys::inotify::{EventReader, Inotify, WatchFlags};
 use fuse_supervisor_sys::poll::{Poller, Waker};
 use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
@@ -22,6 +20,8 @@ use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
+
+use crate::watch::dir_changes::{Changes, DirChanges};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -115,28 +115,25 @@ impl CertStore {
     ) -> Result<CertWatch, TlsError> {
         let dir = watched_dir(&self.cert_file);
         let setup = |source| TlsError::Watch { dir: dir.clone(), source };
-        let inotify = Inotify::new().map_err(setup)?;
-        // CLOSE_WRITE: rewritten in place; MOVED_TO: renamed over (also the
-        // `..data` swap of a Secret volume); CREATE: a new file or symlink.
-        let mask = WatchFlags::CLOSE_WRITE | WatchFlags::MOVED_TO | WatchFlags::CREATE;
+        let mut changes = DirChanges::new().map_err(setup)?;
         for file in [&self.cert_file, &self.key_file] {
             let dir = watched_dir(file);
-            inotify.watch_dir(&dir, mask).map_err(|source| TlsError::Watch { dir, source })?;
+            changes.watch(&dir, Changes::Files).map_err(|source| TlsError::Watch { dir, source })?;
         }
         let poller = Poller::new().map_err(setup)?;
         let waker = Arc::new(Waker::new().map_err(setup)?);
-        poller.add_readable(inotify.as_fd(), CHANGED).map_err(setup)?;
+        poller.add_readable(changes.as_fd(), CHANGED).map_err(setup)?;
         poller.add_readable(waker.as_fd(), STOP).map_err(setup)?;
         let store = self.clone();
         let thread = std::thread::Builder::new()
             .name("cert-watch".into())
-            .spawn(move || store.watch_loop(&inotify, &poller, reloaded))
+            .spawn(move || store.watch_loop(&mut changes, &poller, reloaded))
             .map_err(setup)?;
         Ok(CertWatch { waker, thread: Some(thread) })
     }
 
-    fn watch_loop(&self, inotify: &Inotify, poller: &Poller, reloaded: impl Fn(&Result<bool, TlsError>)) {
-        let (mut reader, mut ready) = (EventReader::default(), Vec::new());
+    fn watch_loop(&self, changes: &mut DirChanges, poller: &Poller, reloaded: impl Fn(&Result<bool, TlsError>)) {
+        let mut ready = Vec::new();
         loop {
             if let Err(err) = poller.wait(&mut ready, None) {
                 tracing::error!(?err, "certificate watch failed; certificates are no longer reloaded");
@@ -145,15 +142,13 @@ impl CertStore {
             if ready.contains(&STOP) {
                 return;
             }
-            let mut changed = false;
-            let drained = reader.drain(inotify, |_| {
-                changed = true;
-                ControlFlow::Continue(())
-            });
-            if let Err(err) = drained {
-                tracing::error!(?err, "cannot read certificate change events; certificates are no longer reloaded");
-                return;
-            }
+            let changed = match changes.drain() {
+                Ok(changed) => changed,
+                Err(err) => {
+                    tracing::error!(?err, "cannot read certificate change events; certificates are no longer reloaded");
+                    return;
+                }
+            };
             if changed {
                 // One reload per burst: a `..data` swap or a rewrite of
                 // both files arrives as several events at once.

@@ -120,6 +120,21 @@ pub fn detach_top(at: BorrowedFd<'_>) -> io::Result<()> {
     detach(Path::new(&format!("/proc/thread-self/fd/{}", at.as_raw_fd())))
 }
 
+/// [`detach_top`] through `proc`, an fd of a `/proc` opened before the
+/// thread left its namespace: `fchdir(proc)`, then
+/// `umount2("thread-self/fd/N", MNT_DETACH)`, then back to `/`. In a
+/// container's mount namespace `/proc` is the container's, which shows only
+/// the processes of its pid namespace: `/proc/thread-self` names nothing
+/// there. Changes the calling thread's working directory, so call it only
+/// on a thread that unshared `CLONE_FS` (as [`crate::ns`] does).
+pub fn detach_top_through(proc: BorrowedFd<'_>, at: BorrowedFd<'_>) -> io::Result<()> {
+    rustix::process::fchdir(proc)?;
+    let detached = rustix::mount::unmount(format!("thread-self/fd/{}", at.as_raw_fd()).as_str(), UnmountFlags::DETACH);
+    // The root is always there to go back to.
+    let _ = rustix::process::chdir("/");
+    Ok(detached?)
+}
+
 /// `umount2(path, MNT_DETACH)`: lazily detach the topmost mount at `path`,
 /// with every mount below it in the tree.
 pub fn detach(path: &Path) -> io::Result<()> {

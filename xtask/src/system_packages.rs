@@ -55,6 +55,18 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         rpm: "util-linux",
         used_for: "a FUSE container unmounting its dead mount in the sidecar tests",
     },
+    SystemPackage {
+        program: "runc",
+        deb: "runc",
+        rpm: "runc",
+        used_for: "the real OCI containers of the top tier of the heal tests",
+    },
+    SystemPackage {
+        program: "busybox",
+        deb: "busybox-static",
+        rpm: "busybox",
+        used_for: "the static root filesystem of those containers",
+    },
 ];
 
 /// The distribution's package manager, which names the packages.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use fuse_supervisor::kube::events::{ApiServer, Events, EventsConfig, EventsError};
-use fuse_supervisor::kube::{KubeletAuthz, KubeletConfig, KubeletTls};
+use fuse_supervisor::kube::{Kubelet, KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::supervisor::KubeletConfirmation;
 
 use crate::cli::{OnOff, parse_duration};
@@ -100,7 +100,8 @@ impl KubeletArgs {
                 Authz::NodesProxy => KubeletAuthz::NodesProxy,
             },
         };
-        Ok(Some(KubeletConfirmation { client, grace: self.kubelet_grace }))
+        let kubelet = Kubelet::new(client);
+        Ok(Some(KubeletConfirmation { kubelet, grace: self.kubelet_grace }))
     }
 }
 
@@ -158,7 +159,7 @@ impl EventsArgs {
             fs::read_to_string("/proc/sys/kernel/hostname").map(|name| name.trim().to_owned()).unwrap_or_default()
         });
         let config = EventsConfig {
-            kubelet: confirmation.map(|confirmation| confirmation.client.clone()),
+            kubelet: confirmation.map(|confirmation| confirmation.kubelet.clone()),
             ..EventsConfig::new(api_server, node_name)
         };
         match Events::start(&config) {

@@ -15,7 +15,7 @@ use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
-use crate::cli::{Listen, LogArgs, parse_duration, parse_listen, parse_period};
+use crate::cli::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
 use crate::kubelet::{EventsArgs, KubeletArgs};
 use crate::node::{NodeArgs, prepare_descriptors};
 
@@ -105,7 +105,7 @@ impl JobArgs {
             (PathBuf::from("/proc"), node.mount_namespace.clone(), watcher)
         };
         Ok(Some(job::JobConfig {
-            kubelet: kubelet.client.clone(),
+            kubelet: kubelet.kubelet.clone(),
             scope,
             grace: self.job_grace,
             watcher,
@@ -136,6 +136,13 @@ pub(crate) struct DaemonArgs {
     /// watched namespace.
     #[arg(long, default_value = "/sys/fs/fuse/connections", env = "FUSE_SUPERVISOR_FUSE_CONNECTIONS_DIR")]
     pub(crate) fuse_connections_dir: PathBuf,
+    /// Once a dead daemon's connection is held by nobody, detach its own
+    /// mount from the source path (never a pod's): its restart then mounts
+    /// on a directory instead of failing on, or stacking over, a dead
+    /// mount, and no stale layer of a target has to be held open (which
+    /// would make a deleted pod's unmount fail with EBUSY).
+    #[arg(long, value_enum, default_value = "on", env = "FUSE_SUPERVISOR_DETACH_DEAD_SOURCES")]
+    pub(crate) detach_dead_sources: OnOff,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -155,6 +162,7 @@ impl DaemonArgs {
             },
             abort_dead_connections: self.abort_dead_connections,
             fuse_connections: self.fuse_connections_dir.clone(),
+            detach_dead_sources: self.detach_dead_sources == OnOff::On,
             ..DaemonWatch::default()
         }
     }

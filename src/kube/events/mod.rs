@@ -29,7 +29,7 @@ pub use occurrence::{Occurrence, PodRef, Reason, Regarding};
 pub use resolve::{PodNames, Resolver};
 pub use series::{CONTROLLER, Correlator, Observed, SERIES_WINDOW, SeriesKey, Write};
 
-use crate::kube::{KubeletClient, KubeletConfig, KubeletError};
+use crate::kube::{Kubelet, KubeletError};
 use crate::report::{Report, Reporter};
 
 /// Occurrences the queue holds before new ones are dropped.
@@ -81,7 +81,7 @@ pub struct EventsConfig {
     pub node_name: String,
     /// The kubelet that resolves application pod UIDs to names; without
     /// it only FuseDaemonRestarted (which names its pod) is published.
-    pub kubelet: Option<KubeletConfig>,
+    pub kubelet: Option<Kubelet>,
     /// Queue length between the loop and the publisher.
     pub queue: usize,
 }
@@ -176,7 +176,8 @@ impl Events {
         client_config.read_timeout.get_or_insert(READ_TIMEOUT);
         let names = match &config.kubelet {
             Some(kubelet) => {
-                Some(Box::new(KubeletClient::new(kubelet.clone()).map_err(EventsError::Kubelet)?) as Box<dyn PodNames>)
+                kubelet.load().map_err(EventsError::Kubelet)?;
+                Some(Box::new(kubelet.clone()) as Box<dyn PodNames>)
             }
             None => {
                 info!(

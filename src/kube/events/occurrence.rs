@@ -21,6 +21,9 @@ pub enum Reason {
     /// A mount reported broken at its daemon's exit was not: another
     /// process still served it (Normal, on the pod).
     MountRestored,
+    /// A dead daemon's own mount was detached from its source path, so
+    /// that its restart can mount there (Normal, on the daemon's pod).
+    SourceDetached,
 }
 
 impl Reason {
@@ -31,6 +34,7 @@ impl Reason {
             Reason::HealFailed => "FuseHealFailed",
             Reason::DaemonRestarted => "FuseDaemonRestarted",
             Reason::MountRestored => "FuseMountRestored",
+            Reason::SourceDetached => "FuseSourceDetached",
         }
     }
 
@@ -40,6 +44,7 @@ impl Reason {
             Reason::MountBroken | Reason::MountRestored => "Detect",
             Reason::MountHealed | Reason::HealFailed => "Heal",
             Reason::DaemonRestarted => "Confirm",
+            Reason::SourceDetached => "Detach",
         }
     }
 
@@ -47,7 +52,7 @@ impl Reason {
     pub fn event_type(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::HealFailed => "Warning",
-            Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored => "Normal",
+            Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored | Reason::SourceDetached => "Normal",
         }
     }
 }
@@ -165,12 +170,30 @@ impl Occurrence {
                 ),
                 owner.started_at.unwrap_or(now),
             ),
-            // A death is published through the FuseMountBroken of each target.
+            Report::DeadSourceDetached { source, owner: Some(owner) } => (
+                Reason::SourceDetached,
+                Regarding::Pod(PodRef {
+                    namespace: owner.namespace.clone(),
+                    name: owner.pod.clone(),
+                    uid: owner.pod_uid.clone(),
+                }),
+                format!(
+                    "the dead FUSE mount at {} was detached so that container {} can mount there again; the pods \
+                     using it stay broken until it does",
+                    source.display(),
+                    owner.container
+                ),
+                now,
+            ),
+            // A death is published through the FuseMountBroken of each target;
+            // a detach from a source no pod is known to serve, in the log.
             Report::TableChanged
             | Report::Scanned(_)
             | Report::KubeletAnswered { .. }
             | Report::DaemonDied { .. }
-            | Report::ProcessEvent { .. } => return None,
+            | Report::DeadSourceDetached { owner: None, .. }
+            | Report::ProcessEvent { .. }
+            | Report::ContainerHealed { .. } => return None,
         };
         Some(Occurrence { reason, regarding, note, at })
     }

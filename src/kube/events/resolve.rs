@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::occurrence::PodRef;
-use crate::kube::{KubeletClient, KubeletError};
+use crate::kube::{Kubelet, KubeletError, PodList};
 
 /// A UID the kubelet did not list is not asked about again for this long
 /// (its pod is gone, or not yet admitted).
@@ -19,23 +19,39 @@ const RETRY_AFTER: Duration = Duration::from_secs(10);
 /// Lists the pods of this node.
 pub trait PodNames: Send {
     fn pods(&mut self) -> Result<Vec<PodRef>, KubeletError>;
+
+    /// The pods of the last list another user of the same kubelet client
+    /// asked for, without a call: a UID names the same pod for its life, so
+    /// a list of any age names the pods it has.
+    fn last_listed(&self) -> Option<Vec<PodRef>> {
+        None
+    }
 }
 
-impl PodNames for KubeletClient {
+impl PodNames for Kubelet {
     fn pods(&mut self) -> Result<Vec<PodRef>, KubeletError> {
-        let list = KubeletClient::pods(self)?;
-        let listed = list.items.into_iter().map(|pod| (pod.metadata.namespace, pod.metadata.name, pod.metadata.uid));
-        // A pod skipped for a field outside its metadata still has its name.
-        let named_but_unreadable = list
-            .skipped
-            .into_iter()
-            .filter(|pod| {
-                !pod.field.starts_with("metadata")
-                    && [&pod.namespace, &pod.name, &pod.uid].iter().all(|s| !s.is_empty())
-            })
-            .map(|pod| (pod.namespace, pod.name, pod.uid));
-        Ok(listed.chain(named_but_unreadable).map(|(namespace, name, uid)| PodRef { namespace, name, uid }).collect())
+        Kubelet::pods(self).map(|pods| pod_refs(&pods))
     }
+
+    fn last_listed(&self) -> Option<Vec<PodRef>> {
+        Kubelet::last_listed(self).map(|listed| pod_refs(&listed.pods))
+    }
+}
+
+fn pod_refs(list: &PodList) -> Vec<PodRef> {
+    let listed = list.items.iter().map(|pod| (&pod.metadata.namespace, &pod.metadata.name, &pod.metadata.uid));
+    // A pod skipped for a field outside its metadata still has its name.
+    let named_but_unreadable = list
+        .skipped
+        .iter()
+        .filter(|pod| {
+            !pod.field.starts_with("metadata") && [&pod.namespace, &pod.name, &pod.uid].iter().all(|s| !s.is_empty())
+        })
+        .map(|pod| (&pod.namespace, &pod.name, &pod.uid));
+    listed
+        .chain(named_but_unreadable)
+        .map(|(namespace, name, uid)| PodRef { namespace: namespace.clone(), name: name.clone(), uid: uid.clone() })
+        .collect()
 }
 
 /// The cache in front of [`PodNames`].
@@ -69,6 +85,17 @@ impl Resolver {
         let Some(source) = self.source.as_mut() else {
             return;
         };
+        if let Some(listed) = source.last_listed() {
+            for pod in listed {
+                if missing.contains(&pod.uid.as_str()) {
+                    self.known.insert(pod.uid.clone(), pod);
+                }
+            }
+            missing.retain(|uid| !self.known.contains_key(*uid));
+            if missing.is_empty() {
+                return;
+            }
+        }
         self.calls += 1;
         match source.pods() {
             Ok(pods) => {
@@ -145,6 +172,38 @@ mod tests {
         assert_eq!(resolver.get("b").map(|pod| pod.name), Some("pod-b".to_owned()));
         resolver.prepare(["a", "c"], now);
         assert_eq!(resolver.calls(), 1);
+    }
+
+    /// The kubelet client shared with the confirmation, whose last list
+    /// holds the pods `last` names.
+    struct Shared {
+        node: Node,
+        last: Node,
+    }
+
+    impl PodNames for Shared {
+        fn pods(&mut self) -> Result<Vec<PodRef>, KubeletError> {
+            self.node.pods()
+        }
+
+        fn last_listed(&self) -> Option<Vec<PodRef>> {
+            self.last.0.lock().unwrap().clone()
+        }
+    }
+
+    #[test]
+    fn a_pod_in_another_users_last_list_is_named_without_a_call() {
+        let (node, last) = (Node::default(), Node::default());
+        node.set(&["a", "b"]);
+        last.set(&["a"]);
+        let mut resolver = Resolver::new(Some(Box::new(Shared { node, last: last.clone() })));
+        let now = Instant::now();
+        resolver.prepare(["a"], now);
+        assert_eq!((resolver.calls(), resolver.get("a").map(|pod| pod.name)), (0, Some("pod-a".to_owned())));
+        // A pod newer than that list is asked for.
+        resolver.prepare(["a", "b"], now);
+        assert_eq!(resolver.calls(), 1);
+        assert!(resolver.get("b").is_some());
     }
 
     #[test]

@@ -10,7 +10,6 @@
 //! (starting, or restarting under `OnFailure`). A node with no such pod
 //! makes no calls at all.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::ops::ControlFlow;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -18,7 +17,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::inotify::{EventReader, Inotify, WatchFlags};
 use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::{Poller, Waker};
 use fuse_supervisor_sys::process::Signal;
@@ -29,7 +27,8 @@ use super::containers::ContainerProcesses;
 use super::fuse_container::{Fuse, identify_fuse};
 use super::unmount::unmount_devices;
 use super::{JobConfig, JobError, JobScope, WatcherKind};
-use crate::kube::{KubeletClient, Pod, PodList};
+use crate::kube::{Kubelet, Pod, PodList};
+use crate::watch::dir_changes::{Changes, DirChanges};
 use crate::watch::processes::fuse_server::FuseServers;
 use crate::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
@@ -56,7 +55,8 @@ impl JobLifecycle {
     /// the one pod of [`JobScope::Pod`] is done, so that the sidecar
     /// supervisor ends too and the pod can complete.
     pub fn spawn(config: JobConfig, finished: impl FnOnce() + Send + 'static) -> Result<JobLifecycle, JobError> {
-        let client = KubeletClient::new(config.kubelet.clone())?;
+        config.kubelet.load()?;
+        let client = config.kubelet.clone();
         let setup = |what| move |source| JobError::Setup { what, source };
         let poller = Poller::new().map_err(setup("epoll"))?;
         let stop = Arc::new(Waker::new().map_err(setup("eventfd"))?);
@@ -124,25 +124,24 @@ impl Drop for JobLifecycle {
 
 /// An inotify watch on `<kubelet_root>/pods`, added from a thread that
 /// joined the supervisor's namespace (the watch outlives it).
-fn watch_pods_dir(config: &JobConfig, poller: &Poller) -> Option<(Inotify, EventReader)> {
+fn watch_pods_dir(config: &JobConfig, poller: &Poller) -> Option<DirChanges> {
     let pods = config.kubelet_root.join("pods");
     let namespace = config.mount_namespace.clone();
-    let added = Inotify::new().and_then(|inotify| {
+    let added = DirChanges::new().and_then(|changes| {
         std::thread::scope(|scope| {
             scope
                 .spawn(|| {
                     fuse_supervisor_sys::ns::join_mount_namespace(&namespace)?;
-                    let mask = WatchFlags::CREATE | WatchFlags::DELETE | WatchFlags::MOVED_TO | WatchFlags::MOVED_FROM;
-                    inotify.watch_dir(&pods, mask)
+                    changes.watch(&pods, Changes::Entries)
                 })
                 .join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("the watch thread panicked")))
         })?;
-        poller.add_readable(inotify.as_fd(), PODS)?;
-        Ok(inotify)
+        poller.add_readable(changes.as_fd(), PODS)?;
+        Ok(changes)
     });
     match added {
-        Ok(inotify) => Some((inotify, EventReader::default())),
+        Ok(changes) => Some(changes),
         Err(err) => {
             // Pods starting later are then found only when another pod's
             // event prompts a look.
@@ -213,12 +212,12 @@ fn recheck_delay(wait: Wait, attempts: u32) -> Duration {
 
 struct Lifecycle {
     config: JobConfig,
-    client: KubeletClient,
+    client: Kubelet,
     watcher: Box<dyn ProcessWatcher>,
     inbox: Arc<Mutex<Vec<ProcessEvent>>>,
     arrived: Arc<Waker>,
     poller: Poller,
-    pods_dir: Option<(Inotify, EventReader)>,
+    pods_dir: Option<DirChanges>,
     /// `/proc/self/cgroup`: tells the supervisor's own container in sidecar mode.
     own_cgroups: String,
     pods: BTreeMap<String, Tracked>,
@@ -283,15 +282,11 @@ impl Lifecycle {
     }
 
     fn on_pod_dirs(&mut self) {
-        let Some((inotify, reader)) = &mut self.pods_dir else { return };
-        let mut changed = false;
-        let drained = reader.drain(inotify, |_| {
-            changed = true;
-            ControlFlow::Continue(())
-        });
-        if let Err(err) = drained {
+        let Some(changes) = &mut self.pods_dir else { return };
+        let changed = changes.drain().unwrap_or_else(|err| {
             warn!(?err, "cannot read pod-directory events");
-        }
+            false
+        });
         if changed {
             self.ask_by(Instant::now() + AFTER_POD_DIR);
         }

@@ -44,7 +44,7 @@ pub use lifecycle::JobLifecycle;
 pub use selector::{LabelSelector, SelectorError};
 pub use unmount::{UnmountError, Unmounted, unmount_devices};
 
-use crate::kube::KubeletConfig;
+use crate::kube::Kubelet;
 
 /// Fluid's label for pods whose injected FUSE sidecar should end with them.
 pub const DEFAULT_SELECTOR: &str = "done.sidecar.fluid.io/inject=true";
@@ -70,7 +70,7 @@ pub enum WatcherKind {
 /// How the lifecycle is set up.
 #[derive(Debug, Clone)]
 pub struct JobConfig {
-    pub kubelet: KubeletConfig,
+    pub kubelet: Kubelet,
     pub scope: JobScope,
     /// How long the FUSE daemon may take to exit after its unmount, and
     /// again after SIGTERM, before the next signal.

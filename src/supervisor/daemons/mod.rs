@@ -73,6 +73,9 @@ pub struct DaemonWatch {
     pub abort_dead_connections: bool,
     /// The FUSE control filesystem (`fusectl`) in the watched namespace.
     pub fuse_connections: PathBuf,
+    /// Detach a dead daemon's own mount from its source path once nobody
+    /// holds its connection (`--detach-dead-sources`).
+    pub detach_dead_sources: bool,
 }
 
 impl Default for DaemonWatch {
@@ -82,6 +85,7 @@ impl Default for DaemonWatch {
             proc_root: PathBuf::from("/proc"),
             abort_dead_connections: false,
             fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
+            detach_dead_sources: true,
         }
     }
 }
@@ -129,6 +133,16 @@ pub struct Retraction {
     pub source: PathBuf,
     pub dev: Dev,
     pub pids: Vec<u32>,
+}
+
+/// What the discoveries that followed deaths found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Verdicts {
+    /// Deaths taken back: another process holds the connection.
+    pub retracted: Vec<Retraction>,
+    /// Deaths that stand: nobody holds the connection, which the kernel
+    /// has therefore aborted for good.
+    pub confirmed: Vec<Death>,
 }
 
 /// A connection whose serving process exited while other processes hold
@@ -408,10 +422,10 @@ impl Daemons {
         (deaths, partial)
     }
 
-    /// A discovery's answer; returns the deaths it retracts.
-    pub fn discovered(&mut self, found: Vec<Discovered>) -> Vec<Retraction> {
+    /// A discovery's answer; returns the deaths it retracts or confirms.
+    pub fn discovered(&mut self, found: Vec<Discovered>) -> Verdicts {
         let now = Instant::now();
-        let mut retracted = Vec::new();
+        let mut verdicts = Verdicts::default();
         for Discovered { source, dev, result, scanned_at } in found {
             let Some((_, known)) = self.known.get_mut(&dev) else { continue };
             match known {
@@ -423,11 +437,12 @@ impl Daemons {
                         Ok(processes) if !processes.is_empty() => {
                             let pids: Vec<u32> = processes.iter().map(|process| process.pid).collect();
                             *known = Known::Served;
-                            retracted.push(Retraction { source, dev, pids });
+                            verdicts.retracted.push(Retraction { source, dev, pids });
                         }
                         Ok(_) => {
                             debug!(source = %source.display(), connection = %dev, "no process holds the connection: the death stands");
                             *known = Known::Dead;
+                            verdicts.confirmed.push(Death { source, dev });
                         }
                         Err(err) => {
                             warn!(source = %source.display(), connection = %dev, %err, "cannot tell whether another process holds a dead daemon's connection; the death stands");
@@ -476,7 +491,7 @@ impl Daemons {
             *known = Known::Unserved { left, tries, retry_at };
         }
         self.update_exec_interest();
-        retracted
+        verdicts
     }
 
     /// An exec somewhere: worth a discovery if a connection has no daemon.
@@ -524,6 +539,11 @@ impl Daemons {
     fn update_exec_interest(&self) {
         let unserved = self.known.values().any(|(_, known)| matches!(known, Known::Unserved { retry_at: None, .. }));
         self.want_exec.store(unserved, Ordering::Relaxed);
+    }
+
+    /// Whether `--detach-dead-sources` is on.
+    pub fn detaches_dead_sources(&self) -> bool {
+        self.options.detach_dead_sources
     }
 
     /// Whether `--abort-dead-connections` is on.
@@ -717,7 +737,7 @@ mod tests {
         daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
         assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
         add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
-        assert!(daemons.discovered(found(dev, &[10], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[10], Instant::now())) == Verdicts::default());
         (daemons, queue)
     }
 
@@ -731,8 +751,8 @@ mod tests {
         assert!(partial.is_empty());
         assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)], "the death is checked");
         // A scan begun before the exit says nothing about after it.
-        assert!(daemons.discovered(found(dev, &[11], before)).is_empty());
-        let retracted = daemons.discovered(found(dev, &[11], Instant::now()));
+        assert!(daemons.discovered(found(dev, &[11], before)).retracted.is_empty());
+        let retracted = daemons.discovered(found(dev, &[11], Instant::now())).retracted;
         assert_eq!(retracted, vec![Retraction { source: "/runtime/g".into(), dev, pids: vec![11] }]);
     }
 
@@ -741,8 +761,12 @@ mod tests {
         let dev = Dev { major: 0, minor: 52 };
         let (mut daemons, _queue) = served(dev);
         assert_eq!(daemons.exited(10).0.len(), 1);
-        assert!(daemons.discovered(found(dev, &[], Instant::now())).is_empty());
-        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty(), "dead for good");
+        let verdicts = daemons.discovered(found(dev, &[], Instant::now()));
+        assert_eq!(
+            verdicts,
+            Verdicts { retracted: vec![], confirmed: vec![Death { source: "/runtime/g".into(), dev }] }
+        );
+        assert_eq!(daemons.discovered(found(dev, &[11], Instant::now())), Verdicts::default(), "dead for good");
     }
 
     #[test]
@@ -756,7 +780,7 @@ mod tests {
         let (deaths, _) = daemons.exited(11);
         assert!(deaths.is_empty());
         assert_eq!(queue.try_iter().count(), 2, "each exit asks again");
-        assert!(daemons.discovered(found(dev, &[11], scanned_at)).is_empty(), "that answer is stale");
+        assert!(daemons.discovered(found(dev, &[11], scanned_at)).retracted.is_empty(), "that answer is stale");
     }
 
     /// A connection served by pid 10, beside a watchdog, pid 11, that holds
@@ -785,11 +809,11 @@ mod tests {
         assert!(deaths.is_empty());
         assert_eq!(partial[0].remaining, [11]);
         // Only the watchdog, which does not read: looked for again, on a timer.
-        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())) == Verdicts::default());
         assert!(!is_served(&daemons, dev));
         assert!(daemons.next_deadline().is_some(), "the next look is due");
         // Its next child holds it now.
-        assert!(daemons.discovered(found(dev, &[11, 12], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[11, 12], Instant::now())) == Verdicts::default());
         assert!(is_served(&daemons, dev));
         assert_eq!(daemons.next_deadline(), None, "no timer once served");
     }
@@ -799,7 +823,7 @@ mod tests {
         let dev = Dev { major: 0, minor: 52 };
         let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, true);
         assert_eq!(daemons.exited(10).1.len(), 1);
-        assert!(daemons.discovered(found(dev, &[11], Instant::now())).is_empty());
+        assert!(daemons.discovered(found(dev, &[11], Instant::now())) == Verdicts::default());
         assert!(is_served(&daemons, dev));
     }
 

@@ -1,0 +1,424 @@
+//! The top tier of the heal tests: real OCI containers (Debian's `runc`, a
+//! static busybox root filesystem) with a pod's target bind-mounted as
+//! kubelet and containerd mount a volume, `["rbind","rslave"]` for
+//! `mountPropagation: HostToContainer` and `["rbind","rprivate"]` for the
+//! default (None), whole volumes and subPaths, while a real FUSE daemon
+//! crashes and comes back under `fuse-supervisor run`. Every heal is judged
+//! from inside the containers: each reads again, and each container's mount
+//! table, the host's and the kernel's list of FUSE connections are back to
+//! what they were before the first crash. Needs root and /dev/fuse.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fuse_supervisor::testbed::Sandbox;
+use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor::testbed::scenario::{
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
+};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
+const READ_INTERVAL: Duration = Duration::from_millis(10);
+
+/// A container and what it must read whenever its volume is healthy.
+struct Watched {
+    container: RuncContainer,
+    /// The file's content, or `None` for "the data file of the current generation".
+    fixed_content: Option<String>,
+    /// The entries of its volume: the source's root, or only its subdirectory.
+    entries: Vec<String>,
+    /// Its mount table before the first crash: (mount point, fs type) counted.
+    baseline: BTreeMap<(PathBuf, String), usize>,
+    /// HostToContainer: its volume is a slave of the host's mount.
+    receives_host_mounts: bool,
+}
+
+struct Node {
+    // Declared first: containers and the supervisor go before the sandbox.
+    containers: Vec<Watched>,
+    supervisor: Option<SupervisorProcess>,
+    source: FuseSource,
+    runc: Runc,
+    fusectl: PathBuf,
+    restart: Restart,
+    sandbox: Sandbox,
+}
+
+fn table_of(container: &RuncContainer) -> BTreeMap<(PathBuf, String), usize> {
+    let mut table = BTreeMap::new();
+    for mount in container.mounts().expect("the container's mount table") {
+        *table.entry((mount.mount_point, mount.fs_type)).or_insert(0) += 1;
+    }
+    table
+}
+
+impl Node {
+    fn new(daemon: Daemon, restart: Restart) -> Node {
+        let sandbox = Sandbox::new().expect("sandbox");
+        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let runc = Runc::new(&sandbox).expect("runc image");
+        let fusectl = sandbox.root().join("fusectl");
+        let at = fusectl.clone();
+        sandbox
+            .run(move || std::fs::create_dir_all(&at).and_then(|()| fuse_supervisor_sys::mount::mount_fusectl(&at)))
+            .expect("mount fusectl in the sandbox");
+        Node { containers: Vec::new(), supervisor: None, source, runc, fusectl, restart, sandbox }
+    }
+
+    /// A pod whose volume (its whole target) a container mounts with `propagation`.
+    fn add_volume_container(&mut self, name: &str, propagation: VolumePropagation) {
+        let target = self.source.bind_volume(&self.sandbox, name, "data").expect("bind volume");
+        self.add_container(name, target, propagation, DATA_FILE, None, &[DATA_FILE, SUBDIR]);
+    }
+
+    /// A pod whose container mounts the source's subdirectory (a subPath).
+    fn add_subpath_container(&mut self, name: &str, propagation: VolumePropagation) {
+        let target = self.source.bind_subpath(&self.sandbox, name, "data").expect("bind subpath");
+        let inner = format!("inside shared-data/{SUBDIR}");
+        self.add_container(name, target, propagation, SUBDIR_FILE, Some(inner), &[SUBDIR_FILE]);
+    }
+
+    fn add_container(
+        &mut self,
+        name: &str,
+        volume: PathBuf,
+        propagation: VolumePropagation,
+        read: &str,
+        fixed_content: Option<String>,
+        entries: &[&str],
+    ) {
+        let spec = RuncSpec { name: name.into(), volume, propagation, read: read.into(), interval: READ_INTERVAL };
+        let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
+        let baseline = table_of(&container);
+        let entries = entries.iter().map(|entry| (*entry).to_owned()).collect();
+        let receives_host_mounts = propagation == VolumePropagation::HostToContainer;
+        self.containers.push(Watched { container, fixed_content, entries, baseline, receives_host_mounts });
+    }
+
+    fn start_supervisor(&mut self) {
+        let state_dir = self.sandbox.root().join("state");
+        let supervisor =
+            SupervisorProcess::start_with(&self.sandbox, Path::new(BINARY), &state_dir, ["--kubelet", "none"]);
+        self.supervisor = Some(supervisor.expect("supervisor"));
+    }
+
+    /// The supervisor watches the current daemon: its death will be seen
+    /// (and the containers' dead mounts isolated) before the new mount.
+    fn daemon_watched(&self) {
+        let daemon = format!("[{}]", self.source.pid().expect("daemon running"));
+        let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);
+        self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
+    }
+
+    /// The host's mounts: all of the sandbox's, or, after a restart over
+    /// the stale mount, the kubelet tree's only: the daemon's own dead mount
+    /// stays under its new one at the source (left alone, a README limit),
+    /// and that one pins its dead connection.
+    fn host_mounts(&self) -> usize {
+        match self.restart {
+            Restart::UnmountThenMount | Restart::InPlace => self.sandbox.count_mounts_under(self.sandbox.root()),
+            Restart::MountOverStale => self.sandbox.count_mounts_under(&self.sandbox.kubelet_root()),
+        }
+    }
+
+    fn expected(&self, watched: &Watched) -> String {
+        watched.fixed_content.clone().unwrap_or_else(|| self.source.expected_content())
+    }
+
+    /// Every container reads what it must, and lists only what it must.
+    fn all_read(&self, cycle: usize) {
+        for watched in &self.containers {
+            let expected = self.expected(watched);
+            let reads = |seen: &fuse_supervisor::testbed::Observation| {
+                seen.content() == Some(expected.as_str()) && seen.entries() == Some(watched.entries.as_slice())
+            };
+            watched.container.wait_until(HEAL_TIMEOUT, reads).unwrap_or_else(|err| {
+                panic!("cycle {cycle}: container {} does not read {expected:?}: {err}", watched.container.name())
+            });
+        }
+    }
+
+    fn all_fail(&self, cycle: usize) {
+        for watched in &self.containers {
+            watched.container.wait_until(HEAL_TIMEOUT, |seen| seen.error().is_some()).unwrap_or_else(|err| {
+                panic!("cycle {cycle}: container {} does not see the crash: {err}", watched.container.name())
+            });
+        }
+    }
+
+    /// The minor of the FUSE device of the source's current mount.
+    fn source_minor(&self) -> u32 {
+        let ids = scenario::fuse_mount_ids_at(&self.sandbox, &self.source.path);
+        let table = self.sandbox.mountinfo();
+        // The last at the path is the top one (a restart over the stale
+        // mount leaves the dead one under it).
+        let line = table
+            .lines()
+            .rfind(|line| line.split(' ').next().and_then(|id| id.parse().ok()).is_some_and(|id| ids.contains(&id)))
+            .expect("the source is mounted");
+        let device = line.split(' ').nth(2).expect("a device field");
+        device.split_once(':').and_then(|(_, minor)| minor.parse().ok()).expect("major:minor")
+    }
+
+    /// After a heal: the host, every container and the kernel's FUSE
+    /// connections are as they were before the first crash.
+    fn settled(&self, cycle: usize, host_baseline: usize, dead_minor: u32) {
+        scenario::wait_for("the host's baseline mount count", HEAL_TIMEOUT, || self.host_mounts() == host_baseline)
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}: {} now, {host_baseline} before", self.host_mounts()));
+        for watched in &self.containers {
+            let name = watched.container.name();
+            scenario::wait_for("the container's baseline mount table", HEAL_TIMEOUT, || {
+                table_of(&watched.container) == watched.baseline
+            })
+            .unwrap_or_else(|err| {
+                panic!(
+                    "cycle {cycle}: container {name}: {err}: volume layers {:?}\nnow {:?}\nbefore {:?}",
+                    watched.container.volume_mounts(),
+                    table_of(&watched.container),
+                    watched.baseline
+                )
+            });
+            let layers = watched.container.volume_mounts().expect("the container's volume mounts");
+            assert_eq!(layers.len(), 1, "cycle {cycle}: container {name} holds {layers:?}");
+            // Its propagation unchanged: a slave of the (new) source for
+            // HostToContainer, private for None, never a peer.
+            let slave = layers[0].propagation.contains("master:");
+            assert_eq!(slave, watched.receives_host_mounts, "cycle {cycle}: container {name}: {layers:?}");
+            assert!(!layers[0].propagation.contains("shared:"), "cycle {cycle}: container {name}: {layers:?}");
+        }
+        // Minors are reused once free: the current connection may have the
+        // number of an earlier dead one (which was then gone already).
+        let current = self.source_minor();
+        if self.restart == Restart::MountOverStale {
+            return;
+        }
+        scenario::wait_for("the dead FUSE connection to go", HEAL_TIMEOUT, || {
+            let alive = runc::fuse_connections(&self.sandbox.outside_path(&self.fusectl));
+            dead_minor == current || !alive.contains(&dead_minor)
+        })
+        .unwrap_or_else(|err| {
+            let alive = runc::fuse_connections(&self.sandbox.outside_path(&self.fusectl));
+            panic!("cycle {cycle}: {err}: dead {dead_minor}, current {current}, alive {alive:?}")
+        });
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(supervisor) = &self.supervisor {
+                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
+            }
+            eprintln!("host mount table:\n{}", self.sandbox.mountinfo());
+            for watched in &self.containers {
+                let container = &watched.container;
+                eprintln!("container {} history:\n{}", container.name(), container.describe_history());
+                eprintln!("container {} mount table:\n{}", container.name(), container.mountinfo().unwrap_or_default());
+            }
+        }
+    }
+}
+
+/// Containers of both propagation modes, whole volumes and subPaths, on one
+/// source; `cycles` crashes and restarts: after each, every container reads
+/// again and holds exactly one layer at its volume; the host is flat; no
+/// dead connection is left in the kernel.
+fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
+    let mut node = Node::new(daemon, restart);
+    node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.add_subpath_container("subpath-host-to-container", VolumePropagation::HostToContainer);
+    node.add_subpath_container("subpath-none", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+
+    for cycle in 1..=cycles {
+        node.daemon_watched();
+        let dead_minor = node.source_minor();
+        node.source.crash().expect("crash the daemon");
+        node.all_fail(cycle);
+        node.source.restart(&node.sandbox, restart).expect("restart the daemon");
+        node.all_read(cycle);
+        node.settled(cycle, host_baseline, dead_minor);
+    }
+    // Each of them by the in-namespace heal, every cycle, as reported.
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let replaced = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="replaced"}"#).unwrap();
+    assert_eq!(replaced, Some((cycles * node.containers.len()) as f64));
+    let healed = supervisor.log().iter().filter(|line| line.contains("\"container healed\"")).count();
+    assert_eq!(healed, cycles * node.containers.len());
+    // Once read again, a container never failed again in the same cycle:
+    // no read of a dead layer after a good one.
+    for watched in &node.containers {
+        let history = watched.container.history();
+        let failures = history.windows(2).filter(|seen| seen[0].error().is_none() && seen[1].error().is_some()).count();
+        assert_eq!(
+            failures,
+            cycles,
+            "container {} failed more often than it crashed:\n{}",
+            watched.container.name(),
+            watched.container.describe_history()
+        );
+    }
+}
+
+#[test]
+fn every_runc_container_heals_with_one_layer_after_bindfs_restarts() {
+    every_container_heals(Daemon::Bindfs, Restart::UnmountThenMount, 10);
+}
+
+#[test]
+fn every_runc_container_heals_with_one_layer_after_demofs_mounts_over_its_stale_mount() {
+    every_container_heals(Daemon::DemoFs, Restart::MountOverStale, 10);
+}
+
+/// After a heal, a HostToContainer container still receives what the host
+/// mounts under the pod's volume (its new mount is a slave of the source),
+/// and a None container still does not.
+#[test]
+fn a_healed_host_to_container_volume_still_receives_host_mounts() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+    node.daemon_watched();
+    let dead_minor = node.source_minor();
+    node.source.crash().expect("crash the daemon");
+    node.all_fail(1);
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    node.all_read(1);
+    node.settled(1, host_baseline, dead_minor);
+
+    // The host mounts a tmpfs on the volume's subdirectory of the first pod.
+    let under = node.sandbox.pod_volume_dir("host-to-container", "data").join(SUBDIR);
+    node.sandbox.run(move || fuse_supervisor_sys::mount::mount_tmpfs(&under)).expect("mount under the pod's volume");
+    let sub = Path::new(runc::VOLUME_IN_CONTAINER).join(SUBDIR);
+    let tmpfs_at_sub = |watched: &Watched| {
+        let mounts = watched.container.mounts_at(&sub).expect("the container's mount table");
+        mounts.iter().any(|mount| mount.fs_type == "tmpfs")
+    };
+    scenario::wait_for("the host's mount in the HostToContainer container", HEAL_TIMEOUT, || {
+        tmpfs_at_sub(&node.containers[0])
+    })
+    .unwrap_or_else(|err| {
+        panic!(
+            "{err}:
+{}",
+            node.containers[0].container.mountinfo().unwrap_or_default()
+        )
+    });
+    assert!(!tmpfs_at_sub(&node.containers[1]), "the None container received a host mount");
+}
+
+/// The test bed itself: a container reads its volume through runc, `runc
+/// exec` reads it too, and its table shows the bind with its propagation.
+#[test]
+fn a_runc_container_mounts_the_pod_target_with_its_propagation() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.all_read(0);
+    let volume = Path::new(runc::VOLUME_IN_CONTAINER);
+    for watched in &node.containers {
+        let container = &watched.container;
+        let read = container.read_file(&volume.join(DATA_FILE)).expect("runc exec cat");
+        assert_eq!(read, node.source.expected_content());
+        let layers = container.volume_mounts().expect("mount table");
+        assert_eq!(layers.len(), 1, "{layers:?}");
+        assert!(layers[0].fs_type.starts_with("fuse"), "{layers:?}");
+        let slave = layers[0].propagation.contains("master:");
+        assert_eq!(slave, container.name() == "host-to-container", "{}: {layers:?}", container.name());
+        let host_ns = std::fs::metadata(node.sandbox.namespace_path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+        assert_ne!(container.namespace_inode().ok(), host_ns.ok(), "a namespace of its own");
+    }
+}
+
+/// A container controls its own tree: one that mounts over its volume
+/// while the daemon is down gets nothing mounted by the heal (its mount
+/// point is no longer the recorded dead mount), and the refusal is reported;
+/// the other container is healed as usual.
+#[test]
+fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("tampering", VolumePropagation::None);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    node.daemon_watched();
+    node.source.crash().expect("crash the daemon");
+    node.all_fail(1);
+    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    let tampering = &node.containers[0].container;
+    tampering
+        .exec_with_sys_admin(&["mount", "-t", "tmpfs", "tmpfs", runc::VOLUME_IN_CONTAINER])
+        .expect("mount over the volume");
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+
+    let healthy = &node.containers[1];
+    let expected = node.source.expected_content();
+    healthy.container.wait_until(HEAL_TIMEOUT, |seen| seen.content() == Some(expected.as_str())).unwrap();
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let refused = |line: &str| line.contains("\"container heal failed\"") && line.contains("changed");
+    supervisor.wait_for_log(HEAL_TIMEOUT, refused).unwrap();
+    let failed = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="failed"}"#).unwrap();
+    assert_eq!(failed, Some(1.0));
+    // Its own tmpfs on top, the dead mount under it, nothing live: the heal
+    // mounted nothing in its tree.
+    let layers = tampering.volume_mounts().expect("the container's mount table");
+    let kinds: Vec<&str> = layers.iter().map(|mount| mount.fs_type.as_str()).collect();
+    assert_eq!(kinds, ["fuse", "tmpfs"], "{layers:?}");
+    let live = healthy.container.volume_mounts().expect("the other container's mount table");
+    assert_ne!(layers[0].device, live[0].device, "the FUSE layer under the tmpfs is the dead one: {layers:?}");
+}
+
+/// Not only pods' containers: any process that unshared its own mount
+/// namespace with a copy of a target pins the dead connection as much, and
+/// is healed the same way (here the fast tier's container model, a plain
+/// process whose copy is a slave of the target).
+#[test]
+fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    let target = node.source.bind_volume(&node.sandbox, "plain", "data").expect("bind volume");
+    let reader = fuse_supervisor::testbed::ContainerReader::spawn(
+        &node.sandbox,
+        Path::new(BINARY),
+        "plain",
+        &target,
+        Path::new(DATA_FILE),
+    )
+    .expect("reader");
+    let volume = fuse_supervisor::testbed::ContainerReader::volume_in_container(
+        &fuse_supervisor::testbed::container::ContainerOptions {
+            volume: target.clone(),
+            rootfs: node.sandbox.root().join("containers/plain/rootfs"),
+            hide: Vec::new(),
+            read: DATA_FILE.into(),
+            interval: READ_INTERVAL,
+        },
+    );
+    let fuse_layers = || {
+        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", reader.child().pid())).unwrap_or_default();
+        table
+            .lines()
+            .filter(|line| line.split(' ').nth(4) == volume.to_str() && line.contains(" - fuse"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(fuse_layers().len(), 1);
+    node.start_supervisor();
+    for cycle in 1..=3 {
+        node.daemon_watched();
+        node.source.crash().expect("crash the daemon");
+        reader.wait_until(HEAL_TIMEOUT, |seen| seen.error().is_some()).expect("the reader sees the crash");
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+        let expected = node.source.expected_content();
+        reader.wait_until(HEAL_TIMEOUT, |seen| seen.content() == Some(expected.as_str())).expect("reads again");
+        scenario::wait_for("one layer in the process's namespace", HEAL_TIMEOUT, || fuse_layers().len() == 1)
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}: {:?}", fuse_layers()));
+    }
+}
