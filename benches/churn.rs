@@ -180,6 +180,22 @@ struct Row {
     /// are not counted (the supervisor's long-lived ones do the work).
     cpu_ns_percent: f64,
     rss_kib: u64,
+    /// How long the start-up listing of the namespace took, where the
+    /// supervisor keeps a table (its `mount table resynced` log line).
+    resync: Option<Duration>,
+}
+
+/// `took_us` of the supervisor's first `mount table resynced` line.
+fn first_resync(supervisor: &SupervisorProcess) -> Option<Duration> {
+    supervisor
+        .log()
+        .iter()
+        .find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            let fields = value.get("fields")?;
+            (fields.get("message")? == "mount table resynced").then(|| fields.get("took_us")?.as_u64())?
+        })
+        .map(Duration::from_micros)
 }
 
 fn measure(sandbox: &Sandbox, mounts: usize, mode: Mode, options: &Options) -> Row {
@@ -197,6 +213,7 @@ fn measure(sandbox: &Sandbox, mounts: usize, mode: Mode, options: &Options) -> R
     let window = opened.elapsed();
     let (ticks_after, rss_kib) = cpu_ticks_and_rss(pid);
     let ns_after = cpu_ns(pid);
+    let resync = first_resync(&supervisor);
     if let Err(err) = supervisor.stop() {
         eprintln!("supervisor did not stop cleanly: {err}");
     }
@@ -209,6 +226,7 @@ fn measure(sandbox: &Sandbox, mounts: usize, mode: Mode, options: &Options) -> R
         cpu_percent: 100.0 * cpu_seconds / window.as_secs_f64(),
         cpu_ns_percent: 100.0 * ns_after.saturating_sub(ns_before) as f64 / 1e9 / window.as_secs_f64(),
         rss_kib,
+        resync,
     }
 }
 
@@ -234,16 +252,17 @@ fn main() {
         drop(sandbox);
     }
     println!();
-    println!("fuse-supervisor under unrelated mount churn ({} changes/s, {} targets)", options.rate, options.targets);
+    let (rate, targets) = (options.rate, options.targets);
+    println!("{} under unrelated mount churn ({rate} changes/s, {targets} targets)", options.binary.display());
     println!("target: at 10,000 mounts and 100 changes/s, fanotify at or below poll's CPU; flat from 10,000 to 50,000");
     println!();
     println!(
-        "{:>7} {:>10} {:>8} {:>7} {:>12} {:>15} {:>9}",
-        "mounts", "mode", "changes", "window", "CPU % core", "(schedstat %)", "VmRSS"
+        "{:>7} {:>10} {:>8} {:>7} {:>12} {:>15} {:>9} {:>14}",
+        "mounts", "mode", "changes", "window", "CPU % core", "(schedstat %)", "VmRSS", "start-up list"
     );
     for row in &rows {
         println!(
-            "{:>7} {:>10} {:>8} {:>6.1}s {:>12.2} {:>15.3} {:>5.1} MiB",
+            "{:>7} {:>10} {:>8} {:>6.1}s {:>12.2} {:>15.3} {:>5.1} MiB {:>14}",
             row.mounts,
             row.mode.name(),
             row.changes,
@@ -251,6 +270,7 @@ fn main() {
             row.cpu_percent,
             row.cpu_ns_percent,
             row.rss_kib as f64 / 1024.0,
+            row.resync.map_or_else(|| "-".to_owned(), |took| format!("{took:.1?}")),
         );
     }
 }
