@@ -40,6 +40,9 @@ pub enum Report<'a> {
     /// held its connection, so that the daemon's next start mounts on a
     /// directory again; `owner` is the pod last confirmed to serve it.
     DeadSourceDetached { source: &'a Path, owner: Option<&'a Owner> },
+    /// `source` was healed `heals` times within `window`: its daemon keeps
+    /// crashing. `owner` is the pod last confirmed to serve it.
+    DaemonFlapping { source: &'a Path, heals: usize, window: Duration, owner: Option<&'a Owner> },
     /// The process watcher reported an event of a watched daemon:
     /// `exited`, `exec` (a search for a missing daemon), `lost` (events
     /// dropped, all daemons searched again) or `failed`.

@@ -22,6 +22,16 @@ fn reason(request: &ApiRequest, reason: &str) -> bool {
 /// Starts the supervisor in the sandbox, confirming restarts with `kubelet`
 /// and publishing Events to `api`.
 fn supervise(sandbox: &Sandbox, kubelet: &KubeletStandIn, api: &ApiServerStandIn) -> SupervisorProcess {
+    supervise_with(sandbox, kubelet, api, &[])
+}
+
+/// [`supervise`] with more flags.
+fn supervise_with(
+    sandbox: &Sandbox,
+    kubelet: &KubeletStandIn,
+    api: &ApiServerStandIn,
+    more: &[&str],
+) -> SupervisorProcess {
     kubelet.set_token(Some(TOKEN));
     // Written from the sandbox: its tmpfs hides the host's directory.
     let files = sandbox.root().join("credentials");
@@ -36,7 +46,7 @@ fn supervise(sandbox: &Sandbox, kubelet: &KubeletStandIn, api: &ApiServerStandIn
             std::fs::write(kubeconfig, config)
         })
         .expect("write credentials");
-    let args = [
+    let args = vec![
         "--kubelet".to_owned(),
         format!("https://127.0.0.1:{}", kubelet.port()),
         "--kubelet-ca-file".to_owned(),
@@ -50,33 +60,52 @@ fn supervise(sandbox: &Sandbox, kubelet: &KubeletStandIn, api: &ApiServerStandIn
         "--node-name".to_owned(),
         "node-1".to_owned(),
     ];
+    let args = args.into_iter().chain(more.iter().map(|arg| (*arg).to_owned()));
     SupervisorProcess::start_with(sandbox, Path::new(BINARY), &sandbox.root().join("state"), args).expect("supervisor")
+}
+
+/// A source served by the FUSE pod `fuse-owner` (which the kubelet lists
+/// as started an hour ago), bound into the app pod `web-0`, read by it.
+struct Owned {
+    source: FuseSource,
+    reader: ContainerReader,
+    kubelet: KubeletStandIn,
+}
+
+impl Owned {
+    fn start(sandbox: &Sandbox, daemon: Daemon) -> Owned {
+        let binary = Path::new(BINARY);
+        let source = FuseSource::start(sandbox, binary, daemon, "owned").expect("start daemon");
+        let target = source.bind_volume(sandbox, "app-pod-uid", "data").expect("bind volume");
+        let reader = ContainerReader::spawn(sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+        Owned::reads(&reader, source.expected_content());
+        let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
+        kubelet.set_pods(Owned::pods(sandbox, 0, SystemTime::now() - Duration::from_secs(3600)));
+        Owned { source, reader, kubelet }
+    }
+
+    fn reads(reader: &ContainerReader, expected: String) {
+        reader
+            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
+            .expect("the container reads the source");
+    }
+
+    /// `/pods` with the FUSE pod's container in its `instance`th run.
+    fn pods(sandbox: &Sandbox, instance: u32, started: SystemTime) -> Vec<u8> {
+        let host_path = sandbox.runtime_root().display().to_string();
+        pod_list_body([
+            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
+            app_pod("apps", "web-0", "app-pod-uid"),
+        ])
+    }
 }
 
 #[test]
 fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "owned").expect("start daemon");
-    let target = source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
-    let reads = |expected: String| {
-        reader
-            .wait_until(TIMEOUT, |observation| observation.content() == Some(expected.as_str()))
-            .expect("the container reads the source")
-    };
-    reads(source.expected_content());
-
-    let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
-    let host_path = sandbox.runtime_root().display().to_string();
-    let started = SystemTime::now() - Duration::from_secs(3600);
-    let pods = |instance, started| {
-        pod_list_body([
-            fuse_owner_pod("fuse-owner", "owner-uid", &host_path, instance, started),
-            app_pod("apps", "web-0", "app-pod-uid"),
-        ])
-    };
-    kubelet.set_pods(pods(0, started));
+    let Owned { mut source, reader, kubelet } = Owned::start(&sandbox, Daemon::DemoFs);
+    let reads = |expected: String| Owned::reads(&reader, expected);
+    let pods = |instance, started| Owned::pods(&sandbox, instance, started);
     let api = ApiServerStandIn::start().expect("API server stand-in");
     let supervisor = supervise(&sandbox, &kubelet, &api);
     let on_failure = Dump(&supervisor, &api);
@@ -113,6 +142,43 @@ fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
     assert_eq!(restarted.body["regarding"]["name"], "fuse-owner");
     assert_eq!(restarted.body["regarding"]["uid"], "owner-uid");
     assert!(restarted.path.starts_with(EVENTS));
+
+    drop(on_failure);
+    supervisor.stop().expect("stop the supervisor");
+}
+
+/// A daemon that keeps crashing: each restart is healed, and the source
+/// healed more than `--flapping-heals` times within the window is a Warning
+/// on the daemon's pod, named by the kubelet at its restarts.
+#[test]
+fn a_daemon_that_keeps_crashing_is_a_warning_on_its_pod() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let Owned { mut source, reader, kubelet } = Owned::start(&sandbox, Daemon::Bindfs);
+    let reads = |expected: String| Owned::reads(&reader, expected);
+    let pods = |instance, started| Owned::pods(&sandbox, instance, started);
+    let api = ApiServerStandIn::start().expect("API server stand-in");
+    let supervisor = supervise_with(&sandbox, &kubelet, &api, &["--flapping-heals", "2", "--flapping-window", "10m"]);
+    let on_failure = Dump(&supervisor, &api);
+
+    for instance in 1..=3 {
+        let mark = supervisor.log_len();
+        source.crash().expect("crash");
+        reader.wait_until(TIMEOUT, |observation| observation.error().is_some()).expect("reader sees the crash");
+        source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
+        kubelet.set_pods(pods(instance, SystemTime::now()));
+        reads(source.expected_content());
+        let healed = |line: &str| line.contains("\"message\":\"healed\"");
+        supervisor.wait_for_lines(TIMEOUT, mark, 1, healed).expect("healed");
+        if instance < 3 {
+            let flapping = supervisor.log().iter().filter(|line| line.contains("keeps crashing")).count();
+            assert_eq!(flapping, 0, "{instance} heals are not a crash loop yet");
+        }
+    }
+    let flapping = api.wait_for(TIMEOUT, |request| reason(request, "FuseDaemonFlapping")).expect("FuseDaemonFlapping");
+    assert_eq!(flapping.body["regarding"]["name"], "fuse-owner");
+    assert_eq!(flapping.body["type"], "Warning");
+    let note = flapping.body["note"].as_str().unwrap();
+    assert!(note.contains("3 restarts within 10m"), "{note}");
 
     drop(on_failure);
     supervisor.stop().expect("stop the supervisor");

@@ -134,6 +134,8 @@ metrics! {
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",
         "Targets back from Degraded without a heal: a process not seen before still served the connection when its known daemon exited (daemon_deaths counts those deaths too)";
+    daemon_flapping: Counter = Counter::default(), "daemon_flapping",
+        "Sources found healed more than --flapping-heals times within --flapping-window (once per window each)";
     dead_sources_detached: Counter = Counter::default(), "dead_sources_detached",
         "Dead daemons' own mounts detached from their source paths once nobody held the connection";
     daemon_restarts: Counter = Counter::default(), "daemon_restarts",
@@ -252,6 +254,9 @@ impl Reporter for Metrics {
             }
             Report::DeathRetracted { .. } => {
                 self.death_retractions.inc();
+            }
+            Report::DaemonFlapping { .. } => {
+                self.daemon_flapping.inc();
             }
             Report::DeadSourceDetached { .. } => {
                 self.dead_sources_detached.inc();

@@ -1,8 +1,10 @@
 //! Decisions: the heal plan, a pure function of a classified table and the
 //! journal; where each target's source is ([`layout`] rules and [`locate`],
 //! which read the rules file and `vol_data.json`); and the wait for the
-//! kubelet's confirmation with what its answers mean ([`confirm`], pure).
+//! kubelet's confirmation with what its answers mean ([`confirm`], pure);
+//! when a source's restarts are a crash loop ([`flapping`], pure).
 pub mod confirm;
+pub mod flapping;
 pub mod layout;
 pub mod locate;
 

@@ -372,6 +372,9 @@ impl<E: Executor> Supervisor<E> {
             if let Some(record) = self.records.get_mut(&heal.path) {
                 record.broken_since = None;
             }
+            if let Some(stack) = classified.sources.get(&source) {
+                self.count_source_heal(&source, stack.top().dev);
+            }
         }
     }
 
@@ -395,6 +398,14 @@ impl<E: Executor> Supervisor<E> {
             // Aborted: nothing will ever serve the connection again.
             self.death_confirmed(Death { source, dev });
         }
+    }
+
+    /// Whether a seen death's new mount is expected any moment: while its
+    /// stale layers are held, or (let go when the dead source was detached)
+    /// for as long as they would have been.
+    pub(super) fn restart_expected(&self) -> bool {
+        let recent = |death: &DaemonDeath| death.at.elapsed().is_ok_and(|age| age < HOLD_STALE_FOR);
+        !self.held.is_empty() || self.journal.deaths().any(|(_, death)| recent(death))
     }
 
     /// Drops the handle on a target (healed, or its pod gone).

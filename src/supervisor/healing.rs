@@ -150,6 +150,9 @@ impl<E: Executor> Supervisor<E> {
             }
         }
         self.state_dirty |= healed_any;
+        if healed_any {
+            self.count_source_heal(&batch.source.path, batch.source.top().dev);
+        }
         self.heal_containers(&dead, batch);
     }
 

@@ -24,6 +24,7 @@ use crate::kube::Kubelet;
 use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter, TargetState};
 use crate::model::table::{Classified, Dev, Layout};
+use crate::plan::flapping::Flapping;
 use crate::plan::layout::SourceLayouts;
 use crate::plan::locate::VolDataCache;
 use crate::plan::{self, HealBatch};
@@ -226,6 +227,8 @@ struct Supervisor<E: Executor> {
     daemons: Option<Daemons>,
     /// Handles on the stale tops of targets whose daemon died.
     held: BTreeMap<PathBuf, degraded::Held>,
+    /// Heals per source, to tell a crash loop.
+    flapping: Flapping,
     /// The journal changed since the state file was last written: written
     /// when the loop has nothing else to do, so never before a heal.
     state_dirty: bool,
@@ -249,9 +252,7 @@ impl<E: Executor> Supervisor<E> {
                     // delay a heal, unless a probe's answer (and its heal)
                     // is due any moment.
                     if !self.heal_imminent() {
-                        // A seen death's new mount is expected for as long
-                        // as its stale layers are held.
-                        self.heal_window.close(!self.held.is_empty());
+                        self.heal_window.close(self.restart_expected());
                         self.prober.keep_spare();
                         self.save_state();
                         // A scan of a large table frees megabytes scattered

@@ -20,6 +20,7 @@ use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
 use crate::plan::confirm::Confirmations;
+use crate::plan::flapping::Flapping;
 use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
@@ -279,6 +280,7 @@ impl<E: Executor> Supervisor<E> {
             polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             held: BTreeMap::new(),
+            flapping: Flapping::new(config.daemons.flapping),
             state_dirty: false,
             state_writer: None,
             table_watch: None,

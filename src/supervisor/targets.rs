@@ -8,7 +8,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::heal::{Executor, Healed};
 use crate::model::state::TargetState;
-use crate::model::table::{Classified, TargetKind};
+use crate::model::table::{Classified, Dev, TargetKind};
 use crate::plan::locate::{self, Located};
 use crate::plan::{self, Assessment};
 use crate::report::{HealReport, Report, ScanCounts, TargetEvent};
@@ -67,7 +67,8 @@ impl<E: Executor> Supervisor<E> {
     /// through the kernel's propagation, at the instant its mount appears:
     /// such a target is never seen broken, only on its source's new
     /// connection with the recorded one still underneath.
-    pub(super) fn report_propagated_heals(&self, classified: &Classified) {
+    pub(super) fn report_propagated_heals(&mut self, classified: &Classified) {
+        let mut healed_sources = Vec::new();
         for (path, target) in &classified.targets {
             let Some(mapping) = self.journal.get(path) else { continue };
             let Some(source) = classified.sources.get(&mapping.source) else { continue };
@@ -92,8 +93,22 @@ impl<E: Executor> Supervisor<E> {
                 let latency =
                     self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
                 self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
+                healed_sources.push((mapping.source.clone(), source.top().dev));
             }
         }
+        for (source, dev) in healed_sources {
+            self.count_source_heal(&source, dev);
+        }
+    }
+
+    /// Counts a heal of `source`'s targets onto its connection `dev`, and
+    /// says so when its daemon keeps crashing.
+    pub(super) fn count_source_heal(&mut self, source: &Path, dev: Dev) {
+        let Some(heals) = self.flapping.healed(source, dev, Instant::now()) else { return };
+        let window = self.flapping.policy().window;
+        warn!(source = %source.display(), heals, window_s = window.as_secs(), "the FUSE daemon keeps crashing: its source was healed again and again");
+        let owner = self.journal.source(source).and_then(|record| record.owner.as_ref());
+        self.reporters.report(&Report::DaemonFlapping { source, heals, window, owner });
     }
 
     /// A target stays in the work set until healed or its pod is gone.

@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use fuse_supervisor::kube::events::Events;
 use fuse_supervisor::kube::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
+use fuse_supervisor::plan::flapping::FlappingPolicy;
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
@@ -143,6 +144,14 @@ pub(crate) struct DaemonArgs {
     /// would make a deleted pod's unmount fail with EBUSY).
     #[arg(long, value_enum, default_value = "on", env = "FUSE_SUPERVISOR_DETACH_DEAD_SOURCES")]
     pub(crate) detach_dead_sources: OnOff,
+    /// A source healed more than this many times within --flapping-window
+    /// has a daemon that keeps crashing: a warning, a `FuseDaemonFlapping`
+    /// Event on its pod and `daemon_flapping_total`, once per window.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..), env = "FUSE_SUPERVISOR_FLAPPING_HEALS")]
+    pub(crate) flapping_heals: u32,
+    /// The sliding window of --flapping-heals.
+    #[arg(long, default_value = "10m", value_parser = parse_period, env = "FUSE_SUPERVISOR_FLAPPING_WINDOW")]
+    pub(crate) flapping_window: Duration,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -163,6 +172,7 @@ impl DaemonArgs {
             abort_dead_connections: self.abort_dead_connections,
             fuse_connections: self.fuse_connections_dir.clone(),
             detach_dead_sources: self.detach_dead_sources == OnOff::On,
+            flapping: FlappingPolicy { heals: self.flapping_heals, window: self.flapping_window },
             ..DaemonWatch::default()
         }
     }

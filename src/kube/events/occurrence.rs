@@ -24,6 +24,9 @@ pub enum Reason {
     /// A dead daemon's own mount was detached from its source path, so
     /// that its restart can mount there (Normal, on the daemon's pod).
     SourceDetached,
+    /// A FUSE daemon keeps crashing: its source was healed more than the
+    /// limit within the window (Warning, on the daemon's pod).
+    DaemonFlapping,
 }
 
 impl Reason {
@@ -35,6 +38,7 @@ impl Reason {
             Reason::DaemonRestarted => "FuseDaemonRestarted",
             Reason::MountRestored => "FuseMountRestored",
             Reason::SourceDetached => "FuseSourceDetached",
+            Reason::DaemonFlapping => "FuseDaemonFlapping",
         }
     }
 
@@ -45,13 +49,14 @@ impl Reason {
             Reason::MountHealed | Reason::HealFailed => "Heal",
             Reason::DaemonRestarted => "Confirm",
             Reason::SourceDetached => "Detach",
+            Reason::DaemonFlapping => "Detect",
         }
     }
 
     /// `Normal` or `Warning`.
     pub fn event_type(self) -> &'static str {
         match self {
-            Reason::MountBroken | Reason::HealFailed => "Warning",
+            Reason::MountBroken | Reason::HealFailed | Reason::DaemonFlapping => "Warning",
             Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored | Reason::SourceDetached => "Normal",
         }
     }
@@ -185,6 +190,21 @@ impl Occurrence {
                 ),
                 now,
             ),
+            Report::DaemonFlapping { source, heals, window, owner: Some(owner) } => (
+                Reason::DaemonFlapping,
+                Regarding::Pod(PodRef {
+                    namespace: owner.namespace.clone(),
+                    name: owner.pod.clone(),
+                    uid: owner.pod_uid.clone(),
+                }),
+                format!(
+                    "container {} keeps crashing: the pods using {} were healed after {heals} restarts within {}",
+                    owner.container,
+                    source.display(),
+                    human(*window)
+                ),
+                now,
+            ),
             // A death is published through the FuseMountBroken of each target;
             // a detach from a source no pod is known to serve, in the log.
             Report::TableChanged
@@ -192,6 +212,7 @@ impl Occurrence {
             | Report::KubeletAnswered { .. }
             | Report::DaemonDied { .. }
             | Report::DeadSourceDetached { owner: None, .. }
+            | Report::DaemonFlapping { owner: None, .. }
             | Report::ProcessEvent { .. }
             | Report::ContainerHealed { .. } => return None,
         };

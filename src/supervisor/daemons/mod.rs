@@ -37,6 +37,7 @@ use tracing::{debug, info, warn};
 
 use crate::heal::priority::HealActivity;
 use crate::model::table::Dev;
+use crate::plan::flapping::FlappingPolicy;
 use crate::watch::processes::fuse_server::MountDevice;
 use crate::watch::processes::{
     Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
@@ -76,6 +77,9 @@ pub struct DaemonWatch {
     /// Detach a dead daemon's own mount from its source path once nobody
     /// holds its connection (`--detach-dead-sources`).
     pub detach_dead_sources: bool,
+    /// When a source's heals are a crash loop (`--flapping-heals`,
+    /// `--flapping-window`).
+    pub flapping: FlappingPolicy,
 }
 
 impl Default for DaemonWatch {
@@ -86,6 +90,7 @@ impl Default for DaemonWatch {
             abort_dead_connections: false,
             fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
             detach_dead_sources: true,
+            flapping: FlappingPolicy::default(),
         }
     }
 }
