@@ -160,9 +160,13 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
     assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
     world.wait_for_target_state("degraded");
     let target = world.target.display().to_string();
+    // The state file is written once the loop is idle: shortly after.
+    let target_row = |status: &str| status.lines().find(|line| line.contains(&target)).map(str::to_owned);
+    wait_for("status shows the target degraded", TIMEOUT, || {
+        target_row(&world.status()).is_some_and(|row| row.starts_with("degraded "))
+    })
+    .unwrap();
     let status = world.status();
-    let row = status.lines().find(|line| line.contains(&target)).expect("the target in status");
-    assert!(row.starts_with("degraded "), "{status}");
     assert!(status.contains(&format!("DEGRADED: daemon pid {pid} died")), "{status}");
     world.reader().wait_until(TIMEOUT, |o: &Observation| o.error().is_some()).expect("the reader sees the death");
 
@@ -174,7 +178,9 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
     let outage_ms = field(&healed, "outage_ms").as_u64().expect("outage in the heal line");
     let latency_us = field(&healed, "latency_us").as_u64().expect("latency in the heal line");
     assert!(outage_ms >= 300, "outage {outage_ms} ms should start at the death: {healed}");
-    assert!(u128::from(outage_ms) <= killed.elapsed().as_millis(), "{healed}");
+    // The outage is on the wall clock (it is reported), `killed` on the
+    // monotonic one: a few milliseconds of slack for their drift.
+    assert!(u128::from(outage_ms) <= killed.elapsed().as_millis() + 5, "{healed}");
     assert!(latency_us < outage_ms * 1000, "latency runs from the new mount: {healed}");
     assert!(!world.status().contains("DEGRADED"), "a replaced source is no longer degraded");
 }

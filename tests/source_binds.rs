@@ -178,3 +178,33 @@ fn a_staged_chain_heals_after_unmount_then_mount_with_demofs() {
 fn a_staged_chain_heals_after_a_mount_over_the_stale_source() {
     staged_chain_heals(Daemon::DemoFs, Restart::MountOverStale);
 }
+
+/// NodePublishVolume during an outage: a pod scheduled while the daemon is
+/// dead gets a bind of the dead staging mount (the daemon's own mount is
+/// already detached from the source path). It is learned from its peer
+/// group, and healed with the others when the daemon is back.
+#[test]
+fn a_pod_published_during_an_outage_is_healed_with_the_others() {
+    let mut node = StagedNode::new(Daemon::Bindfs);
+    node.all_read();
+    let supervisor =
+        SupervisorProcess::start_with(&node.sandbox, Path::new(BINARY), &node.state_dir, ["--kubelet", "none"]);
+    node.supervisor = Some(supervisor.expect("supervisor"));
+    let baseline = node.mounts();
+    let daemon = format!("[{}]", node.source.pid().expect("daemon running"));
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);
+    node.supervisor().wait_for_log(TIMEOUT, watched).unwrap();
+
+    node.source.crash().unwrap();
+    let detached = |line: &str| line.contains("\"dead source detached");
+    node.supervisor().wait_for_log(TIMEOUT, detached).unwrap();
+    let staging = node.readers.iter().find(|(path, _)| path.ends_with("globalmount")).expect("staging").0.clone();
+    let late = node.sandbox.pod_volume_dir("pod-d", "data");
+    node.sandbox.bind(&staging, &late).expect("publish during the outage");
+
+    node.source.restart(&node.sandbox, Restart::InPlace).unwrap();
+    node.add_reader("pod-d", &late, DATA_FILE);
+    node.all_read();
+    node.settles_to(baseline + 1);
+    node.sources_recorded();
+}

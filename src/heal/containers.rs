@@ -101,21 +101,49 @@ pub enum ForeignHealed {
 }
 
 /// Every mount of a connection in `dead` in the namespaces of `proc_root`'s
-/// processes, but `own` (the watched namespace's inode): one read of each
-/// namespace's mountinfo, through the first process found in it.
-/// Processes that vanish meanwhile are skipped.
-pub fn find(proc_root: &Path, own: u64, dead: &BTreeSet<Dev>) -> Result<Vec<ForeignMount>, ContainerHealError> {
+/// processes, but those of `skip` (inodes: the watched namespace's, those
+/// already known): one read of each namespace's mountinfo, through the
+/// first process found in it that is still there after the read. Each
+/// mount is entered later through the oldest process of its namespace.
+pub fn find(
+    proc_root: &Path,
+    skip: &BTreeSet<u64>,
+    dead: &BTreeSet<Dev>,
+) -> Result<Vec<ForeignMount>, ContainerHealError> {
     let walk_error = |source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source };
-    let mut seen = BTreeSet::from([own]);
+    let mut read = skip.clone();
     let mut found = Vec::new();
-    for entry in fs::read_dir(proc_root).map_err(walk_error)?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
-        let Ok(namespace) = fs::metadata(entry.path().join("ns/mnt")).map(|meta| meta.ino()) else { continue };
-        if !seen.insert(namespace) {
+    let mut members: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    // In pid order, as /proc lists them (a test's tree does not).
+    let mut pids: Vec<u32> = fs::read_dir(proc_root)
+        .map_err(walk_error)?
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok()))
+        .collect();
+    pids.sort_unstable();
+    for pid in pids {
+        let dir = proc_root.join(pid.to_string());
+        let namespace_of = || fs::metadata(dir.join("ns/mnt")).map(|meta| meta.ino()).ok();
+        let Some(namespace) = namespace_of() else { continue };
+        if skip.contains(&namespace) {
             continue;
         }
-        let Ok(table) = fs::read(entry.path().join("mountinfo")) else { continue };
+        members.entry(namespace).or_default().push(pid);
+        if read.contains(&namespace) {
+            continue;
+        }
+        // Read only once its table is read: the first process of a
+        // namespace in the walk may be a short-lived one (a container's
+        // `usleep`: pids wrap, so it can come before the container's init)
+        // that exits before its mountinfo is read, and the namespace must
+        // then be read through the next one. And still in that namespace
+        // after the read: the pid was not reused meanwhile.
+        let Ok(table) = fs::read(dir.join("mountinfo")) else { continue };
         let Ok(snapshot) = Snapshot::parse(&table) else { continue };
+        if namespace_of() != Some(namespace) {
+            continue;
+        }
+        read.insert(namespace);
         found.extend(dead_tops(&snapshot, dead).into_iter().map(|mount| ForeignMount {
             namespace,
             pid,
@@ -123,7 +151,23 @@ pub fn find(proc_root: &Path, own: u64, dead: &BTreeSet<Dev>) -> Result<Vec<Fore
             mount,
         }));
     }
+    // The process a namespace is entered through later must still be there
+    // then: its oldest (a container's init), not one that read its table.
+    for foreign in &mut found {
+        let oldest = members.get(&foreign.namespace).and_then(|pids| {
+            pids.iter().filter_map(|pid| Some((start_time(proc_root, *pid)?, *pid))).min().map(|(_, pid)| pid)
+        });
+        foreign.pid = oldest.unwrap_or(foreign.pid);
+    }
     Ok(found)
+}
+
+/// When process `pid` started, in clock ticks since boot (`stat`'s 22nd
+/// field, counted after the command name, which may hold anything).
+fn start_time(proc_root: &Path, pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    let (_, after_name) = stat.rsplit_once(')')?;
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// The mounts of `dead` connections on top at their mount point (a mount
@@ -232,10 +276,26 @@ fn replace_one(
     }
 }
 
-/// `/proc/<pid>/ns/mnt`, refused if the pid is now in another namespace
-/// (it exited and the pid was reused).
+/// Mount namespace `expected`, through `/proc/<pid>/ns/mnt`, or, if `pid`
+/// exited (the walk may have found the namespace through a short-lived
+/// process) or is now elsewhere, through any other process still in it.
 fn open_namespace(pid: u32, expected: u64) -> Result<OwnedFd, ContainerHealError> {
-    let path = format!("/proc/{pid}/ns/mnt");
+    let proc_root = Path::new("/proc");
+    open_namespace_of(proc_root, pid, expected).or_else(|err| {
+        let others = fs::read_dir(proc_root)
+            .map_err(|source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source })?;
+        others
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()))
+            .filter(|other| *other != pid)
+            .find_map(|other| open_namespace_of(proc_root, other, expected).ok())
+            .ok_or(err)
+    })
+}
+
+/// `<proc_root>/<pid>/ns/mnt`, refused if it is not namespace `expected`.
+fn open_namespace_of(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, ContainerHealError> {
+    let path = proc_root.join(pid.to_string()).join("ns/mnt");
     let file = fs::File::open(&path).map_err(|source| ContainerHealError::OpenNamespace { pid, source })?;
     let found = file.metadata().map_err(|source| ContainerHealError::OpenNamespace { pid, source })?.ino();
     if found != expected {
@@ -344,11 +404,55 @@ mod tests {
         assert_eq!(ids, [10, 15]);
     }
 
+    /// A namespace whose first process in the walk exits before its table
+    /// is read (here its mountinfo is missing) is read through its next
+    /// process, not skipped; and it is recorded with its oldest process,
+    /// which will still be there to enter it through.
+    #[test]
+    fn a_namespace_whose_first_process_vanished_is_read_through_the_next() {
+        let proc_root = tempfile::tempdir().unwrap();
+        // A process: its namespace (a new one, or a hard link to another's
+        // file: same inode), its table and its start (None: it has exited,
+        // with only its namespace link left of it).
+        let process = |pid: u32, namespace: Option<&Path>, table: Option<&str>, started: Option<u64>| {
+            let dir = proc_root.path().join(pid.to_string());
+            fs::create_dir_all(dir.join("ns")).unwrap();
+            match namespace {
+                Some(first) => fs::hard_link(first, dir.join("ns/mnt")).unwrap(),
+                None => fs::write(dir.join("ns/mnt"), "").unwrap(),
+            }
+            if let Some(table) = table {
+                fs::write(dir.join("mountinfo"), table).unwrap();
+            }
+            if let Some(started) = started {
+                let stat = format!("{pid} (a) b) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {started} 0 0");
+                fs::write(dir.join("stat"), stat).unwrap();
+            }
+            dir.join("ns/mnt")
+        };
+        let own = process(1, None, Some(""), Some(1));
+        // A container's `usleep` (exited), the reader that is reading its
+        // table, and the container's init, whose pid is higher: they wrapped.
+        let container = process(7, None, None, None);
+        let dead_line = "900 800 0:50 / /volume rw,relatime master:3 - fuse.bindfs bindfs rw\n";
+        process(4000, Some(&container), Some(dead_line), Some(500));
+        process(9000, Some(&container), Some(dead_line), Some(100));
+        let own_inode = fs::metadata(&own).unwrap().ino();
+        let dead = BTreeSet::from([Dev { major: 0, minor: 50 }]);
+        let found = find(proc_root.path(), &BTreeSet::from([own_inode]), &dead).unwrap();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].pid, 9000);
+        assert_eq!(found[0].namespace, fs::metadata(&container).unwrap().ino());
+        assert_eq!(found[0].mount.mount_point, Path::new("/volume"));
+        assert_eq!(found[0].propagation, Propagation::Slave);
+    }
+
     #[test]
     fn the_walk_skips_the_own_namespace_and_finds_nothing_without_dead_connections() {
         let own = fs::metadata("/proc/self/ns/mnt").unwrap().ino();
-        let found = find(Path::new("/proc"), own, &BTreeSet::new()).unwrap();
+        let own = BTreeSet::from([own]);
+        let found = find(Path::new("/proc"), &own, &BTreeSet::new()).unwrap();
         assert!(found.is_empty());
-        assert!(find(Path::new("/nonexistent"), own, &BTreeSet::new()).is_err());
+        assert!(find(Path::new("/nonexistent"), &own, &BTreeSet::new()).is_err());
     }
 }

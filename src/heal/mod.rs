@@ -134,7 +134,7 @@ pub trait Executor {
     /// private, so the host heal propagates nothing onto them (see
     /// [`containers`]). Returns how many namespaces and mounts it found,
     /// and the mounts it could not isolate. None where the executor does
-    /// not see other namespaces.
+    /// not see other namespaces, or has isolated these already.
     fn isolate_containers(&mut self, _dev: Dev) -> Option<Isolated> {
         None
     }
@@ -474,8 +474,11 @@ impl Executor for MountExecutor {
     }
 
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
-        let found = containers::find(Path::new("/proc"), self.watched_inode, &BTreeSet::from([dev]));
-        let found = match found {
+        if self.isolated.contains_key(&dev) {
+            return None;
+        }
+        let own = BTreeSet::from([self.watched_inode]);
+        let found = match containers::find(Path::new("/proc"), &own, &BTreeSet::from([dev])) {
             Ok(found) => found,
             Err(err) => {
                 warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
@@ -491,28 +494,15 @@ impl Executor for MountExecutor {
     }
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
-        let mut mounts = Vec::new();
-        let mut unseen = BTreeSet::new();
-        for dev in dead {
-            match self.isolated.remove(dev) {
-                Some(isolated) => mounts.extend(isolated),
-                // The death was not seen: the host heal may have propagated
-                // onto them already (those are covered now, and left).
-                None => {
-                    unseen.insert(*dev);
-                }
-            }
-        }
-        if !unseen.is_empty() {
-            match containers::find(Path::new("/proc"), self.watched_inode, &unseen) {
-                Ok(found) => mounts.extend(found),
-                Err(err) => warn!(%err, "cannot look for the dead connections' mounts in containers"),
-            }
-        }
-        if mounts.is_empty() {
+        // Only what was isolated before the host heal: no walk after it. The
+        // host heal let go of the dead connection's last mounts here, and a
+        // freed device number is soon another connection's (another pod's,
+        // live): a walk by number would then find and replace its mounts.
+        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(dev)).flatten().collect();
+        if isolated.is_empty() {
             return Vec::new();
         }
-        containers::replace(&self.watched, source, &source.root, &mounts)
+        containers::replace(&self.watched, source, &source.root, &isolated)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {

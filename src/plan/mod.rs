@@ -123,7 +123,53 @@ pub fn learn(classified: &Classified, layout: &Layout, journal: &mut Journal) ->
         }
         changed |= journal.record(path, mapping);
     }
+    changed | learn_from_mapped_peers(classified, journal)
+}
+
+/// Learns the mapping of a target that shares its peer group and
+/// connection with a mapped target but with no source: a pod published
+/// while the daemon was dead (its own mount detached from the source path),
+/// bound from the dead staging mount its mapped peers are binds of. It is
+/// then healed with them.
+fn learn_from_mapped_peers(classified: &Classified, journal: &mut Journal) -> bool {
+    let unmapped: Vec<&PathBuf> = classified.targets.keys().filter(|path| journal.get(path).is_none()).collect();
+    if unmapped.is_empty() {
+        return false;
+    }
+    // A mapped target per (connection, peer group) of its top, with the
+    // root of its source's mount on that connection.
+    let mut mapped = BTreeMap::new();
+    for (path, target) in &classified.targets {
+        let (Some(mapping), top) = (journal.get(path), target.stack.top()) else { continue };
+        if top.dev != mapping.dev || top.peer_group.is_none() {
+            continue;
+        }
+        let Some(source_root) = strip_root(&top.root, &mapping.root_in_source) else { continue };
+        mapped.entry((top.dev, top.peer_group)).or_insert_with(|| (mapping.clone(), source_root));
+    }
+    let mut changed = false;
+    for path in unmapped {
+        let target = &classified.targets[path];
+        let top = target.stack.top();
+        let Some((peer, source_root)) = mapped.get(&(top.dev, top.peer_group)) else { continue };
+        let Some(root_in_source) = root_within(source_root, &top.root) else { continue };
+        let mapping = Mapping { root_in_source, pod_uid: target.pod_uid.clone(), kind: target.kind, ..peer.clone() };
+        info!(target = %path.display(), source = %mapping.source.display(), "target learned from its mapped peers");
+        changed |= journal.record(path, mapping);
+    }
     changed
+}
+
+/// `root` without its last components `within` (the root of the source's
+/// mount that `root` is `within` of).
+fn strip_root(root: &Path, within: &Path) -> Option<PathBuf> {
+    let mut source_root = root.to_path_buf();
+    for _ in within.components() {
+        if !source_root.pop() {
+            return None;
+        }
+    }
+    source_root.join(within).eq(root).then_some(source_root)
 }
 
 /// Judges one target against its recorded mapping.
@@ -218,7 +264,7 @@ pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &BTree
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::table::Snapshot;
+    use crate::model::table::{Dev, Snapshot};
 
     const KUBELET: &str = "/var/lib/kubelet";
     const POD_A: &str = "/var/lib/kubelet/pods/aaaa/volumes/kubernetes.io~csi/data/mount";
@@ -262,6 +308,31 @@ mod tests {
         let mut journal = Journal::in_memory();
         assert!(learn(&classify(&healthy()), &Layout::new(Path::new(KUBELET)), &mut journal));
         journal
+    }
+
+    #[test]
+    fn a_target_published_while_the_source_is_gone_is_learned_from_its_mapped_peers() {
+        const POD_D: &str = "/var/lib/kubelet/pods/dddd/volumes/kubernetes.io~csi/data/mount";
+        const SUB_E: &str = "/var/lib/kubelet/pods/eeee/volume-subpaths/data/app/0";
+        let mut journal = learned();
+        // The dead source detached; two new binds of the dead connection.
+        let outage = base()
+            + &fuse(11, 1, 50, "/", POD_A, 7)
+            + &fuse(13, 1, 50, "/sub", SUB, 7)
+            + &fuse(14, 1, 50, "/", POD_D, 7)
+            + &fuse(15, 1, 50, "/sub/deeper", SUB_E, 7);
+        assert!(learn(&classify(&outage), &Layout::new(Path::new(KUBELET)), &mut journal));
+        let pod_d = journal.get(Path::new(POD_D)).unwrap();
+        assert_eq!((pod_d.source.as_path(), pod_d.root_in_source.as_path()), (Path::new(GLOBAL), Path::new("")));
+        assert_eq!((pod_d.dev, pod_d.pod_uid.as_str()), (Dev { major: 0, minor: 50 }, "dddd"));
+        let sub_e = journal.get(Path::new(SUB_E)).unwrap();
+        assert_eq!(sub_e.root_in_source, Path::new("sub/deeper"));
+        assert_eq!(sub_e.kind, TargetKind::Subpath);
+        // Then healed with the others once the new mount is there.
+        let back = outage + &fuse(20, 1, 51, "/", GLOBAL, 9);
+        let batches = plan(&classify(&back), &journal, &BTreeSet::new());
+        let planned: BTreeSet<&Path> = batches[0].targets.iter().map(|target| target.path.as_path()).collect();
+        assert!(planned.contains(Path::new(POD_D)) && planned.contains(Path::new(SUB_E)), "{planned:?}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! covers it on every root-level target) does not leave it unreachable.
 //! A death is retracted when the discovery that follows it finds another
 //! process holding the connection: the targets are healthy again.
+use std::collections::BTreeSet;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -141,6 +142,14 @@ impl<E: Executor> Supervisor<E> {
         if !self.daemons.as_ref().is_some_and(Daemons::detaches_dead_sources) {
             return;
         }
+        // Only the death still recorded: a verdict that comes after the new
+        // mount was seen is about a connection already replaced (and whose
+        // device number a new connection may have taken since).
+        let recorded = self.journal.source(&source).and_then(|record| record.daemon_died);
+        if recorded.is_none_or(|death| death.dev != dev) {
+            debug!(source = %source.display(), connection = %dev, "death settled before its verdict; nothing to detach");
+            return;
+        }
         match self.executor.detach_dead_source(&source, dev) {
             Ok(true) => {
                 let targets = self.targets_on(&source, dev);
@@ -253,7 +262,7 @@ impl<E: Executor> Supervisor<E> {
 
     /// Makes the dead connection's mounts in containers private (see
     /// [`crate::heal::containers`]) and says how many there were.
-    fn isolate_containers(&mut self, dev: Dev) {
+    pub(super) fn isolate_containers(&mut self, dev: Dev) {
         let Some(isolated) = self.executor.isolate_containers(dev) else { return };
         for (foreign, err) in &isolated.failed {
             warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");
@@ -342,8 +351,17 @@ impl<E: Executor> Supervisor<E> {
                     .then(|| (TargetHeal::of(path, target, mapping), mapping.source.clone()))
             })
             .collect();
+        let mut containers_of = BTreeSet::new();
         for (heal, source) in covered {
             let Some(held) = self.held.remove(&heal.path) else { continue };
+            // The covered layer is the dead connection's (the mapping may
+            // already name the new one).
+            let covered = classified.targets.get(&heal.path).and_then(|target| {
+                target.stack.layers.iter().find(|layer| layer.mount_id == held.mount_id).map(|layer| layer.dev)
+            });
+            if let Some(dead) = covered {
+                containers_of.insert((source.clone(), dead));
+            }
             let result = self.executor.flatten_covered(&heal, held.fd);
             let record =
                 self.records.entry(heal.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
@@ -375,6 +393,12 @@ impl<E: Executor> Supervisor<E> {
             if let Some(stack) = classified.sources.get(&source) {
                 self.count_source_heal(&source, stack.top().dev);
             }
+        }
+        // The containers' copies were isolated at the death: nothing
+        // propagated onto them.
+        for (source, dead) in containers_of {
+            let Some(stack) = classified.sources.get(&source) else { continue };
+            self.heal_containers(&BTreeSet::from([dead]), &source, stack.top());
         }
     }
 

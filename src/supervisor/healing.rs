@@ -10,7 +10,7 @@ use tracing::{info, info_span, warn};
 use crate::heal::containers::ForeignHealed;
 use crate::heal::{Executor, Healed, Prepared};
 use crate::model::state::{Mapping, TargetState, retry_delay};
-use crate::model::table::Dev;
+use crate::model::table::{Dev, FuseMount};
 use crate::plan::HealBatch;
 use crate::report::{HealReport, Report, TargetEvent, error_chain};
 
@@ -66,6 +66,13 @@ impl<E: Executor> Supervisor<E> {
             .filter_map(|target| self.journal.get(&target.path).map(|mapping| mapping.dev))
             .filter(|dev| *dev != new_dev)
             .collect();
+        // Their mounts in containers are isolated when the daemon's death
+        // is seen; a death not seen yet (the process event came after the
+        // new mount, on a loaded node) is isolated now, before the host
+        // heal stacks onto targets whose slaves they are.
+        for dev in &dead {
+            self.isolate_containers(*dev);
+        }
         let outcomes = self.executor.heal(batch, prepared, handles);
         if let Some(watch) = &self.table_watch {
             // Reported as one change, so that a rescan follows even if the
@@ -153,17 +160,18 @@ impl<E: Executor> Supervisor<E> {
         if healed_any {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
-        self.heal_containers(&dead, batch);
+        self.heal_containers(&dead, &batch.source.path, batch.source.top());
     }
 
     /// The containers' mounts of the `dead` connections, after the host
-    /// heal of `batch`, in parallel.
-    fn heal_containers(&mut self, dead: &BTreeSet<Dev>, batch: &HealBatch) {
+    /// heal from `source` (its mount `top`), in parallel: by a batch, or by
+    /// the kernel's propagation of a mount over the stale source.
+    pub(super) fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &Path, top: &FuseMount) {
         if dead.is_empty() {
             return;
         }
         let started = Instant::now();
-        let outcomes = self.executor.heal_containers(dead, batch.source.top());
+        let outcomes = self.executor.heal_containers(dead, top);
         let took = started.elapsed();
         for (foreign, outcome) in &outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
@@ -183,7 +191,7 @@ impl<E: Executor> Supervisor<E> {
                 }
             }
             self.reporters.report(&Report::ContainerHealed {
-                source: &batch.source.path,
+                source,
                 result: match outcome {
                     Ok(ForeignHealed::Replaced) => "replaced",
                     Ok(ForeignHealed::Stacked { .. }) => "stacked",

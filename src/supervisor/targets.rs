@@ -1,6 +1,6 @@
 //! The targets' states and bookkeeping beside the journal: transitions,
 //! counts, what a pod's deletion or a pod-directory change does.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -93,11 +93,14 @@ impl<E: Executor> Supervisor<E> {
                 let latency =
                     self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
                 self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
-                healed_sources.push((mapping.source.clone(), source.top().dev));
+                healed_sources.push((mapping.source.clone(), mapping.dev, source.top().clone()));
             }
         }
-        for (source, dev) in healed_sources {
-            self.count_source_heal(&source, dev);
+        healed_sources.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        healed_sources.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
+        for (source, dead, top) in healed_sources {
+            self.count_source_heal(&source, top.dev);
+            self.heal_containers(&BTreeSet::from([dead]), &source, &top);
         }
     }
 
