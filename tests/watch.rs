@@ -12,7 +12,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::watch::mount_table::{FanotifyWatcher, MountBatch, MountWatcher, MountinfoWatcher, Rearm, Wake};
+use fuse_supervisor::watch::mount_table::{
+    FanotifyWatcher, MountBatch, MountWatcher, MountinfoWatcher, Rearm, Unreported, Wake,
+};
 use fuse_supervisor_sys::fanotify::MountEvent;
 use fuse_supervisor_sys::poll::Waker;
 use fuse_supervisor_sys::{fuse, mount, ns};
@@ -232,4 +234,33 @@ fn fanotify_reports_a_queue_overflow_as_a_change() {
     let batch = watcher.last_batch();
     assert!(batch.overflowed, "{} attached, {} detached, no overflow", batch.attached, batch.detached);
     assert_eq!(batch.events.len(), MountBatch::KEPT, "the kept events are bounded");
+}
+
+/// The feed the loop keeps its table from hands over every event in order:
+/// those read with a report and those `rearm` took in; after a pause it
+/// says that changes went unreported.
+#[test]
+fn fanotify_feed_hands_over_every_event_and_says_when_some_went_unreported() {
+    let sandbox = Sandbox::new().unwrap();
+    let waker = Arc::new(Waker::new().unwrap());
+    let namespace = sandbox.run(ns::open_thread_mount_namespace).unwrap();
+    let watcher = FanotifyWatcher::new(namespace.as_fd(), waker.clone()).unwrap();
+    let feed = watcher.feed();
+    let watching = Watching::spawn(watcher, waker, |watcher| Some(watcher.last_batch()));
+    let first = mount_tmpfs(&sandbox, "first");
+    watching.report();
+    let second = mount_tmpfs(&sandbox, "while-disarmed");
+    unmount(&sandbox, "first");
+    watching.rearm.rearm().unwrap();
+    let mut events = Vec::new();
+    assert_eq!(feed.take(&mut events).unwrap(), Unreported(false));
+    assert_eq!(events, [MountEvent::Attached(first), MountEvent::Attached(second), MountEvent::Detached(first)]);
+
+    watching.rearm.pause().unwrap();
+    unmount(&sandbox, "while-disarmed");
+    watching.rearm.resume().unwrap();
+    events.clear();
+    assert_eq!(feed.take(&mut events).unwrap(), Unreported(true), "the unmount while paused went unreported");
+    assert_eq!(events, []);
+    assert_eq!(feed.take(&mut events).unwrap(), Unreported(false), "said once");
 }

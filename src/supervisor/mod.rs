@@ -21,9 +21,9 @@ use crate::heal::{Executor, Prepared};
 use crate::health::{Health, Pong};
 use crate::kube::Answer;
 use crate::kube::Kubelet;
-use crate::model::mountinfo::TableSource;
+use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter, TargetState};
-use crate::model::table::{Classified, Dev, Layout, Snapshot};
+use crate::model::table::{Classified, Dev, Layout};
 use crate::plan::flapping::Flapping;
 use crate::plan::layout::SourceLayouts;
 use crate::plan::locate::VolDataCache;
@@ -40,6 +40,7 @@ mod healing;
 mod once;
 mod probes;
 mod start;
+mod tables;
 mod targets;
 #[cfg(test)]
 mod tests;
@@ -185,6 +186,8 @@ struct Supervisor<E: Executor> {
     scan_started: Instant,
     /// Whether a read since the last scan took in a change no scan has seen.
     unscanned: bool,
+    /// A table read happened since memory was last given back.
+    read_since_trim: bool,
     /// Each source's current connection and when a scan first saw it: the
     /// heal latency of targets left behind by a replacement starts there.
     /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
@@ -254,8 +257,12 @@ impl<E: Executor> Supervisor<E> {
                         self.save_state();
                         // A scan of a large table frees megabytes scattered
                         // between long-lived allocations: give them back.
-                        self.reader.release_buffer();
-                        fuse_supervisor_sys::memory::release_free_memory();
+                        // Only after one: a trim costs page faults and TLB
+                        // flushes, more than a wake for an unrelated mount.
+                        if std::mem::take(&mut self.read_since_trim) {
+                            self.reader.release_buffer();
+                            fuse_supervisor_sys::memory::release_free_memory();
+                        }
                     }
                     // Deadlines exist only while something is wrong: an idle
                     // supervisor blocks on the channel with no timeout.
@@ -350,18 +357,12 @@ impl<E: Executor> Supervisor<E> {
     /// table cannot be read or parsed.
     fn read_table(&mut self) -> Option<Classified> {
         self.table_reads += 1;
+        self.read_since_trim = true;
         self.scan_started = Instant::now();
         // A read outside a scan (a daemon's death) may take in a change
         // whose report is still on its way: it must not look already seen.
         self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
-        let table = match self.reader.read() {
-            Ok(table) => table,
-            Err(err) => {
-                error!(?err, "cannot read the mount table");
-                return None;
-            }
-        };
-        match Snapshot::parse(table) {
+        match self.reader.snapshot() {
             Ok(snapshot) => {
                 let mut classified = Classified::from_snapshot(snapshot, &self.layout);
                 self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);
@@ -369,7 +370,7 @@ impl<E: Executor> Supervisor<E> {
                 Some(classified)
             }
             Err(err) => {
-                error!(%err, "mount table did not parse; keeping the last known state");
+                error!(err = %crate::report::error_chain(&err), "cannot read the mount table; keeping the last known state");
                 None
             }
         }

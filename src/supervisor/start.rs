@@ -9,13 +9,14 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use fuse_supervisor_sys::ns;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
 use crate::kube::Asker;
-use crate::model::mountinfo::{MountInfoReader, TableSource};
+use crate::model::mountinfo::MountInfoReader;
+use crate::model::source::TableSource;
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
 use crate::plan::confirm::Confirmations;
@@ -25,6 +26,7 @@ use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 use crate::watch::pods::PodWatcher;
 
+use super::tables::{KeptTable, SettleError, SharedTable};
 use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
@@ -83,6 +85,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         File::open("/proc/thread-self/mountinfo")
             .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })
     };
+    // Where the loop reads the table, by what wakes it: the mount events
+    // themselves with fanotify; a listing of mount IDs where the kernel
+    // has one (6.8+) with mountinfo's flag; the whole text otherwise.
+    let mut feed = None;
     let (watcher, table_events): (Box<dyn MountWatcher>, _) = match config.watch {
         // In the watched namespace now: the fanotify mark goes on this thread's.
         WatchMode::Events(wanted) => {
@@ -91,7 +97,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
                 || {
                     let namespace = ns::open_thread_mount_namespace()
                         .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
-                    Ok(FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?)
+                    let watcher = FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?;
+                    feed = Some(watcher.feed());
+                    Ok(watcher)
                 },
                 || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
             )?;
@@ -99,10 +107,21 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         }
         WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
     };
+    let mut shared = None;
+    let (table, table_read): (Box<dyn TableSource>, _) = match (config.watch, feed) {
+        (WatchMode::Events(_), Some(feed)) => {
+            let table = SharedTable::new(KeptTable::from_events(feed));
+            shared = Some(table.clone());
+            (Box::new(table), "mount events")
+        }
+        (WatchMode::Events(_), None) if KeptTable::listing_supported() => {
+            (Box::new(KeptTable::from_listings(open_mountinfo()?)), "listmount")
+        }
+        _ => (Box::new(MountInfoReader::from_file(open_mountinfo()?)), "mountinfo text"),
+    };
     let table_watch = watcher.rearm_handle();
-    let watcher_thread = spawn_watcher(watcher, events.clone(), config.heal_priority)?;
-    let mut supervisor =
-        Supervisor::new(config, MountInfoReader::from_file(open_mountinfo()?), events.clone(), heal_activity)?;
+    let watcher_thread = spawn_watcher(watcher, shared, events.clone(), config.heal_priority)?;
+    let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
@@ -125,6 +144,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         namespace = %config.mount_namespace.display(),
         mode = %config.watch,
         %table_events,
+        table_read,
         "supervising"
     );
     supervisor.table_watch = Some(table_watch);
@@ -158,11 +178,15 @@ pub fn start_job_lifecycle(
     crate::kube::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
+/// The watcher's thread. With a table kept from its events (`kept`), it
+/// applies them itself and wakes the loop only when a kept mount changed.
 fn spawn_watcher(
     mut watcher: Box<dyn MountWatcher>,
+    kept: Option<SharedTable>,
     events: Sender<Event>,
     priority: HealPriority,
 ) -> Result<JoinHandle<()>, SupervisorError> {
+    let rearm = watcher.rearm_handle();
     std::thread::Builder::new()
         .name("watcher".into())
         .spawn(move || {
@@ -172,7 +196,15 @@ fn spawn_watcher(
                 // A burst of changes becomes one rescan: the watcher stays
                 // disarmed from its report until the loop reads the table.
                 let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => Event::TableChanged(watcher.attached()),
+                    Ok(Wake::TableChanged) => match kept.as_ref().map(|kept| kept.settle(&*rearm)) {
+                        Some(Ok(false)) => continue,
+                        Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
+                        Some(Err(SettleError::Table(err))) => {
+                            warn!(err = %crate::report::error_chain(&err), "cannot apply mount events; the loop looks");
+                            Event::TableChanged(watcher.attached())
+                        }
+                        Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),
+                    },
                     Ok(Wake::Shutdown) => Event::Shutdown,
                     Err(err) => Event::WatchFailed(err),
                 };
@@ -190,7 +222,7 @@ impl Supervisor<MountExecutor> {
     /// namespace.
     pub(super) fn new(
         config: &Config,
-        reader: MountInfoReader,
+        reader: Box<dyn TableSource>,
         events: Sender<Event>,
         heal_activity: Arc<HealActivity>,
     ) -> Result<Self, SupervisorError> {
@@ -205,7 +237,7 @@ impl Supervisor<MountExecutor> {
                     source,
                 }
             })?;
-        Ok(Supervisor::with_executor(config, Box::new(reader), executor, events, heal_activity))
+        Ok(Supervisor::with_executor(config, reader, executor, events, heal_activity))
     }
 }
 
@@ -231,6 +263,7 @@ impl<E: Executor> Supervisor<E> {
             woke_at: Instant::now(),
             scan_started: Instant::now(),
             unscanned: false,
+            read_since_trim: false,
             sources_seen_at: HashMap::new(),
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),

@@ -12,9 +12,9 @@ use std::time::Duration;
 use crate::heal::priority::HealPriority;
 use crate::heal::probe::{ProbeOutcome, SourceHandles};
 use crate::heal::{Executor, HealError, Healed, Prepared, TargetOutcome};
-use crate::model::mountinfo::TableSource;
+use crate::model::source::{TableError, TableSource};
 use crate::model::state::TargetState;
-use crate::model::table::Dev;
+use crate::model::table::{Dev, Snapshot};
 use crate::plan::layout::SourceLayouts;
 use crate::plan::{HealBatch, TargetHeal};
 use crate::report::{Report, Reporter, Reporters};
@@ -50,9 +50,9 @@ struct SetTableReader {
 }
 
 impl TableSource for SetTableReader {
-    fn read(&mut self) -> io::Result<&[u8]> {
+    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
         self.buffer = lock(&self.table.text).clone().into_bytes();
-        Ok(&self.buffer)
+        Ok(Snapshot::parse(&self.buffer)?)
     }
 
     fn changed_since_read(&mut self) -> io::Result<bool> {

@@ -1,4 +1,6 @@
-//! Mount-table watchers: they only say "the table changed", never what.
+//! Mount-table watchers: they say "the table changed"; fanotify's also hand
+//! the decoded mount events over ([`MountEventFeed`]) for the loop's kept
+//! table. What to do about them is decided there, not here.
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -196,8 +198,10 @@ impl Rearm for MountinfoArm {
 /// discards what was queued while disarmed, since the loop's read that
 /// follows sees those changes.
 ///
-/// Unlike mountinfo's flag, the events name the mounts: the last batch is
-/// kept ([`FanotifyWatcher::last_batch`]), for the log and for tests.
+/// Unlike mountinfo's flag, the events name the mounts: every event read is
+/// kept until the loop takes it through the watcher's [`MountEventFeed`],
+/// to update the table it keeps; the last batch's counts are kept too
+/// ([`FanotifyWatcher::last_batch`]), for the log and for tests.
 pub struct FanotifyWatcher {
     arm: Arc<FanotifyArm>,
     // The registration lives as long as the eventfd.
@@ -223,6 +227,34 @@ struct FanotifyArm {
 struct BatchReader {
     reader: MountEventReader,
     batch: MountBatch,
+    /// Every event read and not yet taken by the feed, in order.
+    pending: Vec<MountEvent>,
+    /// Changes went unreported (the mark was off for a heal, or events
+    /// could not be decoded): the table must be brought up to date without
+    /// them.
+    unreported: bool,
+}
+
+/// Twice the kernel's default queue (`fs.fanotify.max_queued_events`).
+const MOST_PENDING: usize = 2 * 16384;
+
+impl BatchReader {
+    /// Reads what the kernel has queued into `pending`.
+    fn drain(&mut self, group: &MountEvents) -> io::Result<()> {
+        let BatchReader { reader, pending, unreported, .. } = self;
+        let drained = reader.drain(group, |event| pending.push(event));
+        if undecodable(&drained) {
+            *unreported = true;
+        }
+        // Nobody takes them (a watcher without a feed), or the loop is
+        // stuck: past the kernel's own queue size they are worth no more
+        // than a look at the table.
+        if pending.len() > MOST_PENDING {
+            pending.clear();
+            *unreported = true;
+        }
+        tolerate_undecodable(drained).map(drop)
+    }
 }
 
 /// The mount events that woke a [`FanotifyWatcher`] last.
@@ -278,7 +310,12 @@ impl FanotifyWatcher {
         poller.add_readable_oneshot(group.as_fd(), TABLE).map_err(setup("fanotify group"))?;
         poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(setup("waker"))?;
         let batch = MountBatch { events: Vec::with_capacity(MountBatch::KEPT), ..MountBatch::default() };
-        let read = Mutex::new(BatchReader { reader: MountEventReader::default(), batch });
+        let read = Mutex::new(BatchReader {
+            reader: MountEventReader::default(),
+            batch,
+            pending: Vec::new(),
+            unreported: false,
+        });
         Ok(FanotifyWatcher {
             arm: Arc::new(FanotifyArm { poller, group, namespace, read }),
             _waker: waker,
@@ -290,6 +327,11 @@ impl FanotifyWatcher {
     pub fn last_batch(&self) -> MountBatch {
         self.arm.read.lock().unwrap_or_else(PoisonError::into_inner).batch.clone()
     }
+
+    /// Where the loop takes the events this watcher reads.
+    pub fn feed(&self) -> MountEventFeed {
+        MountEventFeed { arm: Arc::clone(&self.arm) }
+    }
 }
 
 impl MountWatcher for FanotifyWatcher {
@@ -298,9 +340,11 @@ impl MountWatcher for FanotifyWatcher {
             return Ok(Wake::Shutdown);
         }
         let mut read = self.arm.read.lock().unwrap_or_else(PoisonError::into_inner);
-        let BatchReader { reader, batch } = &mut *read;
+        let from = read.pending.len();
+        read.drain(&self.arm.group).map_err(WatchError::Read)?;
+        let BatchReader { batch, pending, .. } = &mut *read;
         batch.clear();
-        tolerate_undecodable(reader.drain(&self.arm.group, |event| batch.add(event))).map_err(WatchError::Read)?;
+        pending[from..].iter().for_each(|&event| batch.add(event));
         tracing::debug!(
             attached = batch.attached,
             detached = batch.detached,
@@ -322,11 +366,11 @@ impl MountWatcher for FanotifyWatcher {
 
 impl Rearm for FanotifyArm {
     fn rearm(&self) -> Result<(), WatchError> {
-        // Events queued while disarmed are in the read that follows: drop
-        // them, or re-arming would report them at once. One queued after
-        // the drain is reported by the re-arm itself.
+        // Events queued while disarmed go to the feed now, or re-arming
+        // would report them at once. One queued after the drain is
+        // reported by the re-arm itself.
         let mut read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
-        tolerate_undecodable(read.reader.drain(&self.group, |_| {})).map_err(WatchError::Rearm)?;
+        read.drain(&self.group).map_err(WatchError::Rearm)?;
         drop(read);
         self.poller.rearm_readable(self.group.as_fd(), TABLE).map_err(WatchError::Rearm)
     }
@@ -340,12 +384,43 @@ impl Rearm for FanotifyArm {
     }
 
     fn resume(&self) -> Result<(), WatchError> {
+        // What changed while the mark was off was never queued.
+        self.read.lock().unwrap_or_else(PoisonError::into_inner).unreported = true;
         self.group.watch_namespace(self.namespace.as_fd()).map_err(WatchError::Resume)
     }
 }
 
+/// The events a [`FanotifyWatcher`] read, for the thread that keeps a table
+/// from them (the loop). Cheap to clone.
+#[derive(Clone)]
+pub struct MountEventFeed {
+    arm: Arc<FanotifyArm>,
+}
+
+/// What [`MountEventFeed::take`] handed over besides the events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Unreported(pub bool);
+
+impl MountEventFeed {
+    /// Reads what the kernel has queued, then moves every event not yet
+    /// taken into `events` (after what it holds), in order. True in the
+    /// answer when changes went unreported since the last take (a heal's,
+    /// made with the mark off; undecodable events): the caller must look at
+    /// the table without events.
+    pub fn take(&self, events: &mut Vec<MountEvent>) -> Result<Unreported, WatchError> {
+        let mut read = self.arm.read.lock().unwrap_or_else(PoisonError::into_inner);
+        read.drain(&self.arm.group).map_err(WatchError::Read)?;
+        events.append(&mut read.pending);
+        Ok(Unreported(std::mem::take(&mut read.unreported)))
+    }
+}
+
+fn undecodable(drained: &io::Result<usize>) -> bool {
+    matches!(drained, Err(err) if err.kind() == io::ErrorKind::InvalidData)
+}
+
 /// Events this build cannot decode (a later kernel's format) still say the
-/// table changed, and the loop reads the whole table anyway: only a failing
+/// table changed, and mark the feed's changes unreported: only a failing
 /// read stops the watcher.
 fn tolerate_undecodable(drained: io::Result<usize>) -> io::Result<usize> {
     match drained {

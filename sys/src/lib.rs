@@ -11,6 +11,7 @@ pub mod fanotify;
 pub mod fds;
 pub mod fuse;
 pub mod inotify;
+pub mod listmount;
 pub mod memory;
 pub mod mount;
 pub mod mountinfo_poll;

@@ -2,6 +2,13 @@
 //! without reading the whole mount table. The layouts come from
 //! `include/uapi/linux/mount.h` through linux-raw-sys; libc 0.2 has no
 //! number for the call yet.
+//!
+//! Which kernel answers which field: the mount's IDs, device, propagation,
+//! root, mount point and fs type from 6.8; the mount namespace's ID
+//! (`STATMOUNT_MNT_NS_ID`) and asking about a mount of another namespace
+//! (`mnt_id_req.mnt_ns_id`) from 6.11; the fs subtype and the source
+//! (`STATMOUNT_FS_SUBTYPE`, `STATMOUNT_SB_SOURCE`) from 6.13. A field the
+//! kernel does not know is left out of the answer's mask, never an error.
 use std::ffi::{CStr, OsStr};
 use std::io;
 use std::mem::{offset_of, size_of};
@@ -11,46 +18,125 @@ use std::path::PathBuf;
 use crate::bytes;
 
 use linux_raw_sys::general::{
-    MNT_ID_REQ_SIZE_VER0, STATMOUNT_FS_TYPE, STATMOUNT_MNT_BASIC, STATMOUNT_MNT_POINT, STATMOUNT_SB_BASIC, mnt_id_req,
-    statmount,
+    MNT_ID_REQ_SIZE_VER0, MNT_ID_REQ_SIZE_VER1, MS_SHARED, MS_SLAVE, STATMOUNT_FS_SUBTYPE, STATMOUNT_FS_TYPE,
+    STATMOUNT_MNT_BASIC, STATMOUNT_MNT_NS_ID, STATMOUNT_MNT_POINT, STATMOUNT_MNT_ROOT, STATMOUNT_SB_BASIC,
+    STATMOUNT_SB_SOURCE, mnt_id_req, statmount,
 };
 
 /// `__NR_statmount`: 457 on every architecture (the numbers above 423 are
 /// shared).
 const SYS_STATMOUNT: libc::c_long = 457;
 
-/// A mount as the mount table would list it, for recognising a new mount
-/// before the table is read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MountSummary {
-    /// The mountinfo ID (`mnt_id_old`), as mount tables and `statx` name it.
-    pub mount_id: u32,
-    /// The unique ID of the mount it is mounted on (its own, for the root).
-    pub parent_unique_id: u64,
-    /// `(major, minor)` of the superblock: the FUSE connection.
-    pub dev: (u32, u32),
-    /// `fuse`, or `fuse.<subtype>` as mountinfo shows it.
-    pub fs_type: String,
-    /// Relative to the calling thread's root, in its mount namespace.
-    pub mount_point: PathBuf,
+/// Which mount namespace a unique mount ID is looked up in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Namespace {
+    /// The calling thread's (any kernel with the call).
+    #[default]
+    Current,
+    /// The namespace with this ID ([`namespace_id`]; Linux 6.11+).
+    Id(u64),
 }
 
-/// Room for the fixed part and two strings of a mount point's length; a
-/// longer answer (EOVERFLOW) is asked again with a larger buffer.
-const FIRST_BUFFER: usize = 2048;
-const MOST_BUFFER: usize = 64 * 1024;
+impl Namespace {
+    /// The request for `mnt_id` with `param`, of the oldest version that
+    /// says what is asked (version 0 is all 6.8 knows).
+    pub(crate) fn request(self, mnt_id: u64, param: u64) -> mnt_id_req {
+        let (size, mnt_ns_id) = match self {
+            Namespace::Current => (MNT_ID_REQ_SIZE_VER0, 0),
+            Namespace::Id(id) => (MNT_ID_REQ_SIZE_VER1, id),
+        };
+        mnt_id_req { size, spare: 0, mnt_id, param, mnt_ns_id }
+    }
+}
 
-/// `statmount` of the mount with unique ID `unique_id` in the calling
-/// thread's mount namespace: ENOENT once it is gone (or if it is in another
-/// namespace), ENOSYS before Linux 6.8.
-pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
-    let request = mnt_id_req {
-        size: MNT_ID_REQ_SIZE_VER0,
-        spare: 0,
-        mnt_id: unique_id,
-        param: u64::from(STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE),
-        mnt_ns_id: 0,
+/// A mount as `statmount` describes it: what a mount table's line says,
+/// plus the unique IDs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountStat {
+    /// The 64-bit ID, never reused, in creation order.
+    pub unique_id: u64,
+    /// The mountinfo ID (`mnt_id_old`): reused once the mount is gone.
+    pub mount_id: u32,
+    pub parent_unique_id: u64,
+    pub parent_id: u32,
+    /// `(major, minor)` of the superblock: the FUSE connection.
+    pub dev: (u32, u32),
+    /// Path of the mount's root inside its filesystem (`/` for a whole mount).
+    pub root: PathBuf,
+    /// Relative to the calling thread's root.
+    pub mount_point: PathBuf,
+    /// As mountinfo shows it: `fuse.<subtype>` where the kernel reports the
+    /// subtype (6.13+), else the bare type.
+    pub fs_type: String,
+    /// The mount's source (`sb_source`), None before 6.13.
+    pub source: Option<String>,
+    /// `shared:N`: the mount's peer group, when it is shared.
+    pub peer_group: Option<u64>,
+    /// `master:N`: the peer group it is a slave of, when it is one.
+    pub master: Option<u64>,
+}
+
+/// Everything [`MountStat`] holds.
+const FULL: u32 = STATMOUNT_SB_BASIC
+    | STATMOUNT_MNT_BASIC
+    | STATMOUNT_MNT_ROOT
+    | STATMOUNT_MNT_POINT
+    | STATMOUNT_FS_TYPE
+    | STATMOUNT_FS_SUBTYPE
+    | STATMOUNT_SB_SOURCE;
+/// What every kernel with the call answers.
+const REQUIRED: u32 =
+    STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_ROOT | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE;
+
+/// `statmount` of the mount with unique ID `unique_id` in `namespace`:
+/// `ENOENT` once it is gone (or if it is in another namespace), `ENOSYS`
+/// before Linux 6.8.
+pub fn mount_stat(unique_id: u64, namespace: Namespace) -> io::Result<MountStat> {
+    let answer = query(namespace.request(unique_id, u64::from(FULL)))?;
+    let answer = Answer::new(&answer, REQUIRED)?;
+    let mask = answer.mask()?;
+    let has = |field: u32| mask & u64::from(field) != 0;
+    let mut fs_type = String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned();
+    if has(STATMOUNT_FS_SUBTYPE) {
+        let subtype = answer.string(offset_of!(statmount, fs_subtype))?;
+        if !subtype.is_empty() {
+            fs_type.push('.');
+            fs_type.push_str(&String::from_utf8_lossy(subtype));
+        }
+    }
+    let source = if has(STATMOUNT_SB_SOURCE) {
+        Some(String::from_utf8_lossy(answer.string(offset_of!(statmount, sb_source))?).into_owned())
+    } else {
+        None
     };
+    let propagation = answer.u64(offset_of!(statmount, mnt_propagation))?;
+    let group_if = |flag: u32, field: usize| -> io::Result<Option<u64>> {
+        Ok(if propagation & u64::from(flag) != 0 { Some(answer.u64(field)?).filter(|&id| id != 0) } else { None })
+    };
+    Ok(MountStat {
+        unique_id: answer.u64(offset_of!(statmount, mnt_id))?,
+        mount_id: answer.u32(offset_of!(statmount, mnt_id_old))?,
+        parent_unique_id: answer.u64(offset_of!(statmount, mnt_parent_id))?,
+        parent_id: answer.u32(offset_of!(statmount, mnt_parent_id_old))?,
+        dev: (answer.u32(offset_of!(statmount, sb_dev_major))?, answer.u32(offset_of!(statmount, sb_dev_minor))?),
+        root: PathBuf::from(OsStr::from_bytes(answer.string(offset_of!(statmount, mnt_root))?)),
+        mount_point: PathBuf::from(OsStr::from_bytes(answer.string(offset_of!(statmount, mnt_point))?)),
+        fs_type,
+        source,
+        peer_group: group_if(MS_SHARED, offset_of!(statmount, mnt_peer_group))?,
+        master: group_if(MS_SLAVE, offset_of!(statmount, mnt_master))?,
+    })
+}
+
+/// The ID of the mount namespace the mount `unique_id` belongs to (Linux
+/// 6.11+; `Unsupported` before): what [`Namespace::Id`] takes.
+pub fn namespace_id(unique_id: u64) -> io::Result<u64> {
+    let answer = query(Namespace::Current.request(unique_id, u64::from(STATMOUNT_MNT_NS_ID)))?;
+    Answer::new(&answer, STATMOUNT_MNT_NS_ID)?.u64(offset_of!(statmount, mnt_ns_id))
+}
+
+/// The raw answer to one request, in a buffer grown until it fits.
+fn query(request: mnt_id_req) -> io::Result<Vec<u8>> {
     let mut len = FIRST_BUFFER;
     loop {
         let mut buffer = vec![0u8; len];
@@ -67,29 +153,80 @@ pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
             }
             return Err(err);
         }
-        return decode(&buffer);
+        return Ok(buffer);
     }
 }
 
-fn decode(bytes: &[u8]) -> io::Result<MountSummary> {
-    let u32_at = |offset: usize| bytes::u32_at(bytes, offset).ok_or_else(truncated);
-    let u64_at = |offset: usize| bytes::u64_at(bytes, offset).ok_or_else(truncated);
-    let wanted = u64::from(STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE);
-    if u64_at(offset_of!(statmount, mask))? & wanted != wanted {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "statmount left out a field it was asked for"));
+/// A statmount answer, read field by field with bounds checked.
+struct Answer<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Answer<'a> {
+    /// Refuses an answer that left out one of the `required` fields.
+    fn new(bytes: &'a [u8], required: u32) -> io::Result<Self> {
+        let answer = Answer { bytes };
+        if answer.mask()? & u64::from(required) != u64::from(required) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "statmount left out a field it was asked for"));
+        }
+        Ok(answer)
     }
-    let strings = size_of::<statmount>();
-    let string_at = |field: usize| -> io::Result<&[u8]> {
-        let start = strings + u32_at(field)? as usize;
-        let rest = bytes.get(start..).ok_or_else(truncated)?;
+
+    fn mask(&self) -> io::Result<u64> {
+        self.u64(offset_of!(statmount, mask))
+    }
+
+    fn u32(&self, offset: usize) -> io::Result<u32> {
+        bytes::u32_at(self.bytes, offset).ok_or_else(truncated)
+    }
+
+    fn u64(&self, offset: usize) -> io::Result<u64> {
+        bytes::u64_at(self.bytes, offset).ok_or_else(truncated)
+    }
+
+    /// The string whose offset into the string area is the `u32` at `field`.
+    fn string(&self, field: usize) -> io::Result<&'a [u8]> {
+        let start = size_of::<statmount>() + self.u32(field)? as usize;
+        let rest = self.bytes.get(start..).ok_or_else(truncated)?;
         Ok(CStr::from_bytes_until_nul(rest).map_err(|_| truncated())?.to_bytes())
-    };
+    }
+}
+
+/// A mount as the mount table would list it, for recognising a new mount
+/// before the table is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountSummary {
+    /// The mountinfo ID (`mnt_id_old`), as mount tables and `statx` name it.
+    pub mount_id: u32,
+    /// The unique ID of the mount it is mounted on (its own, for the root).
+    pub parent_unique_id: u64,
+    /// `(major, minor)` of the superblock: the FUSE connection.
+    pub dev: (u32, u32),
+    /// The bare type (`fuse`, without the subtype mountinfo adds).
+    pub fs_type: String,
+    /// Relative to the calling thread's root, in its mount namespace.
+    pub mount_point: PathBuf,
+}
+
+/// Room for the fixed part and a few strings of a mount point's length; a
+/// longer answer (EOVERFLOW) is asked again with a larger buffer.
+const FIRST_BUFFER: usize = 2048;
+const MOST_BUFFER: usize = 64 * 1024;
+
+/// `statmount` of the mount with unique ID `unique_id` in the calling
+/// thread's mount namespace, asking only what recognising it needs:
+/// `ENOENT` once it is gone (or if it is in another namespace), `ENOSYS`
+/// before Linux 6.8.
+pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
+    let wanted = STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE;
+    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)))?;
+    let answer = Answer::new(&answer, wanted)?;
     Ok(MountSummary {
-        mount_id: u32_at(offset_of!(statmount, mnt_id_old))?,
-        parent_unique_id: u64_at(offset_of!(statmount, mnt_parent_id))?,
-        dev: (u32_at(offset_of!(statmount, sb_dev_major))?, u32_at(offset_of!(statmount, sb_dev_minor))?),
-        fs_type: String::from_utf8_lossy(string_at(offset_of!(statmount, fs_type))?).into_owned(),
-        mount_point: PathBuf::from(OsStr::from_bytes(string_at(offset_of!(statmount, mnt_point))?)),
+        mount_id: answer.u32(offset_of!(statmount, mnt_id_old))?,
+        parent_unique_id: answer.u64(offset_of!(statmount, mnt_parent_id))?,
+        dev: (answer.u32(offset_of!(statmount, sb_dev_major))?, answer.u32(offset_of!(statmount, sb_dev_minor))?),
+        fs_type: String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned(),
+        mount_point: PathBuf::from(OsStr::from_bytes(answer.string(offset_of!(statmount, mnt_point))?)),
     })
 }
 
@@ -99,6 +236,8 @@ fn truncated() -> io::Error {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     /// The root mount of this process's namespace, found by the unique ID
@@ -122,6 +261,35 @@ mod tests {
         assert_eq!(line.get(2), Some(&format!("{}:{}", summary.dev.0, summary.dev.1).as_str()));
         let dash = line.iter().position(|field| *field == "-").expect("separator");
         assert_eq!(line.get(dash + 1), Some(&summary.fs_type.as_str()));
+    }
+
+    /// Every mount of this namespace, listed and stat'd, says what its
+    /// mountinfo line says (lines with escaped characters left out).
+    #[test]
+    fn a_full_stat_agrees_with_mountinfo() {
+        let mut ids = Vec::new();
+        crate::listmount::mount_ids_after(Namespace::Current, 0, &mut ids).expect("listmount");
+        let stats: Vec<MountStat> = ids.iter().filter_map(|&id| mount_stat(id, Namespace::Current).ok()).collect();
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        let mut compared = 0;
+        for line in mountinfo.lines().filter(|line| !line.contains('\\')) {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let id: u32 = fields[0].parse().expect("mount ID");
+            let Some(stat) = stats.iter().find(|stat| stat.mount_id == id) else { continue };
+            let dash = fields.iter().position(|field| *field == "-").expect("separator");
+            let optional = &fields[6..dash];
+            let group = |tag: &str| optional.iter().find_map(|field| field.strip_prefix(tag)?.parse::<u64>().ok());
+            assert_eq!(fields[1].parse::<u32>().ok(), Some(stat.parent_id), "{line}");
+            assert_eq!(fields[2], format!("{}:{}", stat.dev.0, stat.dev.1), "{line}");
+            assert_eq!(Path::new(fields[3]), stat.root, "{line}");
+            assert_eq!(Path::new(fields[4]), stat.mount_point, "{line}");
+            assert_eq!(fields[dash + 1], stat.fs_type, "{line}");
+            assert_eq!(Some(fields[dash + 2]), stat.source.as_deref(), "{line} (source needs Linux 6.13+)");
+            assert_eq!(group("shared:"), stat.peer_group, "{line}");
+            assert_eq!(group("master:"), stat.master, "{line}");
+            compared += 1;
+        }
+        assert!(compared > 0, "no mount compared");
     }
 
     #[test]

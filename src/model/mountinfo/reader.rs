@@ -102,31 +102,6 @@ impl MountInfoReader {
     }
 }
 
-/// Where the supervisor loop reads the mount table from: a mountinfo file
-/// in production, a table a test sets in the loop's unit tests.
-pub trait TableSource {
-    /// The whole table, consistent (see [`MountInfoReader::read`]).
-    fn read(&mut self) -> io::Result<&[u8]>;
-    /// Whether the table changed since the last `read`, without reading it.
-    fn changed_since_read(&mut self) -> io::Result<bool>;
-    /// Gives a large buffer's memory back between changes.
-    fn release_buffer(&mut self) {}
-}
-
-impl TableSource for MountInfoReader {
-    fn read(&mut self) -> io::Result<&[u8]> {
-        MountInfoReader::read(self)
-    }
-
-    fn changed_since_read(&mut self) -> io::Result<bool> {
-        MountInfoReader::changed_since_read(self)
-    }
-
-    fn release_buffer(&mut self) {
-        MountInfoReader::release_buffer(self);
-    }
-}
-
 impl AsFd for MountInfoReader {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()

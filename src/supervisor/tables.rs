@@ -1,0 +1,209 @@
+//! The loop's mount-table sources besides the mountinfo text: tables kept
+//! by unique mount ID, each mount asked about with `statmount`, so that a
+//! change costs the loop the same whatever the namespace's size.
+//!
+//! - from fanotify mount events (Linux 6.15+), each mount they name asked
+//!   about once;
+//! - from mountinfo's flag on Linux 6.8+: the flag says only
+//!   "changed"; each look lists the namespace's IDs (`listmount`, about
+//!   0.3 µs a mount) and asks only about the new ones and the kept ones.
+//!
+//! Both say a table "changed" only when what they keep changed: an
+//! unrelated mount's change costs a look, never a scan.
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use fuse_supervisor_sys::fanotify::MountEvent;
+use fuse_supervisor_sys::mountinfo_poll::priority_pending;
+use tracing::{debug, info};
+
+use fuse_supervisor_sys::listmount;
+use fuse_supervisor_sys::statmount::{MountStat, Namespace, mount_stat};
+
+use crate::model::incremental::{IncrementalTable, MountQuery};
+use crate::model::source::{TableError, TableSource};
+use crate::model::table::Snapshot;
+use crate::watch::mount_table::{MountEventFeed, Rearm, WatchError};
+
+/// The calling thread's mount namespace (the loop's, which is the watched
+/// one), through the syscalls.
+#[derive(Debug, Default)]
+pub struct KernelMounts;
+
+impl MountQuery for KernelMounts {
+    fn list(&mut self, ids: &mut Vec<u64>) -> io::Result<()> {
+        listmount::mount_ids_after(Namespace::Current, 0, ids)
+    }
+
+    fn stat(&mut self, unique_id: u64) -> io::Result<Option<MountStat>> {
+        match mount_stat(unique_id, Namespace::Current) {
+            Ok(stat) => Ok(Some(stat)),
+            // ENOENT: gone since it was named.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+}
+
+/// What tells a [`KeptTable`] that the namespace changed, and how much.
+pub enum Changes {
+    /// fanotify mount events, each naming its mount.
+    Events { feed: MountEventFeed, events: Vec<MountEvent> },
+    /// mountinfo's `POLLPRI` on a file of its own (open in the watched
+    /// namespace), apart from the watcher's: "changed", nothing more.
+    Flag { mountinfo: File },
+}
+
+/// The FUSE mounts of the watched namespace, kept by unique mount ID and
+/// brought up to date from [`Changes`] at each look.
+pub struct KeptTable {
+    changes: Changes,
+    table: IncrementalTable,
+    kernel: KernelMounts,
+    /// The first look lists the whole namespace.
+    synced: bool,
+    /// What is kept changed since the last snapshot.
+    dirty: bool,
+}
+
+impl KeptTable {
+    /// Kept from fanotify mount events; make it after the feed's watcher
+    /// marked the namespace, so that no change falls between its first
+    /// listing and the first event.
+    pub fn from_events(feed: MountEventFeed) -> Self {
+        Self::new(Changes::Events { feed, events: Vec::new() })
+    }
+
+    /// Kept by listing the namespace at each change mountinfo's flag
+    /// reports; see [`KeptTable::listing_supported`].
+    pub fn from_listings(mountinfo: File) -> Self {
+        Self::new(Changes::Flag { mountinfo })
+    }
+
+    fn new(changes: Changes) -> Self {
+        KeptTable { changes, table: IncrementalTable::default(), kernel: KernelMounts, synced: false, dirty: true }
+    }
+
+    /// Whether this kernel can list and describe mounts (Linux 6.8+):
+    /// one listing of the calling thread's namespace.
+    pub fn listing_supported() -> bool {
+        let mut ids = Vec::new();
+        listmount::mount_ids_after(Namespace::Current, 0, &mut ids).is_ok()
+    }
+
+    /// Applies what changed since the last look; whether there was any.
+    fn update(&mut self) -> Result<bool, TableError> {
+        let started = Instant::now();
+        let (applied, reason) = match &mut self.changes {
+            Changes::Events { feed, events } => {
+                events.clear();
+                let unreported = feed.take(events).map_err(|err| TableError::Events(Box::new(err)))?;
+                if !self.synced {
+                    (self.table.resync(&mut self.kernel)?, "start")
+                } else if unreported.0 {
+                    // A heal's own changes, made with the events off.
+                    (self.table.refresh(&mut self.kernel)?, "unreported")
+                } else if events.is_empty() {
+                    return Ok(false);
+                } else {
+                    (self.table.apply(events, &mut self.kernel)?, "events")
+                }
+            }
+            Changes::Flag { mountinfo } => {
+                // Consumed before the look: a change during it raises it
+                // again and costs one more look, not one per change.
+                let changed = priority_pending(mountinfo.as_fd()).map_err(TableError::Read)?;
+                if !self.synced {
+                    (self.table.resync(&mut self.kernel)?, "start")
+                } else if changed {
+                    (self.table.refresh(&mut self.kernel)?, "changed")
+                } else {
+                    return Ok(false);
+                }
+            }
+        };
+        self.synced = true;
+        if applied.resynced {
+            let reason = if reason == "events" { "overflow" } else { reason };
+            let took_us = started.elapsed().as_micros() as u64;
+            info!(reason, mounts = self.table.mounts(), kept = self.table.kept(), took_us, "mount table resynced");
+        } else {
+            debug!(reason, stats = applied.stats, changed = applied.changed, "mount table updated");
+        }
+        self.dirty |= applied.changed;
+        Ok(true)
+    }
+}
+
+impl TableSource for KeptTable {
+    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
+        self.update()?;
+        self.dirty = false;
+        Ok(self.table.snapshot())
+    }
+
+    fn changed_since_read(&mut self) -> io::Result<bool> {
+        self.update().map_err(io::Error::other)?;
+        Ok(self.dirty)
+    }
+}
+
+/// A [`KeptTable`] shared by the loop (its table source) and the watcher
+/// thread, which applies the events it was woken for at once and wakes the
+/// loop only when a kept mount changed: an unrelated mount's change then
+/// wakes one thread, not two. Cheap to clone.
+#[derive(Clone)]
+pub struct SharedTable(Arc<Mutex<KeptTable>>);
+
+impl SharedTable {
+    pub fn new(table: KeptTable) -> Self {
+        SharedTable(Arc::new(Mutex::new(table)))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KeptTable> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// For the watcher thread after a report: applies the events, and if no
+    /// kept mount changed, re-arms the watcher (as the loop would) and
+    /// applies what the re-arm took in, until a re-arm takes in nothing.
+    /// True: a kept mount changed, the loop must look (and re-arm).
+    pub fn settle(&self, rearm: &dyn Rearm) -> Result<bool, SettleError> {
+        let mut rearmed = false;
+        loop {
+            let took = self.lock().update().map_err(SettleError::Table)?;
+            if self.lock().dirty {
+                return Ok(true);
+            }
+            if rearmed && !took {
+                return Ok(false);
+            }
+            rearm.rearm().map_err(SettleError::Rearm)?;
+            rearmed = true;
+        }
+    }
+}
+
+/// Why [`SharedTable::settle`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum SettleError {
+    /// The loop reads the table again and reports it.
+    #[error(transparent)]
+    Table(TableError),
+    /// The watcher cannot go on.
+    #[error(transparent)]
+    Rearm(WatchError),
+}
+
+impl TableSource for SharedTable {
+    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
+        self.lock().snapshot()
+    }
+
+    fn changed_since_read(&mut self) -> io::Result<bool> {
+        self.lock().changed_since_read()
+    }
+}
