@@ -114,7 +114,7 @@ fn capabilities() -> Vec<Capability> {
             required: true,
             when: Started::heals,
             why: "a heal opens a subPath's root inside the FUSE volume, whose directories may belong to the \
-                  application's user (src/heal/mod.rs, src/sidecar/heal.rs)",
+                  application's user (src/heal/mod.rs, src/heal/in_namespace.rs)",
         },
         Capability {
             name: "SYS_NICE",

@@ -16,7 +16,7 @@
 //!    covered.
 //! 2. **Replace**, after the host heal, one thread per namespace, in
 //!    parallel: sidecar mode's in-namespace heal
-//!    ([`crate::sidecar::heal::heal_in_namespaces`]): clone the new source
+//!    ([`super::in_namespace::heal_in_namespaces`]): clone the new source
 //!    (its subdirectory for a subPath) in the watched namespace, give the
 //!    clone the mount's old propagation (a slave of the new source for a
 //!    slave, private for a private one), enter the container's namespace,
@@ -38,9 +38,8 @@ use std::path::{Path, PathBuf};
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::ns;
 
+use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
 use crate::model::table::{Dev, FuseMount, Snapshot, root_within};
-use crate::sidecar::heal::{self as in_namespace, HealNamespaces, SidecarHealError, SidecarHealed};
-use crate::sidecar::plan::{LiveSource, SidecarHeal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerHealError {
@@ -74,7 +73,7 @@ pub enum ContainerHealError {
     #[error("{path} in the mount namespace of process {pid} is not under the new source {source_root}")]
     NotUnderSource { pid: u32, path: PathBuf, source_root: PathBuf },
     #[error(transparent)]
-    InNamespace(#[from] SidecarHealError),
+    InNamespace(#[from] InNamespaceError),
 }
 
 /// A mount of a dead connection in a namespace other than the watched one.
@@ -260,7 +259,7 @@ fn replace_one(
         path: foreign.mount.mount_point.clone(),
         source_root: dead_root.to_path_buf(),
     })?;
-    let heal = SidecarHeal {
+    let heal = InNamespaceHeal {
         source: LiveSource { namespace: 0, pid: own_pid, mount: source.clone() },
         subdir,
         namespace: foreign.namespace,
@@ -271,8 +270,8 @@ fn replace_one(
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
     let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign.pid, foreign.namespace)?);
     match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation))? {
-        SidecarHealed::Replaced => Ok(ForeignHealed::Replaced),
-        SidecarHealed::Stacked { why } => Ok(ForeignHealed::Stacked { why }),
+        InNamespaceHealed::Replaced => Ok(ForeignHealed::Replaced),
+        InNamespaceHealed::Stacked { why } => Ok(ForeignHealed::Stacked { why }),
     }
 }
 

@@ -23,6 +23,7 @@ use crate::model::table::{Dev, FuseMount};
 use crate::plan::{HealBatch, TargetHeal};
 
 pub mod containers;
+pub mod in_namespace;
 mod pool;
 pub mod priority;
 pub mod probe;

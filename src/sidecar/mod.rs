@@ -11,7 +11,7 @@
 //!   subPath binds alike (their mountinfo `root` says which subdirectory).
 //! - A heal clones the live mount in the FUSE container's namespace and
 //!   puts it in place of the dead one in the application container's
-//!   ([`heal`]).
+//!   ([`in_namespace`]).
 //!
 //! Event-driven: `EPOLLPRI` on every namespace's mountinfo (one epoll for
 //! all of them, rather than a [`crate::watch::mount_table::MountinfoWatcher`] thread per
@@ -19,7 +19,6 @@
 //! only timer runs while a target is dead with nothing to heal it from yet:
 //! a FUSE container restarted with a new namespace mounts where no watched
 //! table sees it, so the pod is rescanned on a backoff until it is back.
-pub mod heal;
 pub mod plan;
 pub mod scan;
 
@@ -36,13 +35,13 @@ use fuse_supervisor_sys::poll::{Poller, Waker};
 use tracing::{debug, info, warn};
 
 use crate::heal::Healed;
+use crate::heal::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed};
 use crate::health::{Health, Pong};
 use crate::report::{HealReport, Report, Reporters, TargetEvent};
 use crate::supervisor::Shutdown;
 use crate::watch::processes::fuse_server::FuseServerError;
 use crate::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
-use heal::{HealNamespaces, SidecarHealError, SidecarHealed};
-use plan::{SidecarHeal, SidecarPlan};
+use plan::SidecarPlan;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SidecarError {
@@ -311,7 +310,7 @@ impl Sidecar<'_> {
 
     /// Confirms each planned target dead and heals it. Returns whether
     /// every one was healed.
-    fn heal(&mut self, heals: &[SidecarHeal]) -> bool {
+    fn heal(&mut self, heals: &[InNamespaceHeal]) -> bool {
         if heals.is_empty() {
             return true;
         }
@@ -342,8 +341,8 @@ impl Sidecar<'_> {
                 Ok(how) => {
                     let outage = self.broken.remove(&key);
                     let (how, kept) = match how {
-                        SidecarHealed::Replaced => ("replaced", None),
-                        SidecarHealed::Stacked { why } => ("stacked", Some(why)),
+                        InNamespaceHealed::Replaced => ("replaced", None),
+                        InNamespaceHealed::Stacked { why } => ("stacked", Some(why)),
                     };
                     info!(
                         pid = heal.pid,
@@ -406,15 +405,15 @@ impl Sidecar<'_> {
     /// One heal on a thread of its own, which moves between namespaces and
     /// then ends. It can block in a stopped FUSE daemon: given up after
     /// the probe timeout, and left behind.
-    fn heal_one(&self, heal: &SidecarHeal) -> Result<SidecarHealed, SidecarHealError> {
+    fn heal_one(&self, heal: &InNamespaceHeal) -> Result<InNamespaceHealed, InNamespaceError> {
         let namespaces = HealNamespaces::open(&self.config.proc_root, heal)?;
         let (reply, answer) = mpsc::sync_channel(1);
         let job = heal.clone();
         let spawned = std::thread::Builder::new().name("sidecar-heal".into()).spawn(move || {
             // The loop may have given up waiting.
-            let _ = reply.send(heal::heal_in_namespaces(&job, &namespaces, None));
+            let _ = reply.send(in_namespace::heal_in_namespaces(&job, &namespaces, None));
         });
-        let thread_error = |source| SidecarHealError::Mount {
+        let thread_error = |source| InNamespaceError::Mount {
             step: "run the heal thread",
             pid: heal.pid,
             path: heal.target.mount_point.clone(),
@@ -433,6 +432,6 @@ fn in_namespace(namespace: u64, path: &Path) -> PathBuf {
 }
 
 /// The live mount a heal clones, in the FUSE container's namespace.
-fn source_name(heal: &SidecarHeal) -> PathBuf {
+fn source_name(heal: &InNamespaceHeal) -> PathBuf {
     in_namespace(heal.source.namespace, &heal.source.mount.mount_point.join(&heal.subdir))
 }

@@ -1,8 +1,8 @@
 //! Which stale FUSE mounts of the pod's containers to heal, and from which
 //! live mount: a pure function of what one scan of the pod's processes saw.
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 
+use crate::heal::in_namespace::{InNamespaceHeal, LiveSource};
 use crate::model::table::{Dev, FuseMount, root_within};
 
 /// A mount namespace of the pod, as one scan saw it.
@@ -32,30 +32,10 @@ pub enum Serving {
     Nobody,
 }
 
-/// A live mount in the FUSE container's namespace.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveSource {
-    pub namespace: u64,
-    pub pid: u32,
-    pub mount: FuseMount,
-}
-
-/// One stale mount of an application container and what replaces it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SidecarHeal {
-    pub source: LiveSource,
-    /// Where inside the source the target's root lies (empty for a whole
-    /// volume, `sub` for a subPath of `sub`).
-    pub subdir: PathBuf,
-    pub namespace: u64,
-    pub pid: u32,
-    pub target: FuseMount,
-}
-
 /// What a scan calls for.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct SidecarPlan {
-    pub heals: Vec<SidecarHeal>,
+    pub heals: Vec<InNamespaceHeal>,
     /// Stale mounts of application containers with no live mount of the
     /// same filesystem anywhere yet (the daemon has not come back).
     pub waiting: Vec<(u64, FuseMount)>,
@@ -97,7 +77,7 @@ pub fn plan(namespaces: &[NamespaceView]) -> SidecarPlan {
                 .filter_map(|source| Some((root_within(&source.mount.root, &target.root)?, source)))
                 .min_by_key(|(subdir, source)| (subdir.components().count(), source.mount.mount_id));
             match chosen {
-                Some((subdir, source)) => plan.heals.push(SidecarHeal {
+                Some((subdir, source)) => plan.heals.push(InNamespaceHeal {
                     source: source.clone(),
                     subdir,
                     namespace: namespace.id,
@@ -127,6 +107,8 @@ pub fn live_devices(namespaces: &[NamespaceView]) -> Vec<Dev> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
     use crate::model::table::Snapshot;
 

@@ -17,7 +17,8 @@ use fuse_supervisor_sys::{probe, resolve};
 use tracing::debug;
 
 use super::SidecarError;
-use super::plan::{NamespaceView, ObservedMount, Serving, SidecarHeal};
+use super::plan::{NamespaceView, ObservedMount, Serving};
+use crate::heal::in_namespace::InNamespaceHeal;
 use crate::model::table::Snapshot;
 use crate::watch::processes::ProcessId;
 use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
@@ -104,7 +105,7 @@ pub fn scan(proc_root: &Path, own_namespace: u64) -> Result<PodScan, SidecarErro
 /// connection). Probed on a thread through `<proc_root>/<pid>/root`; a
 /// target that has not answered within `timeout` (a stopped daemon, say)
 /// counts as not confirmed, and its probe is left behind.
-pub fn confirm_dead(proc_root: &Path, heals: &[SidecarHeal], timeout: Duration) -> Vec<bool> {
+pub fn confirm_dead(proc_root: &Path, heals: &[InNamespaceHeal], timeout: Duration) -> Vec<bool> {
     let targets: Vec<(PathBuf, u32)> = heals
         .iter()
         .map(|heal| {

@@ -1,5 +1,6 @@
-//! Carrying a live mount from the FUSE container's mount namespace onto a
-//! stale mount in an application container's.
+//! Carrying a live mount from one mount namespace (the FUSE container's, or
+//! the watched one) onto a stale mount in another (an application
+//! container's): sidecar mode's heal, and node mode's heal in containers.
 //!
 //! On a thread of its own (it moves between namespaces): join the FUSE
 //! container's namespace, clone the live mount (or its subdirectory, for a
@@ -20,11 +21,31 @@ use std::path::{Path, PathBuf};
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::{ns, probe, resolve};
 
-use super::plan::SidecarHeal;
 use crate::model::table::{Dev, FuseMount};
 
+/// A live mount in the FUSE container's namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveSource {
+    pub namespace: u64,
+    pub pid: u32,
+    pub mount: FuseMount,
+}
+
+/// One stale mount in another namespace (an application container's) and
+/// the live mount that replaces it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InNamespaceHeal {
+    pub source: LiveSource,
+    /// Where inside the source the target's root lies (empty for a whole
+    /// volume, `sub` for a subPath of `sub`).
+    pub subdir: PathBuf,
+    pub namespace: u64,
+    pub pid: u32,
+    pub target: FuseMount,
+}
+
 #[derive(Debug, thiserror::Error)]
-pub enum SidecarHealError {
+pub enum InNamespaceError {
     #[error("cannot open mount namespace {path}")]
     OpenNamespace {
         path: PathBuf,
@@ -62,7 +83,7 @@ pub enum SidecarHealError {
 
 /// How a target was healed.
 #[derive(Debug)]
-pub enum SidecarHealed {
+pub enum InNamespaceHealed {
     /// The clone went beneath the dead mount, which was then detached: one layer.
     Replaced,
     /// The clone was stacked on the dead mount, which stays under it
@@ -81,7 +102,7 @@ impl HealNamespaces {
     /// Opens `<proc_root>/<pid>/ns/mnt` of the source's and the target's
     /// process and checks each is still the namespace the plan recorded
     /// (a pid reused by a process elsewhere is refused).
-    pub fn open(proc_root: &Path, heal: &SidecarHeal) -> Result<Self, SidecarHealError> {
+    pub fn open(proc_root: &Path, heal: &InNamespaceHeal) -> Result<Self, InNamespaceError> {
         Ok(HealNamespaces {
             source: open_namespace(proc_root, heal.source.pid, heal.source.namespace)?,
             target: open_namespace(proc_root, heal.pid, heal.namespace)?,
@@ -97,12 +118,12 @@ impl HealNamespaces {
     }
 }
 
-fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, SidecarHealError> {
+fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, InNamespaceError> {
     let path = proc_root.join(pid.to_string()).join("ns/mnt");
     let opened = File::open(&path).and_then(|file| Ok((file.metadata()?.ino(), file)));
-    let (found, file) = opened.map_err(|source| SidecarHealError::OpenNamespace { path: path.clone(), source })?;
+    let (found, file) = opened.map_err(|source| InNamespaceError::OpenNamespace { path: path.clone(), source })?;
     if found != expected {
-        return Err(SidecarHealError::NamespaceChanged { pid, expected, found });
+        return Err(InNamespaceError::NamespaceChanged { pid, expected, found });
     }
     Ok(file.into())
 }
@@ -114,14 +135,14 @@ fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, 
 /// source's namespace; `Slave` keeps a `HostToContainer` volume receiving
 /// the host's mounts, `Private` is a `None` volume's.
 pub fn heal_in_namespaces(
-    heal: &SidecarHeal,
+    heal: &InNamespaceHeal,
     namespaces: &HealNamespaces,
     clone_propagation: Option<Propagation>,
-) -> Result<SidecarHealed, SidecarHealError> {
+) -> Result<InNamespaceHealed, InNamespaceError> {
     let source_pid = heal.source.pid;
     // The supervisor's /proc: the target namespace's may be another pid
     // namespace's, where this thread has no entry.
-    let proc = resolve::open_dir(Path::new("/proc")).map_err(|source| SidecarHealError::Resolve {
+    let proc = resolve::open_dir(Path::new("/proc")).map_err(|source| InNamespaceError::Resolve {
         pid: source_pid,
         path: PathBuf::from("/proc"),
         source,
@@ -130,13 +151,13 @@ pub fn heal_in_namespaces(
     let live = open_recorded(source_pid, &heal.source.mount)?;
     let step = |step, pid, path: &Path| {
         let path = path.to_path_buf();
-        move |source| SidecarHealError::Mount { step, pid, path, source }
+        move |source| InNamespaceError::Mount { step, pid, path, source }
     };
     let from = if heal.subdir.as_os_str().is_empty() {
         live
     } else {
         let path = heal.source.mount.mount_point.join(&heal.subdir);
-        probe::open_within_mount(live.as_fd(), &heal.subdir).map_err(|source| SidecarHealError::Resolve {
+        probe::open_within_mount(live.as_fd(), &heal.subdir).map_err(|source| InNamespaceError::Resolve {
             pid: source_pid,
             path,
             source,
@@ -166,7 +187,7 @@ pub fn heal_in_namespaces(
                 pid,
                 target_path,
             ))?;
-            Ok(SidecarHealed::Replaced)
+            Ok(InNamespaceHealed::Replaced)
         }
         Err(why) => {
             mount::move_mount(clone.as_fd(), stale.as_fd()).map_err(step(
@@ -174,25 +195,25 @@ pub fn heal_in_namespaces(
                 pid,
                 target_path,
             ))?;
-            Ok(SidecarHealed::Stacked { why })
+            Ok(InNamespaceHealed::Stacked { why })
         }
     }
 }
 
-fn from_path(heal: &SidecarHeal) -> PathBuf {
+fn from_path(heal: &InNamespaceHeal) -> PathBuf {
     heal.source.mount.mount_point.join(&heal.subdir)
 }
 
-fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), SidecarHealError> {
-    ns::enter_mount_namespace(namespace).map_err(|source| SidecarHealError::Enter { pid, source })
+fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), InNamespaceError> {
+    ns::enter_mount_namespace(namespace).map_err(|source| InNamespaceError::Enter { pid, source })
 }
 
 /// Resolves `recorded.mount_point` beneath the root of the namespace the
 /// thread is in (no symlinks, no magic links: the container's tree is not
 /// trusted) and checks that the mount on top there is the recorded one.
-pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, SidecarHealError> {
+pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, InNamespaceError> {
     let path = &recorded.mount_point;
-    let resolve_error = |source| SidecarHealError::Resolve { pid, path: path.clone(), source };
+    let resolve_error = |source| InNamespaceError::Resolve { pid, path: path.clone(), source };
     let root = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
     let inside = path.strip_prefix("/").unwrap_or(path);
     let fd = if inside.as_os_str().is_empty() {
@@ -203,7 +224,7 @@ pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, S
     let found = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
     let found_dev = Dev::from(resolve::device_of(fd.as_fd()).map_err(resolve_error)?);
     if found != recorded.mount_id || found_dev != recorded.dev {
-        return Err(SidecarHealError::Changed {
+        return Err(InNamespaceError::Changed {
             pid,
             path: path.clone(),
             recorded: recorded.mount_id,
