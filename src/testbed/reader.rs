@@ -81,11 +81,79 @@ struct History {
     garbage: Vec<String>,
 }
 
+/// What a reading process reported so far, shared between the thread that
+/// collects its output and the test that waits on it: the container model's
+/// and a runc container's.
+#[derive(Clone, Default)]
+pub(super) struct Readings(Arc<(Mutex<History>, Condvar)>);
+
+/// Why [`Readings::wait_until`] gave up, with the history described.
+pub(super) enum GaveUp {
+    Exited(String),
+    Timeout(String),
+}
+
+impl Readings {
+    /// Collects `output`, a line an observation, until it ends.
+    pub(super) fn collect(&self, output: impl std::io::Read, mut line_of: impl FnMut(String) -> Option<String>) {
+        let (lock, changed) = &*self.0;
+        for line in BufReader::new(output).lines() {
+            let Ok(line) = line else { break };
+            let Some(line) = line_of(line) else { continue };
+            let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
+            match Observation::parse(&line) {
+                Some(observation) => history.observations.push(observation),
+                None => history.garbage.push(line),
+            }
+            changed.notify_all();
+        }
+        lock.lock().unwrap_or_else(PoisonError::into_inner).exited = true;
+        changed.notify_all();
+    }
+
+    /// Waits until the **latest** observation satisfies `pred` and returns it.
+    pub(super) fn wait_until(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&Observation) -> bool,
+    ) -> Result<Observation, GaveUp> {
+        let (lock, changed) = &*self.0;
+        let deadline = Instant::now() + timeout;
+        let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(latest) = history.observations.last().filter(|latest| pred(latest)) {
+                return Ok(latest.clone());
+            }
+            if history.exited {
+                return Err(GaveUp::Exited(describe(&history)));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(GaveUp::Timeout(describe(&history)));
+            }
+            history = changed.wait_timeout(history, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    pub(super) fn observations(&self) -> Vec<Observation> {
+        self.0.0.lock().unwrap_or_else(PoisonError::into_inner).observations.clone()
+    }
+
+    pub(super) fn latest(&self) -> Option<Observation> {
+        self.0.0.lock().unwrap_or_else(PoisonError::into_inner).observations.last().cloned()
+    }
+
+    /// The history, one observation a line, for failure messages.
+    pub(super) fn describe(&self) -> String {
+        describe(&self.0.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
 /// A running container-model process and what it has seen so far.
 pub struct ContainerReader {
     name: String,
     child: SandboxChild,
-    history: Arc<(Mutex<History>, Condvar)>,
+    history: Readings,
 }
 
 impl ContainerReader {
@@ -150,11 +218,11 @@ impl ContainerReader {
             .spawn(command)
             .map_err(|source| TestbedError::Spawn { program: binary.display().to_string(), source })?;
         let stdout = child.take_stdout().ok_or_else(|| TestbedError::NoStdout { name: name.to_string() })?;
-        let history: Arc<(Mutex<History>, Condvar)> = Arc::default();
-        let collector = Arc::clone(&history);
+        let history = Readings::default();
+        let collector = history.clone();
         std::thread::Builder::new()
             .name(format!("reader-{name}"))
-            .spawn(move || collect(stdout, &collector))
+            .spawn(move || collector.collect(stdout, Some))
             .map_err(|source| TestbedError::Setup { step: format!("start output thread of {name}"), source })?;
         let reader = Self { name: name.to_string(), child, history };
         reader.wait_until(STARTUP_TIMEOUT, |_| true)?;
@@ -168,36 +236,20 @@ impl ContainerReader {
         timeout: Duration,
         pred: impl Fn(&Observation) -> bool,
     ) -> Result<Observation, TestbedError> {
-        let (lock, changed) = &*self.history;
-        let deadline = Instant::now() + timeout;
-        let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            if let Some(latest) = history.observations.last().filter(|latest| pred(latest)) {
-                return Ok(latest.clone());
-            }
-            if history.exited {
-                return Err(TestbedError::ReaderExited { name: self.name.clone(), history: describe(&history) });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(TestbedError::Timeout {
-                    name: self.name.clone(),
-                    waited: timeout,
-                    history: describe(&history),
-                });
-            }
-            history = changed.wait_timeout(history, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
-        }
+        self.history.wait_until(timeout, pred).map_err(|gave_up| match gave_up {
+            GaveUp::Exited(history) => TestbedError::ReaderExited { name: self.name.clone(), history },
+            GaveUp::Timeout(history) => TestbedError::Timeout { name: self.name.clone(), waited: timeout, history },
+        })
     }
 
     /// Every observation so far, oldest first.
     pub fn history(&self) -> Vec<Observation> {
-        self.history.0.lock().unwrap_or_else(PoisonError::into_inner).observations.clone()
+        self.history.observations()
     }
 
     /// The most recent observation.
     pub fn latest(&self) -> Option<Observation> {
-        self.history.0.lock().unwrap_or_else(PoisonError::into_inner).observations.last().cloned()
+        self.history.latest()
     }
 
     pub fn name(&self) -> &str {
@@ -226,21 +278,6 @@ impl std::fmt::Debug for ContainerReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ContainerReader").field("name", &self.name).field("child", &self.child).finish()
     }
-}
-
-fn collect(stdout: std::process::ChildStdout, history: &(Mutex<History>, Condvar)) {
-    let (lock, changed) = history;
-    for line in BufReader::new(stdout).lines() {
-        let Ok(line) = line else { break };
-        let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        match Observation::parse(&line) {
-            Some(observation) => history.observations.push(observation),
-            None => history.garbage.push(line),
-        }
-        changed.notify_all();
-    }
-    lock.lock().unwrap_or_else(PoisonError::into_inner).exited = true;
-    changed.notify_all();
 }
 
 fn describe(history: &History) -> String {

@@ -17,19 +17,19 @@
 //! that output pipe is closed (it prints a heartbeat every second), so a
 //! killed test leaves no container running for long.
 use std::collections::HashSet;
-use std::fmt::Write as _;
 use std::fs;
-use std::io::{self, BufRead, BufReader};
+use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuse_supervisor_sys::ns;
 
+use super::reader::{GaveUp, Readings};
 use super::{Observation, Sandbox};
 
 /// How long a container may take to start and report its first reading.
@@ -243,7 +243,7 @@ impl Runc {
             id: id.clone(),
             pid: 0,
             runc: self.clone(),
-            history: Arc::default(),
+            history: Readings::default(),
         };
         if !status.success() {
             return Err(RuncError::Runc {
@@ -254,10 +254,12 @@ impl Runc {
         }
         let mut container = container;
         container.pid = container.state_pid()?;
-        let collector = Arc::clone(&container.history);
+        let collector = container.history.clone();
         std::thread::Builder::new()
             .name(format!("runc-{}", spec.name))
-            .spawn(move || collect(stdout, &collector))
+            // busybox has no clock finer than a second: each line is
+            // stamped as it arrives; the heartbeats only say it is alive.
+            .spawn(move || collector.collect(stdout, stamp))
             .map_err(io_step(format!("start the output thread of {}", spec.name)))?;
         container.wait_until(STARTUP_TIMEOUT, |_| true)?;
         Ok(container)
@@ -327,14 +329,6 @@ done"#,
     config.to_string()
 }
 
-#[derive(Default)]
-struct History {
-    observations: Vec<Observation>,
-    exited: bool,
-    /// Lines that were not readings (a bug, shown in failures).
-    garbage: Vec<String>,
-}
-
 /// A running runc container and what it has read so far. Deleted
 /// (`runc delete --force`) on drop.
 pub struct RuncContainer {
@@ -342,7 +336,7 @@ pub struct RuncContainer {
     id: String,
     pid: u32,
     runc: Runc,
-    history: Arc<(Mutex<History>, Condvar)>,
+    history: Readings,
 }
 
 /// One mount of a container's table (a line of its mountinfo).
@@ -433,36 +427,20 @@ impl RuncContainer {
 
     /// Waits until the **latest** reading satisfies `pred` and returns it.
     pub fn wait_until(&self, timeout: Duration, pred: impl Fn(&Observation) -> bool) -> Result<Observation, RuncError> {
-        let (lock, changed) = &*self.history;
-        let deadline = Instant::now() + timeout;
-        let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            if let Some(latest) = history.observations.last().filter(|latest| pred(latest)) {
-                return Ok(latest.clone());
-            }
-            if history.exited {
-                return Err(RuncError::Exited { name: self.name.clone(), history: describe(&history) });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(RuncError::Timeout {
-                    name: self.name.clone(),
-                    waited: timeout,
-                    history: describe(&history),
-                });
-            }
-            history = changed.wait_timeout(history, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
-        }
+        self.history.wait_until(timeout, pred).map_err(|gave_up| match gave_up {
+            GaveUp::Exited(history) => RuncError::Exited { name: self.name.clone(), history },
+            GaveUp::Timeout(history) => RuncError::Timeout { name: self.name.clone(), waited: timeout, history },
+        })
     }
 
     /// Every reading so far, oldest first.
     pub fn history(&self) -> Vec<Observation> {
-        self.history.0.lock().unwrap_or_else(PoisonError::into_inner).observations.clone()
+        self.history.observations()
     }
 
     /// The history, one reading a line, for failure messages.
     pub fn describe_history(&self) -> String {
-        describe(&self.history.0.lock().unwrap_or_else(PoisonError::into_inner))
+        self.history.describe()
     }
 }
 
@@ -480,40 +458,10 @@ impl std::fmt::Debug for RuncContainer {
     }
 }
 
-fn collect(stdout: ChildStdout, history: &(Mutex<History>, Condvar)) {
-    let (lock, changed) = history;
-    for line in BufReader::new(stdout).lines() {
-        let Ok(line) = line else { break };
-        if line == HEARTBEAT {
-            continue;
-        }
-        let stamped = format!("{} {line}", unix_nanos(SystemTime::now()));
-        let mut history = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        match Observation::parse(&stamped) {
-            Some(observation) => history.observations.push(observation),
-            None => history.garbage.push(line),
-        }
-        changed.notify_all();
-    }
-    lock.lock().unwrap_or_else(PoisonError::into_inner).exited = true;
-    changed.notify_all();
-}
-
-fn describe(history: &History) -> String {
-    let mut text = String::new();
-    let start = history.observations.first().map_or(UNIX_EPOCH, |first| first.at);
-    for observation in &history.observations {
-        let offset = observation.at.duration_since(start).unwrap_or_default();
-        // Writing to a String cannot fail.
-        let _ = writeln!(text, "  +{offset:?} {:?}", observation.outcome);
-    }
-    for line in &history.garbage {
-        let _ = writeln!(text, "  unparsed: {line}");
-    }
-    if history.exited {
-        text.push_str("  (exited)\n");
-    }
-    text
+/// A line of the container's output as an observation, stamped with its
+/// arrival; None for a heartbeat.
+fn stamp(line: String) -> Option<String> {
+    (line != HEARTBEAT).then(|| format!("{} {line}", unix_nanos(SystemTime::now())))
 }
 
 fn unix_nanos(at: SystemTime) -> u128 {
