@@ -128,20 +128,7 @@ fn populate(sandbox: &Sandbox, source: &Path, targets: usize, mounts: usize) {
     let present = sandbox.mountinfo().lines().count() + targets;
     let pads: Vec<PathBuf> =
         (0..mounts.saturating_sub(present)).map(|i| sandbox.root().join("padding").join(i.to_string())).collect();
-    let source = source.to_path_buf();
-    sandbox
-        .run(move || -> std::io::Result<()> {
-            for target in &binds {
-                std::fs::create_dir_all(target)?;
-                mount::bind(&source, target)?;
-            }
-            for pad in &pads {
-                std::fs::create_dir_all(pad)?;
-                mount::mount_tmpfs(pad)?;
-            }
-            Ok(())
-        })
-        .expect("populate the sandbox's mount table");
+    common::mount_targets_and_padding(sandbox, source, binds, pads);
 }
 
 /// `rate` changes a second for `window`, alternately mounting and

@@ -40,6 +40,7 @@ use fuse_supervisor_sys::poll::{Poller, Waker};
 use fuse_supervisor_sys::statmount::{self, MountSummary};
 use fuse_supervisor_sys::{fuse, ns, resolve};
 
+#[allow(dead_code)]
 mod common;
 
 use common::{Flags, is_root};

@@ -177,20 +177,7 @@ fn populate(sandbox: &Sandbox, source: &Path, targets: usize, per_pod: usize, pa
         })
         .collect();
     let pads: Vec<PathBuf> = (0..padding).map(|i| sandbox.root().join("padding").join(i.to_string())).collect();
-    let source = source.to_path_buf();
-    sandbox
-        .run(move || -> std::io::Result<()> {
-            for target in &binds {
-                std::fs::create_dir_all(target)?;
-                mount::bind(&source, target)?;
-            }
-            for pad in &pads {
-                std::fs::create_dir_all(pad)?;
-                mount::mount_tmpfs(pad)?;
-            }
-            Ok(())
-        })
-        .expect("populate the sandbox's mount table");
+    common::mount_targets_and_padding(sandbox, source, binds, pads);
 }
 
 fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, options: &Options) -> Measurement {

@@ -58,3 +58,29 @@ pub fn is_root() -> bool {
         })
         .unwrap_or(false)
 }
+
+/// Binds `source` onto each of `targets` and mounts a tmpfs on each of
+/// `pads`, creating the directories, from one task on the sandbox thread: a
+/// table of the size a bench wants.
+pub fn mount_targets_and_padding(
+    sandbox: &fuse_supervisor::testbed::Sandbox,
+    source: &std::path::Path,
+    targets: Vec<std::path::PathBuf>,
+    pads: Vec<std::path::PathBuf>,
+) {
+    use fuse_supervisor_sys::mount;
+    let source = source.to_path_buf();
+    sandbox
+        .run(move || -> std::io::Result<()> {
+            for target in &targets {
+                std::fs::create_dir_all(target)?;
+                mount::bind(&source, target)?;
+            }
+            for pad in &pads {
+                std::fs::create_dir_all(pad)?;
+                mount::mount_tmpfs(pad)?;
+            }
+            Ok(())
+        })
+        .expect("populate the sandbox's mount table");
+}
