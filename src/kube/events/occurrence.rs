@@ -5,6 +5,7 @@ use std::path::{Component, Path};
 use std::time::{Duration, SystemTime};
 
 use crate::heal::Healed;
+use crate::model::state::Owner;
 use crate::report::Report;
 
 /// The events the supervisor publishes.
@@ -79,6 +80,15 @@ pub enum Regarding {
 }
 
 impl Regarding {
+    /// The pod of a FUSE daemon, as the kubelet last confirmed it.
+    fn owner(owner: &Owner) -> Self {
+        Regarding::Pod(PodRef {
+            namespace: owner.namespace.clone(),
+            name: owner.pod.clone(),
+            uid: owner.pod_uid.clone(),
+        })
+    }
+
     pub fn uid(&self) -> &str {
         match self {
             Regarding::Uid(uid) => uid,
@@ -163,11 +173,7 @@ impl Occurrence {
             ),
             Report::DaemonRestarted { source, owner } => (
                 Reason::DaemonRestarted,
-                Regarding::Pod(PodRef {
-                    namespace: owner.namespace.clone(),
-                    name: owner.pod.clone(),
-                    uid: owner.pod_uid.clone(),
-                }),
+                Regarding::owner(owner),
                 format!(
                     "container {} restarted and mounted {} again; the pods using it are being healed",
                     owner.container,
@@ -177,11 +183,7 @@ impl Occurrence {
             ),
             Report::DeadSourceDetached { source, owner: Some(owner) } => (
                 Reason::SourceDetached,
-                Regarding::Pod(PodRef {
-                    namespace: owner.namespace.clone(),
-                    name: owner.pod.clone(),
-                    uid: owner.pod_uid.clone(),
-                }),
+                Regarding::owner(owner),
                 format!(
                     "the dead FUSE mount at {} was detached so that container {} can mount there again; the pods \
                      using it stay broken until it does",
@@ -192,11 +194,7 @@ impl Occurrence {
             ),
             Report::DaemonFlapping { source, heals, window, owner: Some(owner) } => (
                 Reason::DaemonFlapping,
-                Regarding::Pod(PodRef {
-                    namespace: owner.namespace.clone(),
-                    name: owner.pod.clone(),
-                    uid: owner.pod_uid.clone(),
-                }),
+                Regarding::owner(owner),
                 format!(
                     "container {} keeps crashing: the pods using {} were healed after {heals} restarts within {}",
                     owner.container,
