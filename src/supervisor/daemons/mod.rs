@@ -24,7 +24,6 @@
 //!
 //! [`FuseServers`]: crate::watch::processes::fuse_server::FuseServers
 use std::collections::BTreeMap;
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -38,15 +37,17 @@ use tracing::{debug, info, warn};
 use crate::heal::priority::HealActivity;
 use crate::model::table::Dev;
 use crate::plan::flapping::FlappingPolicy;
-use crate::watch::processes::fuse_server::MountDevice;
 use crate::watch::processes::{
     Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher,
 };
 
 mod discovery;
+mod orphans;
 
 use discovery::{Holders, discovery_loop, lock};
+use orphans::{Orphan, reads_fuse_device};
+pub use orphans::{connection_dir, read_waiting};
 
 /// Which process watcher `run` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,16 +207,6 @@ const UNSERVED_RETRIES: u32 = 5;
 const SUCCESSOR_RETRIES: u32 = 7;
 /// Exec events ask for a discovery at most this often.
 const EXEC_DISCOVERY_SPACING: Duration = Duration::from_secs(1);
-
-/// A connection with a serving process gone and others holding it.
-#[derive(Debug)]
-struct Orphan {
-    source: PathBuf,
-    pid: u32,
-    exited_at: Instant,
-    attempts: u32,
-    check_at: Instant,
-}
 
 /// The loop's view of the daemons behind its sources.
 pub struct Daemons {
@@ -556,13 +547,6 @@ impl Daemons {
         self.options.abort_dead_connections
     }
 
-    /// Starts checking a partly exited connection for waiting requests
-    /// that nobody reads.
-    pub fn watch_orphan(&mut self, exit: &PartialExit, pid: u32, exited_at: Instant) {
-        let orphan = Orphan { source: exit.source.clone(), pid, exited_at, attempts: 0, check_at: Instant::now() };
-        self.orphans.insert(exit.dev, orphan);
-    }
-
     /// The earliest discovery retry or orphan check ahead.
     pub fn next_deadline(&self) -> Option<Instant> {
         let retries = self.known.values().filter_map(|(_, known)| match known {
@@ -588,47 +572,6 @@ impl Daemons {
         }
         aborted
     }
-
-    /// One check of an orphaned connection; the entry goes once decided.
-    fn check_orphan(&mut self, dev: Dev, now: Instant) -> Option<Aborted> {
-        let remaining: Vec<u32> = lock(&self.holders)
-            .iter()
-            .filter(|(_, holder)| holder.serves.iter().any(|(_, served)| *served == dev))
-            .map(|(&pid, _)| pid)
-            .collect();
-        let orphan = self.orphans.get_mut(&dev)?;
-        let source = orphan.source.clone();
-        // Nobody left: the kernel aborted it, the death is reported as such.
-        if remaining.is_empty() {
-            self.orphans.remove(&dev);
-            return None;
-        }
-        if let Some(reader) = remaining.iter().find(|&&pid| reads_fuse_device(&self.options.proc_root, pid)) {
-            info!(source = %source.display(), connection = %dev, pid = reader, "connection is served by another process");
-            self.orphans.remove(&dev);
-            return None;
-        }
-        let control = connection_dir(&self.options.fuse_connections, dev);
-        let waiting = match read_waiting(&control) {
-            Ok(waiting) => waiting,
-            Err(err) => {
-                warn!(dir = %control.display(), %err, "cannot read the FUSE connection's waiting count; not aborting it");
-                self.orphans.remove(&dev);
-                return None;
-            }
-        };
-        if waiting == 0 {
-            orphan.attempts += 1;
-            orphan.check_at = now + orphan_recheck_delay(orphan.attempts);
-            return None;
-        }
-        let orphan = self.orphans.remove(&dev)?;
-        if let Err(err) = fs::write(control.join("abort"), b"1") {
-            warn!(dir = %control.display(), %err, "cannot abort the FUSE connection");
-            return None;
-        }
-        Some(Aborted { source, dev, pid: orphan.pid, exited_at: orphan.exited_at, waiting })
-    }
 }
 
 impl Drop for Daemons {
@@ -641,199 +584,5 @@ impl Drop for Daemons {
     }
 }
 
-/// Checks of an orphaned connection: soon at first, then every 2 s while
-/// it stays held and unread.
-fn orphan_recheck_delay(attempts: u32) -> Duration {
-    (Duration::from_millis(50) * (1 << attempts.min(6))).min(Duration::from_secs(2))
-}
-
-/// `<fusectl>/<connection>`: the control directory of a FUSE connection.
-pub fn connection_dir(fuse_connections: &Path, dev: Dev) -> PathBuf {
-    let device = MountDevice { major: dev.major, minor: dev.minor };
-    fuse_connections.join(device.connection().to_string())
-}
-
-/// Requests of the connection not yet answered.
-pub fn read_waiting(connection_dir: &Path) -> io::Result<u64> {
-    let text = fs::read_to_string(connection_dir.join("waiting"))?;
-    text.trim().parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("waiting: {text:?}")))
-}
-
-/// Whether a thread of `pid` sleeps reading a FUSE device (the kernel's
-/// `fuse_dev_do_read`): the process serves requests.
-fn reads_fuse_device(proc_root: &Path, pid: u32) -> bool {
-    let Ok(tasks) = fs::read_dir(proc_root.join(pid.to_string()).join("task")) else { return false };
-    tasks
-        .filter_map(Result::ok)
-        .any(|task| fs::read_to_string(task.path().join("wchan")).is_ok_and(|wchan| wchan.trim() == "fuse_dev_do_read"))
-}
-
 #[cfg(test)]
-mod tests {
-    use std::sync::mpsc::Receiver;
-
-    use super::discovery::add_holder;
-    use super::*;
-
-    #[test]
-    fn connection_directory_is_named_by_the_kernel_device_number() {
-        let dir = connection_dir(Path::new("/sys/fs/fuse/connections"), Dev { major: 0, minor: 52 });
-        assert_eq!(dir, Path::new("/sys/fs/fuse/connections/52"));
-    }
-
-    #[test]
-    fn waiting_count_is_read_from_the_control_directory() {
-        let dir = tempfile::tempdir().unwrap();
-        fs::write(dir.path().join("waiting"), "3\n").unwrap();
-        assert_eq!(read_waiting(dir.path()).unwrap(), 3);
-        fs::write(dir.path().join("waiting"), "x\n").unwrap();
-        assert!(read_waiting(dir.path()).is_err());
-    }
-
-    #[test]
-    fn orphan_checks_space_out_to_two_seconds() {
-        assert_eq!(orphan_recheck_delay(0), Duration::from_millis(50));
-        assert_eq!(orphan_recheck_delay(1), Duration::from_millis(100));
-        assert_eq!(orphan_recheck_delay(10), Duration::from_secs(2));
-    }
-
-    struct NoWatcher;
-
-    impl ProcessWatcher for NoWatcher {
-        fn watch(&self, _: ProcessId) -> Result<(), ProcessWatchError> {
-            Ok(())
-        }
-        fn unwatch(&self, _: u32) -> bool {
-            false
-        }
-        fn watched(&self) -> Vec<ProcessId> {
-            Vec::new()
-        }
-        fn backend(&self) -> crate::watch::processes::Backend {
-            crate::watch::processes::Backend::Pidfd
-        }
-    }
-
-    /// Daemons without threads: discovery requests queue on the receiver.
-    fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
-        let (requests, queue) = mpsc::channel();
-        let daemons = Daemons {
-            options: DaemonWatch::default(),
-            watcher: Arc::new(NoWatcher),
-            holders: Arc::default(),
-            known: BTreeMap::new(),
-            want_exec: Arc::default(),
-            last_exec_discovery: None,
-            orphans: BTreeMap::new(),
-            requests: Some(requests),
-            discovery: None,
-        };
-        (daemons, queue)
-    }
-
-    fn found(dev: Dev, pids: &[u32], scanned_at: Instant) -> Vec<Discovered> {
-        let processes = pids.iter().map(|&pid| ProcessId { pid, start_time: 1 }).collect();
-        vec![Discovered { source: "/runtime/g".into(), dev, result: Ok(processes), scanned_at }]
-    }
-
-    /// A connection served by pid 10, discovered.
-    fn served(dev: Dev) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
-        let (mut daemons, queue) = daemons();
-        daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
-        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
-        add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
-        assert!(daemons.discovered(found(dev, &[10], Instant::now())) == Verdicts::default());
-        (daemons, queue)
-    }
-
-    #[test]
-    fn a_death_is_retracted_when_the_discovery_after_it_finds_a_holder() {
-        let dev = Dev { major: 0, minor: 52 };
-        let (mut daemons, queue) = served(dev);
-        let before = Instant::now();
-        let (deaths, partial) = daemons.exited(10);
-        assert_eq!(deaths, vec![Death { source: "/runtime/g".into(), dev }]);
-        assert!(partial.is_empty());
-        assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)], "the death is checked");
-        // A scan begun before the exit says nothing about after it.
-        assert!(daemons.discovered(found(dev, &[11], before)).retracted.is_empty());
-        let retracted = daemons.discovered(found(dev, &[11], Instant::now())).retracted;
-        assert_eq!(retracted, vec![Retraction { source: "/runtime/g".into(), dev, pids: vec![11] }]);
-    }
-
-    #[test]
-    fn a_death_stands_when_nobody_holds_the_connection() {
-        let dev = Dev { major: 0, minor: 52 };
-        let (mut daemons, _queue) = served(dev);
-        assert_eq!(daemons.exited(10).0.len(), 1);
-        let verdicts = daemons.discovered(found(dev, &[], Instant::now()));
-        assert_eq!(
-            verdicts,
-            Verdicts { retracted: vec![], confirmed: vec![Death { source: "/runtime/g".into(), dev }] }
-        );
-        assert_eq!(daemons.discovered(found(dev, &[11], Instant::now())), Verdicts::default(), "dead for good");
-    }
-
-    #[test]
-    fn a_holder_of_a_dying_connection_exiting_is_not_a_second_death() {
-        let dev = Dev { major: 0, minor: 52 };
-        let (mut daemons, queue) = served(dev);
-        assert_eq!(daemons.exited(10).0.len(), 1);
-        // Found by the check, gone before its answer is read.
-        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
-        let scanned_at = Instant::now();
-        let (deaths, _) = daemons.exited(11);
-        assert!(deaths.is_empty());
-        assert_eq!(queue.try_iter().count(), 2, "each exit asks again");
-        assert!(daemons.discovered(found(dev, &[11], scanned_at)).retracted.is_empty(), "that answer is stale");
-    }
-
-    /// A connection served by pid 10, beside a watchdog, pid 11, that holds
-    /// it too; `/proc` is a stand-in where 11 sleeps reading the device if
-    /// `watchdog_reads`.
-    fn served_beside_a_watchdog(dev: Dev, watchdog_reads: bool) -> (Daemons, tempfile::TempDir) {
-        let proc_root = tempfile::tempdir().unwrap();
-        let task = proc_root.path().join("11/task/11");
-        fs::create_dir_all(&task).unwrap();
-        fs::write(task.join("wchan"), if watchdog_reads { "fuse_dev_do_read" } else { "do_sigtimedwait" }).unwrap();
-        let (mut daemons, _queue) = served(dev);
-        daemons.options.proc_root = proc_root.path().to_path_buf();
-        add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
-        (daemons, proc_root)
-    }
-
-    fn is_served(daemons: &Daemons, dev: Dev) -> bool {
-        matches!(daemons.known.get(&dev), Some((_, Known::Served)))
-    }
-
-    #[test]
-    fn a_watchdogs_next_child_is_looked_for_until_it_holds_the_connection() {
-        let dev = Dev { major: 0, minor: 52 };
-        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, false);
-        let (deaths, partial) = daemons.exited(10);
-        assert!(deaths.is_empty());
-        assert_eq!(partial[0].remaining, [11]);
-        // Only the watchdog, which does not read: looked for again, on a timer.
-        assert!(daemons.discovered(found(dev, &[11], Instant::now())) == Verdicts::default());
-        assert!(!is_served(&daemons, dev));
-        assert!(daemons.next_deadline().is_some(), "the next look is due");
-        // Its next child holds it now.
-        assert!(daemons.discovered(found(dev, &[11, 12], Instant::now())) == Verdicts::default());
-        assert!(is_served(&daemons, dev));
-        assert_eq!(daemons.next_deadline(), None, "no timer once served");
-    }
-
-    #[test]
-    fn holders_left_reading_the_connection_serve_it() {
-        let dev = Dev { major: 0, minor: 52 };
-        let (mut daemons, _proc_root) = served_beside_a_watchdog(dev, true);
-        assert_eq!(daemons.exited(10).1.len(), 1);
-        assert!(daemons.discovered(found(dev, &[11], Instant::now())) == Verdicts::default());
-        assert!(is_served(&daemons, dev));
-    }
-
-    #[test]
-    fn this_process_does_not_read_a_fuse_device() {
-        assert!(!reads_fuse_device(Path::new("/proc"), std::process::id()));
-    }
-}
+mod tests;
