@@ -11,13 +11,10 @@ use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use fuse_supervisor_sys::poll::Poller;
-use signal_hook::SigId;
-use signal_hook::consts::{SIGINT, SIGTERM};
 
 use crate::model::table::{Dev, Snapshot};
 use crate::testbed::scenario::{
@@ -25,11 +22,15 @@ use crate::testbed::scenario::{
 };
 use crate::testbed::{ContainerReader, Observation, Sandbox, TestbedError};
 
-/// The name of the source, its volume, and the pods bound to it.
+mod interrupt;
 mod output;
+mod report;
 
+use interrupt::Interrupt;
 use output::{LogEntry, Timeline, describe_batch, millis, plural, style_name, summary};
+pub use report::{CycleReport, DemoError, DemoOptions, DemoReport, HealKind, HealRecord, PodRecovery};
 
+/// The name of the source, its volume, and the pods bound to it.
 const SOURCE_NAME: &str = "shared-data";
 const VOLUME: &str = "shared-data";
 /// How long the supervisor gets to go quiet after the containers recovered.
@@ -40,151 +41,6 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
 const DETACH_WAIT: Duration = Duration::from_secs(2);
 /// How often long waits look at the interrupt flag.
 const INTERRUPT_CHECK: Duration = Duration::from_millis(100);
-
-/// What to run.
-#[derive(Debug, Clone)]
-pub struct DemoOptions {
-    /// The `fuse-supervisor` binary: it serves demofs, runs the container
-    /// model and the supervisor.
-    pub binary: PathBuf,
-    /// Kill/restart cycles of the FUSE daemon.
-    pub cycles: usize,
-    /// Which daemon serves the volume. bindfs (libfuse) cannot mount over
-    /// its stale mount, so with it every restart unmounts first.
-    pub daemon: Daemon,
-    /// End with a mount-over-stale restart (demofs only). Off, every restart unmounts first and the node must
-    /// end with exactly the mounts it started with.
-    pub mount_over_stale: bool,
-    /// How long a container may take to read again after a restart before
-    /// the demo fails.
-    pub recovery_timeout: Duration,
-}
-
-impl DemoReport {
-    /// Some restart landed the new global mount on a stale one, whose
-    /// covered layers no heal could remove: the node cannot end flat.
-    pub fn stale_layers_expected(&self) -> bool {
-        self.cycles.iter().any(|cycle| cycle.landed_on_stale)
-    }
-}
-
-impl DemoOptions {
-    /// Four cycles of demofs, both restart styles, ten seconds for each
-    /// container to recover.
-    pub fn new(binary: PathBuf) -> Self {
-        DemoOptions {
-            binary,
-            cycles: 4,
-            daemon: Daemon::DemoFs,
-            mount_over_stale: true,
-            recovery_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// Everything the demo measured. Only returned when every container read
-/// again in every cycle.
-#[derive(Debug, Clone)]
-pub struct DemoReport {
-    pub daemon: Daemon,
-    /// Mounts under the sandbox once everything was set up.
-    pub mounts_at_start: usize,
-    pub mounts_at_end: usize,
-    pub cycles: Vec<CycleReport>,
-}
-
-#[derive(Debug, Clone)]
-pub struct CycleReport {
-    /// 1-based.
-    pub number: usize,
-    pub style: Restart,
-    /// The new global mount landed on a stale one, so the kernel healed
-    /// the whole-volume targets and their stale layers stay underneath.
-    pub landed_on_stale: bool,
-    pub mounts_before: usize,
-    pub mounts_after: usize,
-    /// One per pod, in pod order.
-    pub pods: Vec<PodRecovery>,
-    /// What the supervisor logged, in log order.
-    pub heals: Vec<HealRecord>,
-    /// FUSE layers at each target (pod order) and at the global mount, after the cycle.
-    pub layers: Vec<(String, usize)>,
-}
-
-/// What one container saw between the kill and reading again.
-#[derive(Debug, Clone)]
-pub struct PodRecovery {
-    pub pod: String,
-    /// Distinct errno names, in the order first seen.
-    pub errors: Vec<String>,
-    /// From the kill to the first correct read.
-    pub outage: Duration,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HealKind {
-    /// The supervisor stacked the new mount on the target.
-    Stacked,
-    /// A stack on a peer reached this target.
-    Propagated,
-    /// The daemon's own mount over the stale one reached it; the
-    /// supervisor only noticed.
-    ByKernel,
-}
-
-#[derive(Debug, Clone)]
-pub struct HealRecord {
-    pub pod: String,
-    pub kind: HealKind,
-    pub layers_removed: u64,
-    /// From the supervisor waking up to the heal being done.
-    pub latency: Option<Duration>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum DemoError {
-    #[error("/dev/fuse does not exist; the demo needs the FUSE device")]
-    NoFuseDevice,
-    #[error("cannot build the sandbox (the demo needs root and /dev/fuse)")]
-    Sandbox(#[source] TestbedError),
-    #[error("cannot install SIGINT/SIGTERM handlers")]
-    Signals(#[source] io::Error),
-    #[error("cannot {step}")]
-    Scenario {
-        step: String,
-        #[source]
-        source: ScenarioError,
-    },
-    #[error("cannot start the container of {pod}")]
-    StartReader {
-        pod: String,
-        #[source]
-        source: TestbedError,
-    },
-    #[error("cycle {cycle}: {pod} never saw the daemon die")]
-    NoFailureSeen {
-        cycle: usize,
-        pod: String,
-        #[source]
-        source: TestbedError,
-    },
-    #[error("cycle {cycle}: {pod} did not read its volume again within {waited:?} of the restart; NOT healed")]
-    NotRecovered {
-        cycle: usize,
-        pod: String,
-        waited: Duration,
-        #[source]
-        source: TestbedError,
-    },
-    #[error("cycle {cycle}: the subPath container {pod} sees {entries:?}, more than its subdirectory")]
-    SubpathLeak { cycle: usize, pod: String, entries: Vec<String> },
-    #[error("{end} mounts left under the sandbox at the end, {start} at the start: stale layers remain")]
-    MountsLeftBehind { start: usize, end: usize },
-    #[error("interrupted; the sandbox, its mounts and its processes are gone")]
-    Interrupted,
-    #[error("cannot write the demo output")]
-    Output(#[source] io::Error),
-}
 
 /// Runs the demo, printing the timeline and the summary to `out`.
 pub fn run(options: &DemoOptions, out: &mut dyn Write) -> Result<DemoReport, DemoError> {
@@ -197,45 +53,6 @@ pub fn run(options: &DemoOptions, out: &mut dyn Write) -> Result<DemoReport, Dem
     match result {
         Err(_) if interrupt.requested() => Err(DemoError::Interrupted),
         other => other,
-    }
-}
-
-/// SIGINT/SIGTERM set a flag checked between steps; a second one exits at
-/// once (the kernel still takes the namespace and the children with us).
-struct Interrupt {
-    flag: Arc<AtomicBool>,
-    handlers: Vec<SigId>,
-}
-
-impl Interrupt {
-    fn install() -> Result<Self, DemoError> {
-        let flag = Arc::new(AtomicBool::new(false));
-        let mut interrupt = Interrupt { flag: Arc::clone(&flag), handlers: Vec::new() };
-        for signal in [SIGINT, SIGTERM] {
-            // Registered first, so it sees the flag before this signal sets it.
-            let exit = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&flag))
-                .map_err(DemoError::Signals)?;
-            interrupt.handlers.push(exit);
-            let set = signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(DemoError::Signals)?;
-            interrupt.handlers.push(set);
-        }
-        Ok(interrupt)
-    }
-
-    fn requested(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-    }
-
-    fn check(&self) -> Result<(), DemoError> {
-        if self.requested() { Err(DemoError::Interrupted) } else { Ok(()) }
-    }
-}
-
-impl Drop for Interrupt {
-    fn drop(&mut self) {
-        for handler in self.handlers.drain(..) {
-            signal_hook::low_level::unregister(handler);
-        }
     }
 }
 

@@ -11,21 +11,18 @@
 //! makes no calls at all.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::{Poller, Waker};
-use fuse_supervisor_sys::process::Signal;
 use tracing::{debug, error, info, warn};
 
 use super::assess::{Assessment, Exits, assess, runtime_id};
 use super::containers::ContainerProcesses;
 use super::fuse_container::{Fuse, identify_fuse};
-use super::unmount::unmount_devices;
+mod ending;
+
 use super::{JobConfig, JobError, JobScope, WatcherKind};
 use crate::kube::{Kubelet, Pod, PodList};
 use crate::watch::dir_changes::{Changes, DirChanges};
@@ -560,86 +557,6 @@ impl Lifecycle {
         })
     }
 
-    /// Unmounts the FUSE container's mounts and starts the grace period.
-    fn end(&mut self, uid: &str, name: &str, fuse: &Fuse, now: Instant) {
-        let mut namespaces = vec![self.config.mount_namespace.clone()];
-        namespaces.extend(fuse.servers.iter().map(|p| self.config.proc_root.join(p.pid.to_string()).join("ns/mnt")));
-        let mut seen = BTreeSet::new();
-        for namespace in namespaces {
-            // The same namespace through two paths is unmounted once.
-            match std::fs::metadata(&namespace) {
-                Ok(meta) if !seen.insert((meta.dev(), meta.ino())) => continue,
-                Ok(_) => {}
-                Err(err) => {
-                    debug!(namespace = %namespace.display(), ?err, "namespace gone");
-                    continue;
-                }
-            }
-            match unmount_devices(&namespace, &fuse.devices) {
-                Ok(done) => {
-                    for point in &done.unmounted {
-                        info!(pod = %name, namespace = %namespace.display(), mount_point = %point.display(), "unmounted FUSE mount");
-                    }
-                    for (point, err) in &done.failed {
-                        warn!(pod = %name, namespace = %namespace.display(), mount_point = %point.display(), %err, "cannot unmount FUSE mount");
-                    }
-                }
-                Err(err) => warn!(pod = %name, %err, "cannot unmount the FUSE mounts"),
-            }
-        }
-        let mut alive = BTreeSet::new();
-        for &server in &fuse.servers {
-            match self.watcher.watch(server) {
-                Ok(()) => {
-                    alive.insert(server);
-                    self.by_pid.insert(server.pid, uid.to_owned());
-                }
-                Err(ProcessWatchError::Gone { .. } | ProcessWatchError::Reused { .. }) => {}
-                Err(err) => {
-                    // Cannot see it exit: count it alive, the grace decides.
-                    warn!(pod = %name, pid = server.pid, %err, "cannot watch the FUSE daemon");
-                    alive.insert(server);
-                }
-            }
-        }
-        let Some(tracked) = self.pods.get_mut(uid) else { return };
-        tracked.recheck_at = None;
-        tracked.phase = if alive.is_empty() {
-            info!(pod = %name, ended_by = "unmount", "FUSE daemon exited");
-            Phase::Done
-        } else {
-            Phase::Ending { step: Step::Unmounted, deadline: now + self.config.grace, alive }
-        };
-    }
-
-    /// Signals daemons that outlived their grace.
-    fn escalate(&mut self, now: Instant) {
-        let grace = self.config.grace;
-        for pod in self.pods.values_mut() {
-            let Phase::Ending { step, deadline, alive } = &mut pod.phase else { continue };
-            if *deadline > now {
-                continue;
-            }
-            let (next, signal) = match step {
-                Step::Unmounted => (Step::Terminated, Signal::Term),
-                Step::Terminated => (Step::Killed, Signal::Kill),
-                Step::Killed => {
-                    warn!(pod = %pod.name, pids = ?alive.iter().map(|p| p.pid).collect::<Vec<_>>(), "FUSE daemon still runs after SIGKILL; giving up");
-                    pod.phase = Phase::Done;
-                    continue;
-                }
-            };
-            for process in alive.iter() {
-                info!(pod = %pod.name, pid = process.pid, signal = ?signal, after_ms = grace.as_millis() as u64, "FUSE daemon has not exited; signalling");
-                if let Err(err) = send(&self.config.proc_root, *process, signal) {
-                    warn!(pod = %pod.name, pid = process.pid, %err, "cannot signal the FUSE daemon");
-                }
-            }
-            *step = next;
-            *deadline = now + grace;
-        }
-    }
-
     fn forget(&mut self, uid: &str) {
         let Some(pod) = self.pods.remove(uid) else { return };
         debug!(pod = %pod.name, "pod gone");
@@ -654,14 +571,4 @@ impl Lifecycle {
 fn schedule(tracked: &mut Tracked, wait: Wait, now: Instant) {
     tracked.recheck_at = Some(now + recheck_delay(wait, tracked.attempts));
     tracked.attempts += 1;
-}
-
-/// Signals `process` through a pidfd, once its start time shows the pid is
-/// still that process.
-fn send(proc_root: &Path, process: ProcessId, signal: Signal) -> std::io::Result<()> {
-    let pidfd = PidFd::open(process.pid)?;
-    match ProcessId::of(proc_root, process.pid) {
-        Ok(now) if now == process => pidfd.signal(signal),
-        _ => Ok(()), // Gone, or the pid is another process's now.
-    }
 }
