@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod model;
 pub mod plan;
 pub mod report;
+pub mod shutdown;
 pub mod sidecar;
 pub mod status;
 pub mod supervisor;

@@ -10,14 +10,14 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fuse_supervisor_sys::poll::{Poller, Waker};
+use fuse_supervisor_sys::poll::Poller;
 use tracing::{debug, error, warn};
 
 use super::{CONTENT_TYPE, Metrics};
 use crate::health::Health;
+use crate::watch::thread::{ThreadError, Watching};
 
 /// How long `/healthz` waits for the loop to answer its ping. The
 /// manifest's probe allows 5 s; a loop busy for longer than this in one
@@ -53,13 +53,14 @@ pub enum ServeError {
         #[source]
         source: io::Error,
     },
+    #[error(transparent)]
+    Thread(#[from] ThreadError),
 }
 
 /// The running server; stops and joins its thread when stopped or dropped.
 pub struct MetricsServer {
     addr: SocketAddr,
-    stop: Arc<Waker>,
-    thread: Option<JoinHandle<()>>,
+    watching: Watching,
 }
 
 struct Shared {
@@ -76,16 +77,13 @@ impl MetricsServer {
         let setup = |step| move |source| ServeError::Setup { addr, step, source };
         let local = listener.local_addr().map_err(setup("local address"))?;
         listener.set_nonblocking(true).map_err(setup("non-blocking listener"))?;
-        let stop = Arc::new(Waker::new().map_err(setup("eventfd"))?);
+        let stop = Watching::stop_waker("metrics")?;
         let poller = Poller::new().map_err(setup("epoll"))?;
         poller.add_readable(listener.as_fd(), LISTENER).map_err(setup("watch the listener"))?;
         poller.add_readable(stop.as_fd(), STOP).map_err(setup("watch the eventfd"))?;
         let shared = Arc::new(Shared { metrics, health, in_flight: AtomicUsize::new(0) });
-        let thread = std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || accept_loop(&listener, &poller, &shared))
-            .map_err(setup("thread"))?;
-        Ok(MetricsServer { addr: local, stop, thread: Some(thread) })
+        let watching = Watching::start("metrics", stop, move || accept_loop(&listener, &poller, &shared))?;
+        Ok(MetricsServer { addr: local, watching })
     }
 
     /// The address it listens on.
@@ -95,26 +93,10 @@ impl MetricsServer {
 
     /// Stops accepting and joins the thread. Connections being served
     /// finish on their own threads within their I/O deadline.
-    pub fn stop(mut self) {
-        self.shut_down();
-    }
-
-    fn shut_down(&mut self) {
-        let Some(thread) = self.thread.take() else { return };
-        if let Err(err) = self.stop.wake() {
-            // Without the wake-up the thread would never end: leave it.
-            error!(?err, "cannot wake the metrics server to stop it");
-            return;
+    pub fn stop(self) {
+        if let Err(err) = self.watching.stop() {
+            error!(err = %crate::report::error_chain(&err), "metrics server did not stop cleanly");
         }
-        if thread.join().is_err() {
-            error!("metrics server thread panicked");
-        }
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.shut_down();
     }
 }
 

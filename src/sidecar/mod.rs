@@ -38,7 +38,7 @@ use crate::heal::Healed;
 use crate::heal::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed};
 use crate::health::{Health, Pong};
 use crate::report::{HealReport, Report, Reporters, TargetEvent};
-use crate::supervisor::Shutdown;
+use crate::shutdown::Shutdown;
 use crate::watch::processes::fuse_server::FuseServerError;
 use crate::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
 use plan::SidecarPlan;

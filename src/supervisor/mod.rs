@@ -8,11 +8,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::poll::Waker;
 use tracing::{debug, error, warn};
 
 use crate::heal::priority::{HealPriority, HealWindow};
@@ -48,6 +46,8 @@ mod tests;
 use confirmation::Confirmer;
 pub use once::{OnceSummary, heal_once};
 pub use start::{run, start_job_lifecycle};
+
+use crate::shutdown::Shutdown;
 use targets::TargetRecord;
 
 /// How `run` is set up.
@@ -125,35 +125,8 @@ pub enum SupervisorError {
         #[source]
         source: io::Error,
     },
-}
-
-/// Asks a running supervisor to stop; cheap to clone.
-#[derive(Clone)]
-pub struct Shutdown {
-    waker: Arc<Waker>,
-    requested: Arc<AtomicBool>,
-}
-
-impl Shutdown {
-    pub fn new() -> io::Result<Self> {
-        Ok(Shutdown { waker: Arc::new(Waker::new()?), requested: Arc::new(AtomicBool::new(false)) })
-    }
-
-    pub fn request(&self) {
-        self.requested.store(true, Ordering::SeqCst);
-        if let Err(err) = self.waker.wake() {
-            error!(?err, "cannot wake the watcher for shutdown");
-        }
-    }
-
-    pub fn requested(&self) -> bool {
-        self.requested.load(Ordering::SeqCst)
-    }
-
-    /// The eventfd a shutdown request sets, for loops that wait on their own epoll.
-    pub fn waker(&self) -> Arc<Waker> {
-        Arc::clone(&self.waker)
-    }
+    #[error(transparent)]
+    Watcher(#[from] crate::watch::thread::ThreadError),
 }
 
 enum Event {

@@ -5,7 +5,6 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use fuse_supervisor_sys::ns;
@@ -25,9 +24,11 @@ use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 use crate::watch::pods::PodWatcher;
+use crate::watch::thread::Watching;
 
 use super::tables::{KeptTable, SettleError, SharedTable};
-use super::{Config, Confirmer, Event, Shutdown, Supervisor, SupervisorError};
+use super::{Config, Confirmer, Event, Supervisor, SupervisorError};
+use crate::shutdown::Shutdown;
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
 /// moves that thread into the watched namespace.
@@ -97,15 +98,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
                 || {
                     let namespace = ns::open_thread_mount_namespace()
                         .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
-                    let watcher = FanotifyWatcher::new(namespace.as_fd(), shutdown.waker.clone())?;
+                    let watcher = FanotifyWatcher::new(namespace.as_fd(), shutdown.waker())?;
                     feed = Some(watcher.feed());
                     Ok(watcher)
                 },
-                || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker.clone())?),
+                || Ok(MountinfoWatcher::new(open_mountinfo()?, shutdown.waker())?),
             )?;
             (watcher, backend.to_string())
         }
-        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker.clone())?), "timer".into()),
+        WatchMode::Poll { period } => (Box::new(PollWatcher::new(period, shutdown.waker())?), "timer".into()),
     };
     let mut shared = None;
     let (table, table_read): (Box<dyn TableSource>, _) = match (config.watch, feed) {
@@ -120,7 +121,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         _ => (Box::new(MountInfoReader::from_file(open_mountinfo()?)), "mountinfo text"),
     };
     let table_watch = watcher.rearm_handle();
-    let watcher_thread = spawn_watcher(watcher, shared, events.clone(), config.heal_priority)?;
+    let watching = spawn_watcher(watcher, shared, events.clone(), config.heal_priority, shutdown)?;
     let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
@@ -161,8 +162,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     if let Err(err) = pod_watcher.stop() {
         error!(%err, "pod-directory watcher failed");
     }
-    if watcher_thread.join().is_err() {
-        error!("watcher thread panicked");
+    if let Err(err) = watching.stop() {
+        error!(err = %crate::report::error_chain(&err), "mount-table watcher failed");
     }
     Ok(())
 }
@@ -178,43 +179,42 @@ pub fn start_job_lifecycle(
     crate::kube::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
-/// The watcher's thread. With a table kept from its events (`kept`), it
-/// applies them itself and wakes the loop only when a kept mount changed.
+/// The watcher's thread, stopped by the shutdown's eventfd (which the
+/// watcher's poller holds). With a table kept from its events (`kept`),
+/// it applies them itself and wakes the loop only when a kept mount changed.
 fn spawn_watcher(
     mut watcher: Box<dyn MountWatcher>,
     kept: Option<SharedTable>,
     events: Sender<Event>,
     priority: HealPriority,
-) -> Result<JoinHandle<()>, SupervisorError> {
+    shutdown: &Shutdown,
+) -> Result<Watching, SupervisorError> {
     let rearm = watcher.rearm_handle();
-    std::thread::Builder::new()
-        .name("watcher".into())
-        .spawn(move || {
-            // One wake-up per burst of changes (see MountWatcher), little work each.
-            priority.raise();
-            loop {
-                // A burst of changes becomes one rescan: the watcher stays
-                // disarmed from its report until the loop reads the table.
-                let event = match watcher.wait() {
-                    Ok(Wake::TableChanged) => match kept.as_ref().map(|kept| kept.settle(&*rearm)) {
-                        Some(Ok(false)) => continue,
-                        Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
-                        Some(Err(SettleError::Table(err))) => {
-                            warn!(err = %crate::report::error_chain(&err), "cannot apply mount events; the loop looks");
-                            Event::TableChanged(watcher.attached())
-                        }
-                        Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),
-                    },
-                    Ok(Wake::Shutdown) => Event::Shutdown,
-                    Err(err) => Event::WatchFailed(err),
-                };
-                let last = !matches!(event, Event::TableChanged(_));
-                if events.send(event).is_err() || last {
-                    return;
-                }
+    Ok(Watching::start("watcher", shutdown.waker(), move || {
+        // One wake-up per burst of changes (see MountWatcher), little work each.
+        priority.raise();
+        loop {
+            // A burst of changes becomes one rescan: the watcher stays
+            // disarmed from its report until the loop reads the table.
+            let event = match watcher.wait() {
+                Ok(Wake::TableChanged) => match kept.as_ref().map(|kept| kept.settle(&*rearm)) {
+                    Some(Ok(false)) => continue,
+                    Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
+                    Some(Err(SettleError::Table(err))) => {
+                        warn!(err = %crate::report::error_chain(&err), "cannot apply mount events; the loop looks");
+                        Event::TableChanged(watcher.attached())
+                    }
+                    Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),
+                },
+                Ok(Wake::Shutdown) => Event::Shutdown,
+                Err(err) => Event::WatchFailed(err),
+            };
+            let last = !matches!(event, Event::TableChanged(_));
+            if events.send(event).is_err() || last {
+                return;
             }
-        })
-        .map_err(|source| SupervisorError::Thread { name: "watcher", source })
+        }
+    })?)
 }
 
 impl Supervisor<MountExecutor> {

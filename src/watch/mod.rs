@@ -4,7 +4,10 @@
 //! for comparison), processes ([`processes`]: the proc connector or pidfds,
 //! for FUSE daemon deaths) and the kubelet's pod directories ([`pods`]:
 //! inotify), and [`dir_changes`]: "something changed in these directories".
+//! Every one runs on a thread owned by a [`thread::Watching`], started and
+//! stopped the same way.
 pub mod dir_changes;
 pub mod mount_table;
 pub mod pods;
 pub mod processes;
+pub mod thread;

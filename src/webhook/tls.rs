@@ -13,7 +13,7 @@ use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use fuse_supervisor_sys::poll::{Poller, Waker};
+use fuse_supervisor_sys::poll::Poller;
 use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
@@ -22,6 +22,7 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
 use crate::watch::dir_changes::{Changes, DirChanges};
+use crate::watch::thread::{ThreadError, Watching};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -54,6 +55,8 @@ pub enum TlsError {
         #[source]
         source: io::Error,
     },
+    #[error(transparent)]
+    Thread(#[from] ThreadError),
 }
 
 /// The current certificate and key, and where they come from.
@@ -121,15 +124,12 @@ impl CertStore {
             changes.watch(&dir, Changes::Files).map_err(|source| TlsError::Watch { dir, source })?;
         }
         let poller = Poller::new().map_err(setup)?;
-        let waker = Arc::new(Waker::new().map_err(setup)?);
+        let waker = Watching::stop_waker("cert-watch")?;
         poller.add_readable(changes.as_fd(), CHANGED).map_err(setup)?;
         poller.add_readable(waker.as_fd(), STOP).map_err(setup)?;
         let store = self.clone();
-        let thread = std::thread::Builder::new()
-            .name("cert-watch".into())
-            .spawn(move || store.watch_loop(&mut changes, &poller, reloaded))
-            .map_err(setup)?;
-        Ok(CertWatch { waker, thread: Some(thread) })
+        let watching = Watching::start("cert-watch", waker, move || store.watch_loop(&mut changes, &poller, reloaded))?;
+        Ok(CertWatch { _watching: watching })
     }
 
     fn watch_loop(&self, changes: &mut DirChanges, poller: &Poller, reloaded: impl Fn(&Result<bool, TlsError>)) {
@@ -164,23 +164,7 @@ const STOP: u64 = 1;
 /// The certificate watch thread; stopped and joined on drop.
 #[derive(Debug)]
 pub struct CertWatch {
-    waker: Arc<Waker>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for CertWatch {
-    fn drop(&mut self) {
-        if let Err(err) = self.waker.wake() {
-            // Without the wake-up the thread cannot be joined; leave it.
-            tracing::error!(?err, "cannot stop the certificate watch");
-            return;
-        }
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            tracing::error!("certificate watch thread panicked");
-        }
-    }
+    _watching: Watching,
 }
 
 impl ResolvesServerCert for CertStore {

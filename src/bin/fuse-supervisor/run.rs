@@ -11,9 +11,10 @@ use fuse_supervisor::kube::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
 use fuse_supervisor::plan::flapping::FlappingPolicy;
 use fuse_supervisor::report::Reporters;
+use fuse_supervisor::shutdown::Shutdown;
 use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
-use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation, Shutdown};
+use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};

@@ -98,4 +98,6 @@ pub enum JobError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Thread(#[from] crate::watch::thread::ThreadError),
 }

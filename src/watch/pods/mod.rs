@@ -7,6 +7,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::watch::thread::ThreadError;
+
 mod directory;
 mod vol_data;
 mod walk;
@@ -102,10 +104,8 @@ pub enum PodWatchError {
     Read(#[source] io::Error),
     #[error("the pods directory {path} was removed or moved")]
     PodsDirGone { path: PathBuf },
-    #[error("cannot start the pod-watcher thread")]
-    Thread(#[source] io::Error),
-    #[error("the pod-watcher thread panicked")]
-    Panicked,
+    #[error(transparent)]
+    Thread(#[from] ThreadError),
 }
 
 impl PodWatchError {

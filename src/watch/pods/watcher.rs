@@ -25,8 +25,6 @@ use std::ops::ControlFlow;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc;
-use std::thread::JoinHandle;
 
 use fuse_supervisor_sys::inotify::{Event, EventFlags, EventReader, Inotify, WatchFlags};
 use fuse_supervisor_sys::ns;
@@ -37,6 +35,7 @@ use super::vol_data::VOL_DATA_FILE;
 use super::walk::{self, CSI_PLUGIN_DIR, Dir, Strictness, Visit};
 use super::watches::WatchTable;
 use super::{PodChange, PodWatchError};
+use crate::watch::thread::Watching;
 
 const INOTIFY: u64 = 1;
 const STOP: u64 = 2;
@@ -44,8 +43,7 @@ const STOP: u64 = 2;
 /// A running pod-directory watcher. Stops (and joins its thread) on
 /// [`PodWatcher::stop`] or drop.
 pub struct PodWatcher {
-    waker: Arc<Waker>,
-    thread: Option<JoinHandle<()>>,
+    watching: Watching,
 }
 
 impl PodWatcher {
@@ -59,67 +57,26 @@ impl PodWatcher {
         mount_namespace: Option<&Path>,
         sink: impl FnMut(PodChange) + Send + 'static,
     ) -> Result<PodWatcher, PodWatchError> {
+        const NAME: &str = "pod-watcher";
         let pods_dir = kubelet_root.join("pods");
         let namespace = mount_namespace.map(Path::to_path_buf);
-        let waker = Arc::new(Waker::new().map_err(|source| PodWatchError::Setup { what: "eventfd", source })?);
-        let (ready, started) = mpsc::sync_channel(1);
-        let thread_waker = waker.clone();
-        let thread = std::thread::Builder::new()
-            .name("pod-watcher".into())
-            .spawn(move || {
-                let mut watcher = match Watcher::start(pods_dir, namespace.as_deref(), thread_waker, sink) {
-                    Ok(watcher) => watcher,
-                    Err(err) => {
-                        // The receiver only goes away if `spawn` panicked.
-                        let _ = ready.send(Err(err));
-                        return;
-                    }
-                };
-                let _ = ready.send(Ok(()));
+        let stop = Watching::stop_waker(NAME)?;
+        let thread_stop = stop.clone();
+        let (watching, ()) = Watching::start_there(NAME, stop, move || {
+            let mut watcher = Watcher::start(pods_dir, namespace.as_deref(), thread_stop, sink)?;
+            let run = move || {
                 if let Err(err) = watcher.run() {
                     (watcher.sink)(PodChange::Failed(err));
                 }
-            })
-            .map_err(PodWatchError::Thread)?;
-        let mut watcher = PodWatcher { waker, thread: Some(thread) };
-        match started.recv() {
-            Ok(Ok(())) => Ok(watcher),
-            Ok(Err(err)) => {
-                watcher.join()?;
-                Err(err)
-            }
-            Err(mpsc::RecvError) => {
-                watcher.join()?;
-                Err(PodWatchError::Panicked)
-            }
-        }
+            };
+            Ok::<_, PodWatchError>(((), run))
+        })?;
+        Ok(PodWatcher { watching })
     }
 
     /// Stops the thread and waits for it.
-    pub fn stop(mut self) -> Result<(), PodWatchError> {
-        self.waker.wake().map_err(|source| PodWatchError::Setup { what: "eventfd wake", source })?;
-        self.join()
-    }
-
-    fn join(&mut self) -> Result<(), PodWatchError> {
-        match self.thread.take().map(JoinHandle::join) {
-            Some(Err(_)) => Err(PodWatchError::Panicked),
-            _ => Ok(()),
-        }
-    }
-}
-
-impl Drop for PodWatcher {
-    fn drop(&mut self) {
-        if self.thread.is_some() {
-            if let Err(err) = self.waker.wake() {
-                tracing::error!(?err, "cannot wake the pod watcher to stop it");
-                return;
-            }
-            if self.join().is_err() {
-                tracing::error!("pod-watcher thread panicked");
-            }
-        }
+    pub fn stop(self) -> Result<(), PodWatchError> {
+        Ok(self.watching.stop()?)
     }
 }
 

@@ -12,9 +12,10 @@ use fuse_supervisor_sys::proc_connector::{
 };
 use tracing::warn;
 
+use crate::watch::thread::Watching;
+
 use super::{
-    Backend, Detection, EventSink, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, WatcherThread,
-    check_running, sorted,
+    Backend, Detection, EventSink, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, check_running, sorted,
 };
 
 /// Which exec events to pass on.
@@ -140,7 +141,7 @@ const SHUTDOWN: u64 = 2;
 pub struct ProcConnectorWatcher {
     shared: Arc<Shared>,
     // Only its drop matters: it stops the thread.
-    _thread: WatcherThread,
+    _thread: Watching,
     kernel_filter: bool,
     receive_buffer: usize,
 }
@@ -159,7 +160,7 @@ impl ProcConnectorWatcher {
         let kernel_filter = connector.kernel_filter();
         let receive_buffer = connector.receive_buffer().map_err(ProcessWatchError::Receive)?;
         let poller = Poller::new().map_err(ProcessWatchError::Poll)?;
-        let waker = WatcherThread::waker()?;
+        let waker = Watching::stop_waker("procwatch")?;
         poller.add_readable(connector.as_fd(), EVENTS).map_err(ProcessWatchError::Poll)?;
         poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
         let shared = Arc::new(Shared {
@@ -169,7 +170,7 @@ impl ProcConnectorWatcher {
             decoded: AtomicU64::new(0),
         });
         let thread_shared = Arc::clone(&shared);
-        let thread = WatcherThread::spawn("procwatch", waker, move || run(&connector, &poller, &thread_shared, sink))?;
+        let thread = Watching::start("procwatch", waker, move || run(&connector, &poller, &thread_shared, sink))?;
         Ok(ProcConnectorWatcher { shared, _thread: thread, kernel_filter, receive_buffer })
     }
 

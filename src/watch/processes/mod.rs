@@ -19,11 +19,9 @@
 //! [`fuse_server`] finds the processes serving a FUSE mount, to watch.
 use std::io;
 use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
-use fuse_supervisor_sys::poll::Waker;
-use tracing::warn;
+use crate::watch::thread::ThreadError;
 
 pub use fuse_supervisor_sys::process::ExitStatus;
 
@@ -146,8 +144,8 @@ pub enum ProcessWatchError {
     Acknowledgement(#[source] io::Error),
     #[error("cannot set up epoll for the process watcher")]
     Poll(#[source] io::Error),
-    #[error("cannot start the process watcher thread")]
-    Thread(#[source] io::Error),
+    #[error(transparent)]
+    Thread(#[from] ThreadError),
     #[error("waiting for process events failed")]
     Wait(#[source] io::Error),
     #[error("reading process connector events failed")]
@@ -168,38 +166,6 @@ pub enum ProcessWatchError {
         #[source]
         source: io::Error,
     },
-}
-
-/// A watcher's thread and the eventfd that stops it: dropping this wakes
-/// the thread (register [`WatcherThread::waker`] with its poller first) and
-/// joins it.
-struct WatcherThread {
-    waker: Waker,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl WatcherThread {
-    fn waker() -> Result<Waker, ProcessWatchError> {
-        Waker::new().map_err(ProcessWatchError::Poll)
-    }
-
-    fn spawn(name: &str, waker: Waker, body: impl FnOnce() + Send + 'static) -> Result<Self, ProcessWatchError> {
-        let thread = std::thread::Builder::new().name(name.into()).spawn(body).map_err(ProcessWatchError::Thread)?;
-        Ok(WatcherThread { waker, thread: Some(thread) })
-    }
-}
-
-impl Drop for WatcherThread {
-    fn drop(&mut self) {
-        if let Err(err) = self.waker.wake() {
-            // Joining would wait forever: leave the thread behind.
-            warn!(?err, "cannot wake a process watcher thread to stop it");
-            return;
-        }
-        if self.thread.take().is_some_and(|thread| thread.join().is_err()) {
-            warn!("process watcher thread panicked");
-        }
-    }
 }
 
 /// `processes` by pid.

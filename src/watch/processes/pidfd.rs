@@ -9,9 +9,10 @@ use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::Poller;
 use tracing::warn;
 
+use crate::watch::thread::Watching;
+
 use super::{
-    Backend, Detection, EventSink, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, WatcherThread,
-    check_running, sorted,
+    Backend, Detection, EventSink, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, check_running, sorted,
 };
 
 /// Epoll token of the waker; pids (at most 2^22) are the other tokens.
@@ -52,7 +53,7 @@ impl Shared {
 pub struct PidfdWatcher {
     shared: Arc<Shared>,
     // Only its drop matters: it stops the thread.
-    _thread: WatcherThread,
+    _thread: Watching,
 }
 
 impl PidfdWatcher {
@@ -60,11 +61,11 @@ impl PidfdWatcher {
     /// `/proc`, the caller's pid namespace).
     pub fn start(proc_root: PathBuf, sink: EventSink) -> Result<Self, ProcessWatchError> {
         let poller = Poller::new().map_err(ProcessWatchError::Poll)?;
-        let waker = WatcherThread::waker()?;
+        let waker = Watching::stop_waker("pidfdwatch")?;
         poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
         let shared = Arc::new(Shared { proc_root, poller, watched: Mutex::default() });
         let thread_shared = Arc::clone(&shared);
-        let thread = WatcherThread::spawn("pidfdwatch", waker, move || run(&thread_shared, sink))?;
+        let thread = Watching::start("pidfdwatch", waker, move || run(&thread_shared, sink))?;
         Ok(PidfdWatcher { shared, _thread: thread })
     }
 }

@@ -12,7 +12,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::poll::{Poller, Waker};
@@ -31,6 +30,7 @@ use crate::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
     ProcessWatcher,
 };
+use crate::watch::thread::Watching;
 
 const STOP: u64 = 1;
 const PROCESSES: u64 = 2;
@@ -41,8 +41,7 @@ const AFTER_POD_DIR: Duration = Duration::from_millis(500);
 
 /// The running lifecycle; stops and joins its thread on drop.
 pub struct JobLifecycle {
-    stop: Arc<Waker>,
-    thread: Option<JoinHandle<()>>,
+    _watching: Watching,
 }
 
 impl JobLifecycle {
@@ -56,7 +55,7 @@ impl JobLifecycle {
         let client = config.kubelet.clone();
         let setup = |what| move |source| JobError::Setup { what, source };
         let poller = Poller::new().map_err(setup("epoll"))?;
-        let stop = Arc::new(Waker::new().map_err(setup("eventfd"))?);
+        let stop = Watching::stop_waker("job-lifecycle")?;
         let arrived = Arc::new(Waker::new().map_err(setup("eventfd"))?);
         poller.add_readable(stop.as_fd(), STOP).map_err(setup("epoll"))?;
         poller.add_readable(arrived.as_fd(), PROCESSES).map_err(setup("epoll"))?;
@@ -99,23 +98,8 @@ impl JobLifecycle {
             failures: 0,
             finished: Some(Box::new(finished)),
         };
-        let thread = std::thread::Builder::new()
-            .name("job-lifecycle".into())
-            .spawn(move || lifecycle.run())
-            .map_err(setup("thread"))?;
-        Ok(JobLifecycle { stop, thread: Some(thread) })
-    }
-}
-
-impl Drop for JobLifecycle {
-    fn drop(&mut self) {
-        if let Err(err) = self.stop.wake() {
-            warn!(?err, "cannot wake the job lifecycle to stop it");
-            return;
-        }
-        if self.thread.take().is_some_and(|thread| thread.join().is_err()) {
-            error!("job lifecycle thread panicked");
-        }
+        let watching = Watching::start("job-lifecycle", stop, move || lifecycle.run())?;
+        Ok(JobLifecycle { _watching: watching })
     }
 }
 
