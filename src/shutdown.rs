@@ -5,8 +5,9 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use fuse_supervisor_sys::poll::Waker;
 use tracing::error;
+
+use crate::watch::thread::Waker;
 
 /// Asks a running supervisor to stop; cheap to clone.
 #[derive(Clone)]

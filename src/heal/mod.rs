@@ -22,6 +22,10 @@ use crate::heal::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount};
 use crate::plan::{HealBatch, TargetHeal};
 
+/// How a container's copy of a target follows the host's (the container
+/// heal's outcome names it).
+pub use fuse_supervisor_sys::mount::Propagation;
+
 pub mod containers;
 pub mod in_namespace;
 mod pool;

@@ -37,6 +37,13 @@ impl HealPriority {
         self.0.is_none()
     }
 
+    /// Lowers the calling thread to the lowest CPU priority (nice 19), for
+    /// background work that must take no CPU a heal or another process
+    /// wants.
+    pub fn lower_this_thread() -> std::io::Result<()> {
+        process::lower_thread_priority()
+    }
+
     /// Raises the calling thread; without the privilege (no
     /// `CAP_SYS_NICE`, or a cgroup without a real-time budget) heals run at
     /// the normal priority, and the first refusal is logged.

@@ -170,6 +170,13 @@ impl Prober {
     }
 }
 
+/// Opens the top mount at `source` for a probe, with its mount ID, so the
+/// caller can tell whether it is still the mount it saw.
+pub fn open_mount_root(source: &Path) -> io::Result<(u32, OwnedFd)> {
+    let root = fuse_supervisor_sys::resolve::open_path(source)?;
+    Ok((fuse_supervisor_sys::resolve::mount_id_of(root.as_fd())?, root))
+}
+
 fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> ProbeOutcome {
     if let Err(err) = sys::statfs(root.as_fd()) {
         return ProbeOutcome::Failed(err);

@@ -12,12 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use fuse_supervisor_sys::poll::Poller;
 use tracing::{debug, error, warn};
 
 use super::{CONTENT_TYPE, Metrics};
 use crate::health::Health;
-use crate::watch::thread::{ThreadError, Watching};
+use crate::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
 /// How long `/healthz` waits for the loop to answer its ping. The
 /// manifest's probe allows 5 s; a loop busy for longer than this in one
@@ -36,7 +35,6 @@ const MAX_CONNECTIONS: usize = 16;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 const LISTENER: u64 = 1;
-const STOP: u64 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -78,11 +76,10 @@ impl MetricsServer {
         let local = listener.local_addr().map_err(setup("local address"))?;
         listener.set_nonblocking(true).map_err(setup("non-blocking listener"))?;
         let stop = Watching::stop_waker("metrics")?;
-        let poller = Poller::new().map_err(setup("epoll"))?;
-        poller.add_readable(listener.as_fd(), LISTENER).map_err(setup("watch the listener"))?;
-        poller.add_readable(stop.as_fd(), STOP).map_err(setup("watch the eventfd"))?;
+        let mut waiting = Waiting::new(&stop).map_err(setup("epoll"))?;
+        waiting.add_readable(listener.as_fd(), LISTENER).map_err(setup("watch the listener"))?;
         let shared = Arc::new(Shared { metrics, health, in_flight: AtomicUsize::new(0) });
-        let watching = Watching::start("metrics", stop, move || accept_loop(&listener, &poller, &shared))?;
+        let watching = Watching::start("metrics", stop, move || accept_loop(&listener, &mut waiting, &shared))?;
         Ok(MetricsServer { addr: local, watching })
     }
 
@@ -100,15 +97,15 @@ impl MetricsServer {
     }
 }
 
-fn accept_loop(listener: &TcpListener, poller: &Poller, shared: &Arc<Shared>) {
-    let mut events = Vec::with_capacity(2);
+fn accept_loop(listener: &TcpListener, waiting: &mut Waiting, shared: &Arc<Shared>) {
     loop {
-        if let Err(err) = poller.wait(&mut events, None) {
-            error!(?err, "metrics server cannot wait for connections; it stops");
-            return;
-        }
-        if events.contains(&STOP) {
-            return;
+        match waiting.wait(None) {
+            Ok(Woken::Ready(_)) => {}
+            Ok(Woken::Stop) => return,
+            Err(err) => {
+                error!(?err, "metrics server cannot wait for connections; it stops");
+                return;
+            }
         }
         loop {
             match listener.accept() {

@@ -33,7 +33,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
 use fuse_supervisor_sys::fanotify::MountEvent;
-use fuse_supervisor_sys::statmount::MountStat;
+use fuse_supervisor_sys::listmount;
+use fuse_supervisor_sys::statmount::{MountStat, Namespace, mount_stat};
 
 use crate::model::mountinfo::is_fuse_type;
 use crate::model::table::{Dev, FuseMount, Snapshot};
@@ -250,6 +251,34 @@ fn fuse_mount(stat: MountStat) -> FuseMount {
         fs_type: stat.fs_type,
         source: stat.source.unwrap_or_default(),
         table_order: 0,
+    }
+}
+
+/// The calling thread's mount namespace (the loop's, which is the watched
+/// one), through the syscalls.
+#[derive(Debug, Default)]
+pub struct KernelMounts;
+
+impl MountQuery for KernelMounts {
+    fn list(&mut self, ids: &mut Vec<u64>) -> io::Result<()> {
+        listmount::mount_ids_after(Namespace::Current, 0, ids)
+    }
+
+    fn stat(&mut self, unique_id: u64) -> io::Result<Option<MountStat>> {
+        match mount_stat(unique_id, Namespace::Current) {
+            Ok(stat) => Ok(Some(stat)),
+            // ENOENT: gone since it was named.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+}
+
+impl KernelMounts {
+    /// Whether this kernel can list and describe mounts (Linux 6.8+): one
+    /// listing of the calling thread's namespace.
+    pub fn listing_supported() -> bool {
+        listmount::mount_ids_after(Namespace::Current, 0, &mut Vec::new()).is_ok()
     }
 }
 

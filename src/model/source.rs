@@ -30,6 +30,13 @@ pub trait TableSource {
     fn changed_since_read(&mut self) -> io::Result<bool>;
     /// Gives a large buffer's memory back between changes.
     fn release_buffer(&mut self) {}
+    /// After a scan: drops its large buffer and hands the memory the scan
+    /// freed back to the kernel, scattered as it is between long-lived
+    /// allocations.
+    fn release_memory(&mut self) {
+        self.release_buffer();
+        fuse_supervisor_sys::memory::release_free_memory();
+    }
 }
 
 /// The whole text, read consistently and parsed at each snapshot; its

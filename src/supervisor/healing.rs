@@ -3,12 +3,10 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::mount::Propagation;
-
 use tracing::{info, info_span, warn};
 
 use crate::heal::containers::ForeignHealed;
-use crate::heal::{Executor, Healed, Prepared};
+use crate::heal::{Executor, Healed, Prepared, Propagation};
 use crate::model::state::{Mapping, TargetState, retry_delay};
 use crate::model::table::{Dev, FuseMount};
 use crate::plan::HealBatch;

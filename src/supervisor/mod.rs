@@ -233,8 +233,7 @@ impl<E: Executor> Supervisor<E> {
                         // Only after one: a trim costs page faults and TLB
                         // flushes, more than a wake for an unrelated mount.
                         if std::mem::take(&mut self.read_since_trim) {
-                            self.reader.release_buffer();
-                            fuse_supervisor_sys::memory::release_free_memory();
+                            self.reader.release_memory();
                         }
                     }
                     // Deadlines exist only while something is wrong: an idle

@@ -2,17 +2,16 @@
 //! their answers start.
 use std::collections::BTreeSet;
 use std::io;
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor_sys::{resolve, statmount};
 use tracing::{debug, error, info, warn};
 
 use crate::heal::Executor;
-use crate::heal::probe::{ProbeOutcome, ProbeReport};
+use crate::heal::probe::{ProbeOutcome, ProbeReport, open_mount_root};
 use crate::model::mountinfo::is_fuse_type;
 use crate::model::table::{Classified, Dev, Role};
 use crate::plan::{self, Assessment, HealBatch};
+use crate::watch::mount_table::describe_attached;
 
 use super::{Event, Supervisor};
 
@@ -45,7 +44,7 @@ impl<E: Executor> Supervisor<E> {
     /// Probes the mount `mount_id` at `source` if it is still the one there,
     /// opening `subdirs` below its root.
     pub(super) fn launch_probe(&mut self, source: &Path, mount_id: u32, subdirs: BTreeSet<PathBuf>) -> bool {
-        let opened = resolve::open_path(source).and_then(|fd| Ok((resolve::mount_id_of(fd.as_fd())?, fd)));
+        let opened = open_mount_root(source);
         let root = match opened {
             Ok((id, fd)) if id == mount_id => fd,
             Ok((id, _)) => {
@@ -76,7 +75,7 @@ impl<E: Executor> Supervisor<E> {
     pub(super) fn probe_announced_sources(&mut self, attached: &[u64]) {
         for &unique_id in attached {
             // Gone again, or a kernel without statmount: the scan decides.
-            let Ok(mount) = statmount::mount_summary(unique_id) else { continue };
+            let Ok(mount) = describe_attached(unique_id) else { continue };
             let source = mount.mount_point;
             if !is_fuse_type(&mount.fs_type)
                 || self.layout.role(&source) != Role::Source

@@ -2,13 +2,12 @@
 //! loop's own construction.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
-use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::Instant;
 
 use fuse_supervisor_sys::ns;
-use tracing::{debug, error, info, warn};
+use tracing::{error, info, warn};
 
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
@@ -33,11 +32,6 @@ use crate::shutdown::Shutdown;
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
 /// moves that thread into the watched namespace.
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> {
-    // Large scan buffers get pages of their own, given back when freed
-    // (sys::memory); with 10,000 targets this halves the idle footprint.
-    if !fuse_supervisor_sys::memory::set_mmap_threshold(128 * 1024) {
-        debug!("allocator keeps its own mmap threshold");
-    }
     let (events, inbox) = mpsc::channel();
     // Pings queue up until the loop serves, so a slow start reads as not alive.
     let pings = events.clone();
@@ -96,9 +90,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             let (watcher, backend) = mount_table::event_watcher::<SupervisorError>(
                 wanted,
                 || {
-                    let namespace = ns::open_thread_mount_namespace()
-                        .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/ns/mnt".into(), source })?;
-                    let watcher = FanotifyWatcher::new(namespace.as_fd(), shutdown.waker())?;
+                    let watcher = FanotifyWatcher::of_this_thread(shutdown.waker())?;
                     feed = Some(watcher.feed());
                     Ok(watcher)
                 },

@@ -12,41 +12,16 @@
 //! unrelated mount's change costs a look, never a scan.
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use fuse_supervisor_sys::fanotify::MountEvent;
-use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use tracing::{debug, info};
 
-use fuse_supervisor_sys::listmount;
-use fuse_supervisor_sys::statmount::{MountStat, Namespace, mount_stat};
-
-use crate::model::incremental::{IncrementalTable, MountQuery};
+use crate::model::incremental::{IncrementalTable, KernelMounts};
+use crate::model::mountinfo::take_change_flag;
 use crate::model::source::{TableError, TableSource};
 use crate::model::table::Snapshot;
-use crate::watch::mount_table::{MountEventFeed, Rearm, WatchError};
-
-/// The calling thread's mount namespace (the loop's, which is the watched
-/// one), through the syscalls.
-#[derive(Debug, Default)]
-pub struct KernelMounts;
-
-impl MountQuery for KernelMounts {
-    fn list(&mut self, ids: &mut Vec<u64>) -> io::Result<()> {
-        listmount::mount_ids_after(Namespace::Current, 0, ids)
-    }
-
-    fn stat(&mut self, unique_id: u64) -> io::Result<Option<MountStat>> {
-        match mount_stat(unique_id, Namespace::Current) {
-            Ok(stat) => Ok(Some(stat)),
-            // ENOENT: gone since it was named.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(err) => Err(err),
-        }
-    }
-}
+use crate::watch::mount_table::{MountEvent, MountEventFeed, Rearm, WatchError};
 
 /// What tells a [`KeptTable`] that the namespace changed, and how much.
 pub enum Changes {
@@ -87,11 +62,9 @@ impl KeptTable {
         KeptTable { changes, table: IncrementalTable::default(), kernel: KernelMounts, synced: false, dirty: true }
     }
 
-    /// Whether this kernel can list and describe mounts (Linux 6.8+):
-    /// one listing of the calling thread's namespace.
+    /// Whether this kernel can list and describe mounts (Linux 6.8+).
     pub fn listing_supported() -> bool {
-        let mut ids = Vec::new();
-        listmount::mount_ids_after(Namespace::Current, 0, &mut ids).is_ok()
+        KernelMounts::listing_supported()
     }
 
     /// Applies what changed since the last look; whether there was any.
@@ -115,7 +88,7 @@ impl KeptTable {
             Changes::Flag { mountinfo } => {
                 // Consumed before the look: a change during it raises it
                 // again and costs one more look, not one per change.
-                let changed = priority_pending(mountinfo.as_fd()).map_err(TableError::Read)?;
+                let changed = take_change_flag(mountinfo).map_err(TableError::Read)?;
                 if !self.synced {
                     (self.table.resync(&mut self.kernel)?, "start")
                 } else if changed {

@@ -158,8 +158,7 @@ impl Harness {
             std::fs::create_dir_all(kubelet.path().join("pods").join(uid)).unwrap();
         }
         std::fs::create_dir_all(kubelet.path().join(GLOBAL).join("sub")).unwrap();
-        let global = fuse_supervisor_sys::resolve::open_path(&kubelet.path().join(GLOBAL)).unwrap();
-        let new_global_id = fuse_supervisor_sys::resolve::mount_id_of(std::os::fd::AsFd::as_fd(&global)).unwrap();
+        let (new_global_id, _global) = crate::heal::probe::open_mount_root(&kubelet.path().join(GLOBAL)).unwrap();
         let reports = Arc::new(RecordingReporter::default());
         let config = Config {
             kubelet_root: kubelet.path().to_path_buf(),

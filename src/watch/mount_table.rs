@@ -7,9 +7,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use fuse_supervisor_sys::fanotify::{MountEvent, MountEventReader, MountEvents};
+pub use fuse_supervisor_sys::fanotify::MountEvent;
+use fuse_supervisor_sys::fanotify::{MountEventReader, MountEvents};
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use fuse_supervisor_sys::poll::{Poller, Waker};
+pub use fuse_supervisor_sys::statmount::MountSummary;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
@@ -121,6 +123,13 @@ pub trait Rearm: Send + Sync {
     fn resume(&self) -> Result<(), WatchError> {
         Ok(())
     }
+}
+
+/// What the mount `unique_id` (one [`MountWatcher::attached`] named) is,
+/// asked of the kernel now: `ENOENT` once it is gone, `ENOSYS` before
+/// Linux 6.8.
+pub fn describe_attached(unique_id: u64) -> io::Result<MountSummary> {
+    fuse_supervisor_sys::statmount::mount_summary(unique_id)
 }
 
 /// Maps a setup failure to [`WatchError::Setup`] naming what failed.
@@ -298,6 +307,13 @@ impl MountBatch {
 }
 
 impl FanotifyWatcher {
+    /// Watches the calling thread's mount namespace.
+    pub fn of_this_thread(waker: Arc<Waker>) -> Result<Self, WatchError> {
+        let namespace = fuse_supervisor_sys::ns::open_thread_mount_namespace()
+            .map_err(setup("mount namespace (/proc/thread-self/ns/mnt)"))?;
+        FanotifyWatcher::new(namespace.as_fd(), waker)
+    }
+
     /// Watches the mount namespace `namespace` (an open `/proc/<pid>/ns/mnt`,
     /// duplicated and kept: the mark is taken off for each heal and put back
     /// after). Fails on kernels without mount

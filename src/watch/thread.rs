@@ -7,12 +7,60 @@
 //! thread through the eventfd and joins it. No timer anywhere: a thread
 //! with nothing to report costs nothing.
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use fuse_supervisor_sys::poll::Waker;
+use fuse_supervisor_sys::poll::Poller;
+/// The eventfd that stops a watching thread (or, shared, every waiter of a
+/// shutdown): woken, never drained.
+pub use fuse_supervisor_sys::poll::Waker;
 use tracing::error;
+
+/// The token of the stop eventfd in a [`Waiting`]'s epoll.
+const STOP: u64 = u64::MAX;
+
+/// What a watching thread sleeps on: its own epoll, holding the eventfd
+/// that stops it and what it watches, each under a token of the caller's.
+pub struct Waiting {
+    poller: Poller,
+    ready: Vec<u64>,
+}
+
+/// What woke a [`Waiting`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Woken<'a> {
+    /// The stop eventfd: the thread ends.
+    Stop,
+    /// The tokens that are ready; none when the timeout passed.
+    Ready(&'a [u64]),
+}
+
+impl Waiting {
+    pub fn new(stop: &Waker) -> io::Result<Self> {
+        let poller = Poller::new()?;
+        poller.add_readable(stop.as_fd(), STOP)?;
+        Ok(Waiting { poller, ready: Vec::with_capacity(4) })
+    }
+
+    /// Wakes for `fd` becoming readable, as `token` (any but `u64::MAX`).
+    pub fn add_readable(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        debug_assert_ne!(token, STOP, "the stop eventfd's token");
+        self.poller.add_readable(fd, token)
+    }
+
+    /// Sleeps until something is ready, the stop eventfd is woken (which
+    /// wins), or `timeout` passed.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> io::Result<Woken<'_>> {
+        self.poller.wait(&mut self.ready, timeout)?;
+        if self.ready.contains(&STOP) {
+            return Ok(Woken::Stop);
+        }
+        Ok(Woken::Ready(&self.ready))
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ThreadError {

@@ -13,7 +13,6 @@ use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use fuse_supervisor_sys::poll::Poller;
 use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
@@ -22,7 +21,7 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
 use crate::watch::dir_changes::{Changes, DirChanges};
-use crate::watch::thread::{ThreadError, Watching};
+use crate::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -123,24 +122,24 @@ impl CertStore {
             let dir = watched_dir(file);
             changes.watch(&dir, Changes::Files).map_err(|source| TlsError::Watch { dir, source })?;
         }
-        let poller = Poller::new().map_err(setup)?;
         let waker = Watching::stop_waker("cert-watch")?;
-        poller.add_readable(changes.as_fd(), CHANGED).map_err(setup)?;
-        poller.add_readable(waker.as_fd(), STOP).map_err(setup)?;
+        let mut waiting = Waiting::new(&waker).map_err(setup)?;
+        waiting.add_readable(changes.as_fd(), CHANGED).map_err(setup)?;
         let store = self.clone();
-        let watching = Watching::start("cert-watch", waker, move || store.watch_loop(&mut changes, &poller, reloaded))?;
+        let watching =
+            Watching::start("cert-watch", waker, move || store.watch_loop(&mut changes, &mut waiting, reloaded))?;
         Ok(CertWatch { _watching: watching })
     }
 
-    fn watch_loop(&self, changes: &mut DirChanges, poller: &Poller, reloaded: impl Fn(&Result<bool, TlsError>)) {
-        let mut ready = Vec::new();
+    fn watch_loop(&self, changes: &mut DirChanges, waiting: &mut Waiting, reloaded: impl Fn(&Result<bool, TlsError>)) {
         loop {
-            if let Err(err) = poller.wait(&mut ready, None) {
-                tracing::error!(?err, "certificate watch failed; certificates are no longer reloaded");
-                return;
-            }
-            if ready.contains(&STOP) {
-                return;
+            match waiting.wait(None) {
+                Ok(Woken::Ready(_)) => {}
+                Ok(Woken::Stop) => return,
+                Err(err) => {
+                    tracing::error!(?err, "certificate watch failed; certificates are no longer reloaded");
+                    return;
+                }
             }
             let changed = match changes.drain() {
                 Ok(changed) => changed,
@@ -159,7 +158,6 @@ impl CertStore {
 }
 
 const CHANGED: u64 = 0;
-const STOP: u64 = 1;
 
 /// The certificate watch thread; stopped and joined on drop.
 #[derive(Debug)]

@@ -24,7 +24,7 @@ fn main() -> ExitCode {
         Command::Status { node, json, mountinfo } => status::status(&node, json, mountinfo.as_deref()),
         Command::Heal { node, log, dry_run, .. } => {
             log.init();
-            node::prepare_descriptors();
+            node::prepare_process();
             node.config().and_then(|config| heal::heal_once(&config, dry_run))
         }
         Command::Webhook { webhook, log } => {

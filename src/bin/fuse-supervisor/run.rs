@@ -19,7 +19,7 @@ use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
 use crate::kubelet::{EventsArgs, KubeletArgs};
-use crate::node::{NodeArgs, prepare_descriptors};
+use crate::node::{NodeArgs, prepare_process};
 
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Sidecar mode")]
@@ -316,7 +316,7 @@ pub(crate) fn command(
     log: LogArgs,
 ) -> anyhow::Result<()> {
     log.init();
-    prepare_descriptors();
+    prepare_process();
     let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
     let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
     node.config()

@@ -41,7 +41,7 @@ use error::quote;
 pub use error::{Field, ParseError, ParseErrorKind, QUOTE_LIMIT};
 
 pub use escaped::Escaped;
-pub use reader::MountInfoReader;
+pub use reader::{MountInfoReader, take_change_flag};
 #[doc(hidden)]
 #[cfg(feature = "testbed")]
 pub use synthetic::synthetic_table;

@@ -7,6 +7,12 @@ use std::path::Path;
 
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 
+/// Takes mountinfo's change flag (`POLLPRI` on an open mountinfo file):
+/// whether the namespace's table changed since it was last taken.
+pub fn take_change_flag(mountinfo: &std::fs::File) -> io::Result<bool> {
+    priority_pending(mountinfo.as_fd())
+}
+
 /// How many times `read` reads again when the table changed during a read.
 /// Each reread of a 10,000-mount table costs the kernel ~30 ms; a namespace
 /// that changes faster than that forever would otherwise hold the reader.

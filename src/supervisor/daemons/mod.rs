@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::heal::priority::HealActivity;
+use crate::heal::priority::{HealActivity, HealPriority};
 use crate::model::table::Dev;
 use crate::plan::flapping::FlappingPolicy;
 use crate::watch::processes::{
@@ -282,7 +282,7 @@ impl Daemons {
                     // A new daemon is looked for while its mount is being
                     // healed: the /proc walk waits for the heal, and takes
                     // no CPU another process wants.
-                    if let Err(err) = fuse_supervisor_sys::process::lower_thread_priority() {
+                    if let Err(err) = HealPriority::lower_this_thread() {
                         debug!(%err, "daemon discovery keeps the normal CPU priority");
                     }
                     discovery_loop(&queue, &proc_root, &*watcher, &holders, &heal_activity, send)
