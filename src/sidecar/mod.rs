@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant, SystemTime};
 
-use fuse_supervisor_sys::poll::{Poller, Waker};
 use tracing::{debug, info, warn};
 
 use crate::heal::Healed;
@@ -41,6 +40,7 @@ use crate::report::{HealReport, Report, Reporters, TargetEvent};
 use crate::shutdown::Shutdown;
 use crate::watch::processes::fuse_server::FuseServerError;
 use crate::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
+use crate::watch::thread::{Waiting, Waker, Woken};
 use plan::SidecarPlan;
 
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +83,6 @@ pub struct SidecarConfig {
 const RESCAN_FIRST: Duration = Duration::from_millis(200);
 const RESCAN_LONGEST: Duration = Duration::from_secs(5);
 
-const SHUTDOWN: u64 = 0;
 const INBOX: u64 = 1;
 
 /// What other threads tell the loop.
@@ -97,7 +96,7 @@ enum Message {
 struct Sidecar<'a> {
     config: &'a SidecarConfig,
     own_namespace: u64,
-    poller: Poller,
+    waiting: Waiting,
     /// Open mountinfo of every namespace of the pod, registered under its id.
     tables: BTreeMap<u64, File>,
     daemons: PidfdWatcher,
@@ -126,11 +125,9 @@ pub fn run(config: &SidecarConfig, shutdown: &Shutdown) -> Result<(), SidecarErr
     let own_path = Path::new("/proc/self/ns/mnt");
     let own_namespace =
         scan::namespace_id(own_path).map_err(|source| SidecarError::Proc { path: own_path.to_path_buf(), source })?;
-    let poller = Poller::new().map_err(SidecarError::Poll)?;
-    let shutdown_waker = shutdown.waker();
-    poller.add_readable(shutdown_waker.as_fd(), SHUTDOWN).map_err(SidecarError::Poll)?;
+    let waiting = Waiting::new(&shutdown.waker()).map_err(SidecarError::Poll)?;
     let inbox_waker = Arc::new(Waker::new().map_err(SidecarError::Poll)?);
-    poller.add_readable(inbox_waker.as_fd(), INBOX).map_err(SidecarError::Poll)?;
+    waiting.add_readable(inbox_waker.as_fd(), INBOX).map_err(SidecarError::Poll)?;
     let (send, inbox) = mpsc::channel();
     let (deaths, waker) = (send.clone(), Arc::clone(&inbox_waker));
     let daemons = PidfdWatcher::start(
@@ -156,7 +153,7 @@ pub fn run(config: &SidecarConfig, shutdown: &Shutdown) -> Result<(), SidecarErr
     let mut sidecar = Sidecar {
         config,
         own_namespace,
-        poller,
+        waiting,
         tables: BTreeMap::new(),
         daemons,
         broken: BTreeMap::new(),
@@ -198,8 +195,11 @@ impl Sidecar<'_> {
                 }
             };
             events.clear();
-            self.poller.wait(&mut events, timeout).map_err(SidecarError::Wait)?;
-            if shutdown.requested() || events.contains(&SHUTDOWN) {
+            match self.waiting.wait(timeout).map_err(SidecarError::Wait)? {
+                Woken::Stop => return Ok(()),
+                Woken::Ready(ready) => events.extend_from_slice(ready),
+            }
+            if shutdown.requested() {
                 return Ok(());
             }
             if events.contains(&INBOX) {
@@ -258,7 +258,7 @@ impl Sidecar<'_> {
             let keep = current.contains_key(id);
             if !keep {
                 // Closing the file unregisters it anyway.
-                let _ = self.poller.remove(file.as_fd());
+                let _ = self.waiting.remove(file.as_fd());
             }
             keep
         });
@@ -268,7 +268,7 @@ impl Sidecar<'_> {
                 continue;
             }
             let path = self.config.proc_root.join(pid.to_string()).join("mountinfo");
-            let opened = File::open(&path).and_then(|file| self.poller.add_priority(file.as_fd(), id).map(|()| file));
+            let opened = File::open(&path).and_then(|file| self.waiting.add_priority(file.as_fd(), id).map(|()| file));
             match opened {
                 Ok(file) => {
                     debug!(namespace = id, pid, "watching a container's mount table");

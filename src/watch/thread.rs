@@ -39,6 +39,8 @@ pub enum Woken<'a> {
 }
 
 impl Waiting {
+    /// Its epoll holds `stop`'s eventfd, which must stay open as long (its
+    /// owner, the [`Watching`] or the shutdown, keeps it).
     pub fn new(stop: &Waker) -> io::Result<Self> {
         let poller = Poller::new()?;
         poller.add_readable(stop.as_fd(), STOP)?;
@@ -49,6 +51,18 @@ impl Waiting {
     pub fn add_readable(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
         debug_assert_ne!(token, STOP, "the stop eventfd's token");
         self.poller.add_readable(fd, token)
+    }
+
+    /// Wakes for `fd`'s `POLLPRI` (a mountinfo file's "the table changed"),
+    /// as `token`.
+    pub fn add_priority(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        debug_assert_ne!(token, STOP, "the stop eventfd's token");
+        self.poller.add_priority(fd, token)
+    }
+
+    /// No longer wakes for `fd` (closing it does that too).
+    pub fn remove(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        self.poller.remove(fd)
     }
 
     /// Sleeps until something is ready, the stop eventfd is woken (which

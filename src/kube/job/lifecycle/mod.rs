@@ -14,7 +14,6 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::poll::{Poller, Waker};
 use tracing::{debug, error, info, warn};
 
 use super::assess::{Assessment, Exits, assess, runtime_id};
@@ -30,9 +29,8 @@ use crate::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
     ProcessWatcher,
 };
-use crate::watch::thread::Watching;
+use crate::watch::thread::{Waiting, Waker, Watching, Woken};
 
-const STOP: u64 = 1;
 const PROCESSES: u64 = 2;
 const PODS: u64 = 3;
 
@@ -54,11 +52,10 @@ impl JobLifecycle {
         config.kubelet.load()?;
         let client = config.kubelet.clone();
         let setup = |what| move |source| JobError::Setup { what, source };
-        let poller = Poller::new().map_err(setup("epoll"))?;
         let stop = Watching::stop_waker("job-lifecycle")?;
         let arrived = Arc::new(Waker::new().map_err(setup("eventfd"))?);
-        poller.add_readable(stop.as_fd(), STOP).map_err(setup("epoll"))?;
-        poller.add_readable(arrived.as_fd(), PROCESSES).map_err(setup("epoll"))?;
+        let waiting = Waiting::new(&stop).map_err(setup("epoll"))?;
+        waiting.add_readable(arrived.as_fd(), PROCESSES).map_err(setup("epoll"))?;
         let inbox: Arc<Mutex<Vec<ProcessEvent>>> = Arc::default();
         let sink = {
             let (inbox, arrived) = (inbox.clone(), arrived.clone());
@@ -81,14 +78,14 @@ impl JobLifecycle {
         let pods_dir = match &config.scope {
             // One pod, already there: nothing new to look out for.
             JobScope::Pod { .. } => None,
-            JobScope::Node(_) => watch_pods_dir(&config, &poller),
+            JobScope::Node(_) => watch_pods_dir(&config, &waiting),
         };
         let mut lifecycle = Lifecycle {
             client,
             watcher,
             inbox,
             arrived,
-            poller,
+            waiting,
             pods_dir,
             own_cgroups: std::fs::read_to_string(config.proc_root.join("self/cgroup")).unwrap_or_default(),
             config,
@@ -105,7 +102,7 @@ impl JobLifecycle {
 
 /// An inotify watch on `<kubelet_root>/pods`, added from a thread that
 /// joined the supervisor's namespace (the watch outlives it).
-fn watch_pods_dir(config: &JobConfig, poller: &Poller) -> Option<DirChanges> {
+fn watch_pods_dir(config: &JobConfig, waiting: &Waiting) -> Option<DirChanges> {
     let pods = config.kubelet_root.join("pods");
     let namespace = config.mount_namespace.clone();
     let added = DirChanges::new().and_then(|changes| {
@@ -118,7 +115,7 @@ fn watch_pods_dir(config: &JobConfig, poller: &Poller) -> Option<DirChanges> {
                 .join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("the watch thread panicked")))
         })?;
-        poller.add_readable(changes.as_fd(), PODS)?;
+        waiting.add_readable(changes.as_fd(), PODS)?;
         Ok(changes)
     });
     match added {
@@ -197,7 +194,7 @@ struct Lifecycle {
     watcher: Box<dyn ProcessWatcher>,
     inbox: Arc<Mutex<Vec<ProcessEvent>>>,
     arrived: Arc<Waker>,
-    poller: Poller,
+    waiting: Waiting,
     pods_dir: Option<DirChanges>,
     /// `/proc/self/cgroup`: tells the supervisor's own container in sidecar mode.
     own_cgroups: String,
@@ -218,20 +215,20 @@ impl Lifecycle {
             JobScope::Pod { uid } => format!("pod {uid}"),
         };
         info!(scope, grace_ms = self.config.grace.as_millis() as u64, "job lifecycle started");
-        let mut ready = Vec::new();
         loop {
             let timeout = self.next_deadline().map(|at| at.saturating_duration_since(Instant::now()));
-            if let Err(err) = self.poller.wait(&mut ready, timeout) {
-                error!(?err, "job lifecycle cannot wait for events; stopping");
-                return;
-            }
-            if ready.contains(&STOP) {
-                return;
-            }
-            if ready.contains(&PODS) {
+            let (pods, processes) = match self.waiting.wait(timeout) {
+                Ok(Woken::Stop) => return,
+                Ok(Woken::Ready(ready)) => (ready.contains(&PODS), ready.contains(&PROCESSES)),
+                Err(err) => {
+                    error!(?err, "job lifecycle cannot wait for events; stopping");
+                    return;
+                }
+            };
+            if pods {
                 self.on_pod_dirs();
             }
-            if ready.contains(&PROCESSES) && !self.on_process_events() {
+            if processes && !self.on_process_events() {
                 return;
             }
             let now = Instant::now();
