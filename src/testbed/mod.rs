@@ -11,6 +11,7 @@ pub mod admission;
 pub mod apiserver;
 pub mod cgroup;
 pub mod container;
+pub mod fuzz;
 pub mod kubelet;
 mod logs;
 mod reader;
