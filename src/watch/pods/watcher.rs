@@ -200,12 +200,16 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             .add_readable(fresh.as_fd(), INOTIFY)
             .map_err(|source| PodWatchError::Setup { what: "inotify", source })?;
         self.inotify = fresh;
-        self.scan()
+        let started = std::time::Instant::now();
+        let pods = self.scan()?;
+        let took_us = started.elapsed().as_micros() as u64;
+        tracing::info!(pods, took_us, "pod directories rescanned");
+        Ok(())
     }
 
     /// Watches and reads the whole tree into a fresh model, sent as one
-    /// `Resync` followed by the errors met on the way.
-    fn scan(&mut self) -> Result<(), PodWatchError> {
+    /// `Resync` followed by the errors met on the way; how many pods it has.
+    fn scan(&mut self) -> Result<usize, PodWatchError> {
         self.watches.table.clear();
         let mut directory = PodDirectory::default();
         let mut errors = Vec::new();
@@ -221,9 +225,10 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             &mut WatchVisit { inotify: &self.inotify, watches: &mut self.watches, out: &mut collect },
         )?;
         self.watches.table.shrink_to_fit();
+        let pods = directory.len();
         (self.sink)(PodChange::Resync(directory));
         errors.into_iter().for_each(&mut self.sink);
-        Ok(())
+        Ok(pods)
     }
 }
 
