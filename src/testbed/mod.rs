@@ -18,6 +18,7 @@ mod reader;
 pub mod runc;
 mod sandbox;
 pub mod scenario;
+pub mod storm;
 mod supervisor_process;
 pub mod system;
 
