@@ -76,3 +76,29 @@ impl TableSource for TextTable {
         self.reader.release_buffer();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use tracing::Level;
+
+    use super::*;
+    use crate::testbed::CapturedLogs;
+
+    #[test]
+    fn a_malformed_line_is_logged_once_and_the_others_are_used() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(b"91 90 0:46 / /g rw shared:2 - fuse.bindfs bindfs rw\n92 90 0:46 / /p\\9 rw - fuse.bindfs bindfs rw\n93 90 0:46 / /pods/a/mount rw shared:2 - fuse.bindfs bindfs rw\n").unwrap();
+        let mut table = TextTable::new(MountInfoReader::open(file.path()).unwrap());
+        let logs = CapturedLogs::default();
+        let snapshots = logs.capture(Level::WARN, || [table.snapshot().unwrap(), table.snapshot().unwrap()]);
+        for snapshot in snapshots {
+            let kept: Vec<u32> = snapshot.fuse_mounts.iter().map(|mount| mount.mount_id).collect();
+            assert_eq!(kept, [91, 93]);
+        }
+        let text = logs.text();
+        assert_eq!(text.matches("malformed mount table line left out").count(), 1, "{text}");
+        assert!(text.contains("mountinfo line 2: field `mount point`: invalid escape"), "{text}");
+    }
+}
