@@ -21,7 +21,7 @@
 //! Every flag is also an environment variable (`OVERFLOW_BENCH_ROUNDS`).
 //! Needs root, /dev/fuse, bindfs and Linux 6.15+.
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use fuse_supervisor::testbed::storm::{StormNode, StormPlan};
 
@@ -54,10 +54,9 @@ fn main() {
     for round in 1..=rounds {
         let mut node = StormNode::prepare(Path::new(BINARY), plan, &["--log", "info"]).expect("a supervised node");
         let from = node.supervisor.log_len();
-        let storm = node.storm().expect("the storm");
-        let (thawed, thawed_at) = (SystemTime::now(), Instant::now());
+        let (storm, thawed) = node.storm().expect("the storm");
         node.wait_for_healthy_targets(node.targets.len(), TIMEOUT).expect("every target known");
-        let all_known = thawed_at.elapsed();
+        let all_known = thawed.elapsed().unwrap_or_default();
         let mounts = logged(&node, from, thawed, |line| {
             line.contains("\"mount table resynced\"") && line.contains("\"overflow\"")
         });

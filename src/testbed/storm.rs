@@ -12,7 +12,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::process::{Signal, signal};
@@ -129,8 +129,9 @@ impl StormNode {
     }
 
     /// Freezes the supervisor, makes the storm, and thaws it; how long the
-    /// storm took. The thaw happens even if the storm fails half-way.
-    pub fn storm(&mut self) -> Result<Duration, ScenarioError> {
+    /// storm took, and when the thaw was (just before `SIGCONT`). The thaw
+    /// happens even if the storm fails half-way.
+    pub fn storm(&mut self) -> Result<(Duration, SystemTime), ScenarioError> {
         let plan = self.plan;
         let pods = self.sandbox.kubelet_root().join("pods");
         let new_targets: Vec<PathBuf> =
@@ -143,10 +144,10 @@ impl StormNode {
         self.sandbox
             .run(move || storm_in_namespace(&plan, &pods, &source, &targets, &deleted, &flood))
             .map_err(io_step("the storm"))?;
-        let took = started.elapsed();
+        let (took, thawed) = (started.elapsed(), SystemTime::now());
         drop(frozen);
         self.targets.extend(new_targets);
-        Ok(took)
+        Ok((took, thawed))
     }
 }
 
