@@ -63,25 +63,39 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Parses a mountinfo table, keeping the FUSE mounts.
+    /// Parses a mountinfo table, keeping the FUSE mounts; refuses a table
+    /// with a malformed line.
     pub fn parse(table: &[u8]) -> Result<Self, ParseError> {
-        let mut table_order = 0;
-        let kept = mountinfo::parse_table_with(table, |entry| {
-            table_order += 1;
-            entry.is_fuse().then(|| FuseMount {
-                mount_id: entry.mount_id,
-                parent_id: entry.parent_id,
-                dev: Dev { major: entry.major, minor: entry.minor },
-                root: entry.root.to_path().into_owned(),
-                mount_point: entry.mount_point.to_path().into_owned(),
-                peer_group: entry.propagation.shared,
-                master: entry.propagation.master,
-                fs_type: entry.fs_type.to_owned(),
-                source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
-                table_order,
-            })
-        })?;
+        let kept = mountinfo::parse_table_with(table, fuse_mount_of())?;
         Ok(Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts })
+    }
+
+    /// Parses a mountinfo table, keeping the FUSE mounts of every
+    /// well-formed line; the malformed lines' errors come with it.
+    pub fn parse_lenient(table: &[u8]) -> (Self, Vec<ParseError>) {
+        let kept = mountinfo::parse_table_lenient_with(table, fuse_mount_of());
+        (Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts }, kept.malformed)
+    }
+}
+
+/// What a snapshot keeps of a line: a FUSE mount, numbered in table order
+/// (the well-formed lines counted).
+fn fuse_mount_of() -> impl FnMut(&mountinfo::MountInfo<'_>) -> Option<FuseMount> {
+    let mut table_order = 0;
+    move |entry| {
+        table_order += 1;
+        entry.is_fuse().then(|| FuseMount {
+            mount_id: entry.mount_id,
+            parent_id: entry.parent_id,
+            dev: Dev { major: entry.major, minor: entry.minor },
+            root: entry.root.to_path().into_owned(),
+            mount_point: entry.mount_point.to_path().into_owned(),
+            peer_group: entry.propagation.shared,
+            master: entry.propagation.master,
+            fs_type: entry.fs_type.to_owned(),
+            source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
+            table_order,
+        })
     }
 }
 
@@ -362,6 +376,23 @@ pub fn root_within(source_root: &Path, target_root: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_malformed_line_leaves_out_its_own_mount_only() {
+        let table = b"91 90 0:46 / /g rw shared:2 - fuse.bindfs bindfs rw\n\
+92 90 0:46 / /pods/a/mount rw shared:2 - fuse.bindfs bindfs rw\n\
+93 90 0:46 / pods/b/mount rw shared:2 - fuse.bindfs bindfs rw\n\
+94 90 0:46 / /pods/c/mount rw shared:2 - fuse.bindfs bindfs rw\n";
+        let err = Snapshot::parse(table).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "mountinfo line 3: field `mount point`: relative path `pods/b/mount`, the kernel prints mount points from `/`"
+        );
+        let (snapshot, malformed) = Snapshot::parse_lenient(table);
+        let kept: Vec<u32> = snapshot.fuse_mounts.iter().map(|mount| mount.mount_id).collect();
+        assert_eq!((kept, snapshot.total_mounts), (vec![91, 92, 94], 3));
+        assert_eq!(malformed, [err]);
+    }
 
     const PATHS: &[&str] = &[
         "/",

@@ -10,6 +10,7 @@ use fuse_supervisor_sys::ns;
 use crate::heal::probe::ProbeOutcome;
 use crate::heal::{Executor, Prepared};
 use crate::model::mountinfo::MountInfoReader;
+use crate::model::source::TextTable;
 use crate::model::table::TargetKind;
 use crate::plan;
 use crate::report::error_chain;
@@ -32,7 +33,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     let reader = MountInfoReader::open(Path::new("/proc/thread-self/mountinfo"))
         .map_err(|source| SupervisorError::Open { what: "/proc/thread-self/mountinfo".into(), source })?;
     let (events, inbox) = mpsc::channel();
-    let mut supervisor = Supervisor::new(config, Box::new(reader), events, Arc::default())?;
+    let mut supervisor = Supervisor::new(config, Box::new(TextTable::new(reader)), events, Arc::default())?;
     let mut summary = OnceSummary::default();
     let Some(classified) = supervisor.read_table() else { return Ok(summary) };
     // The read may have learned binds of sources too.

@@ -14,7 +14,7 @@ use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
 use crate::kube::Asker;
 use crate::model::mountinfo::MountInfoReader;
-use crate::model::source::TableSource;
+use crate::model::source::{TableSource, TextTable};
 use crate::model::state::{Journal, StateError, StateWriter};
 use crate::model::table::Layout;
 use crate::plan::confirm::Confirmations;
@@ -110,7 +110,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         (WatchMode::Events(_), None) if KeptTable::listing_supported() => {
             (Box::new(KeptTable::from_listings(open_mountinfo()?)), "listmount")
         }
-        _ => (Box::new(MountInfoReader::from_file(open_mountinfo()?)), "mountinfo text"),
+        _ => (Box::new(TextTable::new(MountInfoReader::from_file(open_mountinfo()?))), "mountinfo text"),
     };
     let table_watch = watcher.rearm_handle();
     let watching = spawn_watcher(watcher, shared, events.clone(), config.heal_priority, shutdown)?;

@@ -11,12 +11,14 @@ pub mod admission;
 pub mod apiserver;
 pub mod cgroup;
 pub mod container;
+pub mod fuzz;
 pub mod kubelet;
 mod logs;
 mod reader;
 pub mod runc;
 mod sandbox;
 pub mod scenario;
+pub mod storm;
 mod supervisor_process;
 pub mod system;
 

@@ -155,7 +155,8 @@ impl MountEventReader {
     /// empty (`EAGAIN`). Returns how many there were. A record the kernel
     /// should never send (an unknown metadata version, a truncated event, a
     /// mount event without its mount ID) is an `InvalidData` error that says
-    /// which; the events before it were handled.
+    /// which and at which byte of the read; the events before it were
+    /// handled.
     pub fn drain(&mut self, group: &MountEvents, mut handle: impl FnMut(MountEvent)) -> io::Result<usize> {
         let mut count = 0;
         loop {
@@ -168,27 +169,75 @@ impl MountEventReader {
             if len == 0 {
                 return Ok(count);
             }
-            let mut rest = &self.buf[..len];
-            while !rest.is_empty() {
-                let (event, event_len) = parse_event(rest)?;
-                handle(event);
-                count += 1;
-                rest = &rest[event_len..];
-            }
+            let close = |fd| {
+                // Mount events carry no fd; should one come anyway, it is
+                // ours to close.
+                // SAFETY: `decode_events` reports only the fd of an event
+                // whose header it checked whole: one the kernel installed in
+                // our table for this event alone, which nothing else knows of.
+                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            };
+            count += decode_events(&self.buf[..len], &mut handle, close)
+                .map_err(|err| io::Error::new(io::ErrorKind::InvalidData, err))?;
         }
     }
 }
 
-fn invalid(what: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, what)
+/// A fanotify read that is not a sequence of mount events: where it stops
+/// making sense, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError {
+    /// The byte of the read where the bad event starts.
+    pub offset: usize,
+    /// The read's length.
+    pub len: usize,
+    pub problem: String,
 }
 
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fanotify event at byte {} of a {}-byte read: {}", self.offset, self.len, self.problem)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// Decodes what one `read` of a mount-event group returned: hands each event
+/// to `handle`, in order, and each fd the kernel installed with one (mount
+/// events carry none) to `installed`, which must close it. Returns how many
+/// events there were; stops at the first record that does not decode, the
+/// events before it handled. Pure: touches nothing but its arguments.
+pub fn decode_events(
+    read: &[u8],
+    mut handle: impl FnMut(MountEvent),
+    mut installed: impl FnMut(i32),
+) -> Result<usize, DecodeError> {
+    let mut offset = 0;
+    let mut count = 0;
+    while offset < read.len() {
+        let at = |problem| DecodeError { offset, len: read.len(), problem };
+        let (event, event_len, fd) = parse_event(&read[offset..]).map_err(at)?;
+        if let Some(fd) = fd {
+            installed(fd);
+        }
+        handle(event.map_err(at)?);
+        count += 1;
+        offset += event_len;
+    }
+    Ok(count)
+}
+
+/// An event whose header holds: what it says (or why its body does not
+/// decode), its length, and the fd the kernel installed with it.
+type Framed = (Result<MountEvent, String>, usize, Option<i32>);
+
 /// Decodes the event at the start of `bytes` (what one `read` returned from
-/// there on): the event and its length. Bounds are checked before each field
-/// is read.
-fn parse_event(bytes: &[u8]) -> io::Result<(MountEvent, usize)> {
+/// there on). Bounds are checked before each field is read. A header that
+/// does not hold is an error; an event whose header holds but whose body
+/// does not is the inner error, so that the length and fd are known.
+fn parse_event(bytes: &[u8]) -> Result<Framed, String> {
     type Metadata = libc::fanotify_event_metadata;
-    let short = || invalid(format!("fanotify read left {} bytes, less than an event header", bytes.len()));
+    let short = || format!("{} bytes left, less than an event header", bytes.len());
     if bytes.len() < METADATA_LEN {
         return Err(short());
     }
@@ -198,35 +247,28 @@ fn parse_event(bytes: &[u8]) -> io::Result<(MountEvent, usize)> {
     let mask = u64_at(bytes, offset_of!(Metadata, mask)).ok_or_else(short)?;
     let fd = u32_at(bytes, offset_of!(Metadata, fd)).ok_or_else(short)? as i32;
     if version != libc::FANOTIFY_METADATA_VERSION {
-        return Err(invalid(format!(
-            "fanotify event has metadata version {version}, not {}",
-            libc::FANOTIFY_METADATA_VERSION
-        )));
+        return Err(format!("metadata version {version}, not {}", libc::FANOTIFY_METADATA_VERSION));
     }
     if event_len < METADATA_LEN || event_len > bytes.len() || metadata_len < METADATA_LEN || metadata_len > event_len {
-        return Err(invalid(format!(
-            "fanotify event of {event_len} bytes (header {metadata_len}) does not fit the {} bytes read",
+        return Err(format!(
+            "an event of {event_len} bytes (header {metadata_len}) does not fit the {} bytes left",
             bytes.len()
-        )));
+        ));
     }
-    if fd >= 0 {
-        // Mount events carry no fd; should one come anyway, it is ours to close.
-        // SAFETY: the kernel installed this fd in our table for this event
-        // alone; nothing else knows of it.
-        drop(unsafe { OwnedFd::from_raw_fd(fd) });
-    }
+    let fd = (fd >= 0).then_some(fd);
     if mask & libc::FAN_Q_OVERFLOW != 0 {
-        return Ok((MountEvent::Overflow, event_len));
+        return Ok((Ok(MountEvent::Overflow), event_len, fd));
     }
-    let mount_id = mount_id(&bytes[metadata_len..event_len])
-        .ok_or_else(|| invalid(format!("fanotify mount event (mask {mask:#x}) has no mount ID record")))?;
-    let event = match (mask & FAN_MNT_ATTACH != 0, mask & FAN_MNT_DETACH != 0) {
-        (true, true) => MountEvent::Moved(mount_id),
-        (true, false) => MountEvent::Attached(mount_id),
-        (false, true) => MountEvent::Detached(mount_id),
-        (false, false) => return Err(invalid(format!("fanotify event with mask {mask:#x} is not a mount event"))),
+    let event = match mount_id(&bytes[metadata_len..event_len]) {
+        None => Err(format!("a mount event (mask {mask:#x}) without a mount ID record")),
+        Some(mount_id) => match (mask & FAN_MNT_ATTACH != 0, mask & FAN_MNT_DETACH != 0) {
+            (true, true) => Ok(MountEvent::Moved(mount_id)),
+            (true, false) => Ok(MountEvent::Attached(mount_id)),
+            (false, true) => Ok(MountEvent::Detached(mount_id)),
+            (false, false) => Err(format!("an event with mask {mask:#x}, not a mount event")),
+        },
     };
-    Ok((event, event_len))
+    Ok((event, event_len, fd))
 }
 
 /// The mount ID in the info records that follow an event's metadata.
@@ -274,31 +316,53 @@ mod tests {
         assert_eq!(offset_of!(InfoMnt, mnt_id), 8);
     }
 
-    #[test]
-    fn decodes_attach_detach_move_and_overflow() {
-        let (attach, len) = parse_event(&event(FAN_MNT_ATTACH, 0x1_0000_0042)).unwrap();
-        assert_eq!((attach, len), (MountEvent::Attached(0x1_0000_0042), 40));
-        assert_eq!(parse_event(&event(FAN_MNT_DETACH, 7)).unwrap().0, MountEvent::Detached(7));
-        assert_eq!(parse_event(&event(FAN_MNT_ATTACH | FAN_MNT_DETACH, 8)).unwrap().0, MountEvent::Moved(8));
-        let mut overflow = event(libc::FAN_Q_OVERFLOW, 0);
-        overflow.truncate(METADATA_LEN);
-        overflow[0..4].copy_from_slice(&(METADATA_LEN as u32).to_ne_bytes());
-        assert_eq!(parse_event(&overflow).unwrap(), (MountEvent::Overflow, METADATA_LEN));
+    /// Decodes one read; the fds it found with the events.
+    fn decode(read: &[u8]) -> Result<(Vec<MountEvent>, Vec<i32>), DecodeError> {
+        let (mut events, mut fds) = (Vec::new(), Vec::new());
+        decode_events(read, |event| events.push(event), |fd| fds.push(fd))?;
+        Ok((events, fds))
     }
 
     #[test]
-    fn refuses_truncated_and_foreign_records() {
+    fn decodes_attach_detach_move_and_overflow() {
+        let mut read = event(FAN_MNT_ATTACH, 0x1_0000_0042);
+        read.extend(event(FAN_MNT_DETACH, 7));
+        read.extend(event(FAN_MNT_ATTACH | FAN_MNT_DETACH, 8));
+        let mut overflow = event(libc::FAN_Q_OVERFLOW, 0);
+        overflow.truncate(METADATA_LEN);
+        overflow[0..4].copy_from_slice(&(METADATA_LEN as u32).to_ne_bytes());
+        read.extend(overflow);
+        let expected = vec![
+            MountEvent::Attached(0x1_0000_0042),
+            MountEvent::Detached(7),
+            MountEvent::Moved(8),
+            MountEvent::Overflow,
+        ];
+        assert_eq!(decode(&read).unwrap(), (expected, vec![]));
+    }
+
+    #[test]
+    fn refuses_truncated_and_foreign_records_naming_the_byte() {
         let whole = event(FAN_MNT_ATTACH, 1);
-        let err = parse_event(&whole[..30]).unwrap_err();
-        assert!(err.to_string().contains("does not fit the 30 bytes read"), "{err}");
+        let mut read = whole.clone();
+        read.extend(&whole[..30]);
+        let err = decode(&read).unwrap_err();
+        assert_eq!(err.offset, 40);
+        assert_eq!(
+            err.to_string(),
+            "fanotify event at byte 40 of a 70-byte read: an event of 40 bytes (header 24) does not fit the 30 bytes left"
+        );
         let mut old = whole.clone();
         old[4] = 2;
-        assert!(parse_event(&old).unwrap_err().to_string().contains("metadata version 2"));
+        assert!(decode(&old).unwrap_err().to_string().contains("metadata version 2"));
         let mut no_id = whole.clone();
         no_id[METADATA_LEN] = 6;
-        assert!(parse_event(&no_id).unwrap_err().to_string().contains("no mount ID record"));
-        let mut bad_len = whole;
+        assert!(decode(&no_id).unwrap_err().to_string().contains("without a mount ID record"));
+        let mut bad_len = whole.clone();
         bad_len[METADATA_LEN + 2..METADATA_LEN + 4].copy_from_slice(&2u16.to_ne_bytes());
-        assert!(parse_event(&bad_len).is_err(), "a record shorter than its header must not loop");
+        assert!(decode(&bad_len).is_err(), "a record shorter than its header must not loop");
+        let mut with_fd = whole;
+        with_fd[16..20].copy_from_slice(&5i32.to_ne_bytes());
+        assert_eq!(decode(&with_fd).unwrap(), (vec![MountEvent::Attached(1)], vec![5]), "the fd is handed back");
     }
 }

@@ -423,8 +423,9 @@ fn messages(datagram: &[u8]) -> impl Iterator<Item = &[u8]> {
     .filter(|message| message.len() >= EVENT_OFFSET + EVENT_HEADER_LEN)
 }
 
-/// `(cn_msg.ack, errno)` of an acknowledgement in `datagram`.
-fn decode_ack(datagram: &[u8]) -> Option<(u32, u32)> {
+/// `(cn_msg.ack, errno)` of an acknowledgement in `datagram`, if it holds
+/// one. Pure, like [`decode_datagram`].
+pub fn decode_ack(datagram: &[u8]) -> Option<(u32, u32)> {
     messages(datagram).find_map(|message| {
         let what = u32_at(message, EVENT_OFFSET)?;
         (what == PROC_EVENT_NONE).then_some(())?;
@@ -432,7 +433,11 @@ fn decode_ack(datagram: &[u8]) -> Option<(u32, u32)> {
     })
 }
 
-fn decode_datagram(datagram: &[u8], events: &mut Vec<TimedEvent>) {
+/// Appends the process events of one datagram (as received from the
+/// kernel) to `events`. Messages that are not the process connector's, or
+/// too short to hold an event, are skipped; a length that does not fit the
+/// datagram ends it. Pure: touches nothing but its arguments.
+pub fn decode_datagram(datagram: &[u8], events: &mut Vec<TimedEvent>) {
     events.extend(messages(datagram).filter_map(|message| decode_event(&message[EVENT_OFFSET..])));
 }
 

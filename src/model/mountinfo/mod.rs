@@ -110,10 +110,14 @@ pub fn parse_table(text: &[u8]) -> Result<Vec<MountInfo<'_>>, ParseError> {
     // than the vector's few regrowths.
     let mut mounts = Vec::with_capacity(text.len() / 256 + 1);
     let mut seen = SeenIds::default();
-    for_each_line(text, |mount| {
-        seen.insert(mount.mount_id);
-        mounts.push(mount);
-    })?;
+    for_each_line(
+        text,
+        |mount| {
+            seen.insert(mount.mount_id);
+            mounts.push(mount);
+        },
+        Err,
+    )?;
     if seen.repeated() {
         let ids: Vec<u32> = mounts.iter().map(|mount| mount.mount_id).collect();
         let mut keep = dedup::last_of_each_id(&ids).into_iter();
@@ -129,48 +133,92 @@ pub struct Kept<T> {
     pub items: Vec<T>,
     /// How many mounts the table lists (after deduplication), kept or not.
     pub total_mounts: usize,
+    /// The lines that did not parse, in order ([`parse_table_lenient_with`]
+    /// only: the strict parse stops at the first).
+    pub malformed: Vec<ParseError>,
 }
 
 /// Parses a whole table, keeping only what `keep` makes of a line (for
 /// callers that want a few mounts, e.g. the FUSE ones, and nothing borrowed).
 /// Deduplicated like [`parse_table`]: an item is dropped when a later line
-/// lists its mount again, even if `keep` skipped that later line.
+/// lists its mount again, even if `keep` skipped that later line. Stops at
+/// the first malformed line.
 pub fn parse_table_with<'a, T>(
     text: &'a [u8],
+    keep: impl FnMut(&MountInfo<'a>) -> Option<T>,
+) -> Result<Kept<T>, ParseError> {
+    kept_lines(text, keep, Err)
+}
+
+/// [`parse_table_with`] past malformed lines: every well-formed line is
+/// handed to `keep`, and every malformed one is in [`Kept::malformed`]. For
+/// the loop, where one line the kernel should never have written must not
+/// hide every other mount (and so every other target) of the table.
+pub fn parse_table_lenient_with<'a, T>(text: &'a [u8], keep: impl FnMut(&MountInfo<'a>) -> Option<T>) -> Kept<T> {
+    let mut malformed = Vec::new();
+    let kept = kept_lines(text, keep, |err| {
+        malformed.push(err);
+        Ok(())
+    });
+    // Lenient: `kept_lines` fails only when the malformed-line handler does.
+    let mut kept = kept.unwrap_or_else(|_| Kept { items: Vec::new(), total_mounts: 0, malformed: Vec::new() });
+    kept.malformed = malformed;
+    kept
+}
+
+/// The well-formed lines' items; `malformed` says whether a malformed line
+/// stops the parse (its error returned) or not (`Ok`).
+#[inline(always)]
+fn kept_lines<'a, T>(
+    text: &'a [u8],
     mut keep: impl FnMut(&MountInfo<'a>) -> Option<T>,
+    malformed: impl FnMut(ParseError) -> Result<(), ParseError>,
 ) -> Result<Kept<T>, ParseError> {
     let mut items = Vec::new();
     let mut item_lines = Vec::new();
     let mut seen = SeenIds::default();
+    // The index of the line among the well-formed ones.
     let mut line = 0;
-    for_each_line(text, |mount| {
-        seen.insert(mount.mount_id);
-        if let Some(item) = keep(&mount) {
-            items.push(item);
-            item_lines.push(line);
-        }
-        line += 1;
-    })?;
+    for_each_line(
+        text,
+        |mount| {
+            seen.insert(mount.mount_id);
+            if let Some(item) = keep(&mount) {
+                items.push(item);
+                item_lines.push(line);
+            }
+            line += 1;
+        },
+        malformed,
+    )?;
     if seen.repeated() {
         // Rare (an inconsistent read): parse again for every line's ID.
-        let ids = parse_lines(text).map(|mount| mount.map(|mount| mount.mount_id)).collect::<Result<Vec<_>, _>>()?;
+        let ids: Vec<u32> = parse_lines(text).filter_map(|mount| Some(mount.ok()?.mount_id)).collect();
         let last = dedup::last_of_each_id(&ids);
         let mut lines = item_lines.into_iter();
         items.retain(|_| lines.next().is_some_and(|line| last.get(line).copied().unwrap_or(true)));
     }
-    Ok(Kept { items, total_mounts: seen.distinct() })
+    Ok(Kept { items, total_mounts: seen.distinct(), malformed: Vec::new() })
 }
 
-/// Calls `each` with every line of a table, in order; stops at the first
-/// malformed one.
+/// Calls `each` with every well-formed line of a table, in order, and
+/// `malformed` with the error of every other line; stops at the first error
+/// `malformed` returns.
 #[inline(always)]
-fn for_each_line<'a>(text: &'a [u8], mut each: impl FnMut(MountInfo<'a>)) -> Result<(), ParseError> {
+fn for_each_line<'a>(
+    text: &'a [u8],
+    mut each: impl FnMut(MountInfo<'a>),
+    mut malformed: impl FnMut(ParseError) -> Result<(), ParseError>,
+) -> Result<(), ParseError> {
     let text_utf8 = Utf8::check(text);
     let (mut start, mut line_number) = (0, 0);
     while start < text.len() {
         line_number += 1;
         let (mount, next_start) = parse_at(text, text_utf8, start, line_number);
-        each(mount?);
+        match mount {
+            Ok(mount) => each(mount),
+            Err(err) => malformed(err)?,
+        }
         start = next_start;
     }
     Ok(())

@@ -164,19 +164,24 @@ impl Journal {
     /// Loads the state file, or starts empty when there is none yet.
     pub fn load(state_dir: &Path) -> Result<Self, StateError> {
         let path = state_dir.join(STATE_FILE);
-        let file = match fs::read(&path) {
-            Ok(bytes) => {
-                let file: StateFile = serde_json::from_slice(&bytes)
-                    .map_err(|source| StateError::Invalid { path: path.clone(), source })?;
-                if file.version != STATE_VERSION {
-                    return Err(StateError::Version { path, found: file.version });
-                }
-                file
+        match fs::read(&path) {
+            Ok(bytes) => Journal::parse(&bytes, &path),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                Ok(Journal { path, mappings: HashMap::new(), sources: BTreeMap::new() })
             }
-            Err(err) if err.kind() == io::ErrorKind::NotFound => StateFile::default(),
-            Err(source) => return Err(StateError::Read { path, source }),
-        };
-        Ok(Journal { path, mappings: file.targets, sources: file.sources })
+            Err(source) => Err(StateError::Read { path, source }),
+        }
+    }
+
+    /// A state file's contents; `path` is where it is kept (and saved),
+    /// named in errors.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, StateError> {
+        let file: StateFile =
+            serde_json::from_slice(bytes).map_err(|source| StateError::Invalid { path: path.to_path_buf(), source })?;
+        if file.version != STATE_VERSION {
+            return Err(StateError::Version { path: path.to_path_buf(), found: file.version });
+        }
+        Ok(Journal { path: path.to_path_buf(), mappings: file.targets, sources: file.sources })
     }
 
     /// Loads the state file for `run`. One that cannot be used (unreadable,

@@ -239,7 +239,13 @@ impl SourceLayouts {
     pub fn with_rules_from(self, config: &Path) -> Result<Self, LayoutError> {
         let text =
             fs::read_to_string(config).map_err(|source| LayoutError::Read { path: config.to_path_buf(), source })?;
-        Ok(SourceLayouts { rules: parse_rules(&text, config)?, ..self })
+        self.with_rules(&text, config)
+    }
+
+    /// Adds the rules of a layout config's text; `config` names the file in
+    /// errors.
+    pub fn with_rules(self, text: &str, config: &Path) -> Result<Self, LayoutError> {
+        Ok(SourceLayouts { rules: parse_rules(text, config)?, ..self })
     }
 
     /// The one mounted source the first applicable layout finds for

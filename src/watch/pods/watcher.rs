@@ -20,6 +20,7 @@
 //! the volume without its data for good. So a CSI volume directory is also
 //! watched for `IN_CREATE`, and a `vol_data.json` found there empty or cut
 //! short gets a watch of its own, whose events come from the file's inode.
+use std::ffi::{OsStr, OsString};
 use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::AsFd;
@@ -95,10 +96,27 @@ struct Watcher<S> {
     sink: S,
 }
 
-/// Why event handling stopped before the queue was empty.
-enum Stop {
-    Rescan,
-    Failed(PodWatchError),
+/// Events read in one go past this are a storm outrunning the reads: four
+/// times the kernel's default queue (`fs.inotify.max_queued_events`).
+const MOST_QUEUED: usize = 4 * 16384;
+
+/// An event read off the queue, owned until it is handled.
+struct QueuedEvent {
+    wd: i32,
+    flags: EventFlags,
+    name: Option<OsString>,
+}
+
+impl From<Event<'_>> for QueuedEvent {
+    fn from(event: Event<'_>) -> Self {
+        QueuedEvent { wd: event.wd, flags: event.flags, name: event.name.map(OsStr::to_os_string) }
+    }
+}
+
+impl QueuedEvent {
+    fn borrowed(&self) -> Event<'_> {
+        Event { wd: self.wd, flags: self.flags, name: self.name.as_deref() }
+    }
 }
 
 impl<S: FnMut(PodChange)> Watcher<S> {
@@ -125,26 +143,53 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             if ready.contains(&STOP) {
                 return Ok(());
             }
-            let Watcher { inotify, reader, watches, sink, .. } = self;
-            let mut stop = None;
-            let flow = reader
-                .drain(inotify, |event| match watches.handle(inotify, event, &mut *sink) {
-                    Ok(ControlFlow::Continue(())) => ControlFlow::Continue(()),
-                    Ok(ControlFlow::Break(())) => {
-                        stop = Some(Stop::Rescan);
-                        ControlFlow::Break(())
-                    }
-                    Err(err) => {
-                        stop = Some(Stop::Failed(err));
-                        ControlFlow::Break(())
-                    }
-                })
-                .map_err(PodWatchError::Read)?;
-            match (flow, stop) {
-                (ControlFlow::Continue(()), _) => {}
-                (ControlFlow::Break(()), Some(Stop::Failed(err))) => return Err(err),
-                (ControlFlow::Break(()), _) => self.rescan()?,
+            let Some(events) = self.read_queue()? else {
+                self.rescan()?;
+                continue;
+            };
+            let Watcher { inotify, watches, sink, .. } = self;
+            let mut rescan = false;
+            for event in &events {
+                if watches.handle(inotify, event.borrowed(), &mut *sink)?.is_break() {
+                    rescan = true;
+                    break;
+                }
             }
+            if rescan {
+                self.rescan()?;
+            }
+        }
+    }
+
+    /// Reads every queued event before any is handled: after an overflow
+    /// the events before it are moot (the rescan reads the tree anew), and
+    /// handling them first, a walk of each new pod, took longer than the
+    /// rescan (10,000 pods: 0.3 s more before it). None when events were
+    /// lost, or arrive faster than they are read: a rescan is due.
+    fn read_queue(&mut self) -> Result<Option<Vec<QueuedEvent>>, PodWatchError> {
+        let mut events = Vec::new();
+        let mut lost = None;
+        // Broken off only when `lost` says why.
+        let _ = self
+            .reader
+            .drain(&self.inotify, |event| {
+                if event.flags.contains(EventFlags::QUEUE_OVERFLOW) {
+                    lost = Some("inotify queue overflowed; rescanning pod directories");
+                } else if events.len() >= MOST_QUEUED {
+                    lost = Some("inotify events come faster than they are read; rescanning pod directories");
+                } else {
+                    events.push(QueuedEvent::from(event));
+                    return ControlFlow::Continue(());
+                }
+                ControlFlow::Break(())
+            })
+            .map_err(PodWatchError::Read)?;
+        match lost {
+            Some(why) => {
+                tracing::warn!(pods = %self.watches.pods_dir.display(), "{why}");
+                Ok(None)
+            }
+            None => Ok(Some(events)),
         }
     }
 
@@ -157,12 +202,16 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             .add_readable(fresh.as_fd(), INOTIFY)
             .map_err(|source| PodWatchError::Setup { what: "inotify", source })?;
         self.inotify = fresh;
-        self.scan()
+        let started = std::time::Instant::now();
+        let pods = self.scan()?;
+        let took_us = started.elapsed().as_micros() as u64;
+        tracing::info!(pods, took_us, "pod directories rescanned");
+        Ok(())
     }
 
     /// Watches and reads the whole tree into a fresh model, sent as one
-    /// `Resync` followed by the errors met on the way.
-    fn scan(&mut self) -> Result<(), PodWatchError> {
+    /// `Resync` followed by the errors met on the way; how many pods it has.
+    fn scan(&mut self) -> Result<usize, PodWatchError> {
         self.watches.table.clear();
         let mut directory = PodDirectory::default();
         let mut errors = Vec::new();
@@ -178,9 +227,10 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             &mut WatchVisit { inotify: &self.inotify, watches: &mut self.watches, out: &mut collect },
         )?;
         self.watches.table.shrink_to_fit();
+        let pods = directory.len();
         (self.sink)(PodChange::Resync(directory));
         errors.into_iter().for_each(&mut self.sink);
-        Ok(())
+        Ok(pods)
     }
 }
 
@@ -220,18 +270,14 @@ impl Visit for WatchVisit<'_> {
 }
 
 impl Watches {
-    /// Decodes one event. `Break`: events were lost or cannot be followed
-    /// incrementally, rescan.
+    /// Decodes one event. `Break`: it cannot be followed incrementally,
+    /// rescan.
     fn handle(
         &mut self,
         inotify: &Inotify,
         event: Event<'_>,
         sink: &mut dyn FnMut(PodChange),
     ) -> Result<ControlFlow<()>, PodWatchError> {
-        if event.flags.contains(EventFlags::QUEUE_OVERFLOW) {
-            tracing::warn!(pods = %self.pods_dir.display(), "inotify queue overflowed; rescanning pod directories");
-            return Ok(ControlFlow::Break(()));
-        }
         let Some(dir) = self.table.get(event.wd) else {
             // A watch already forgotten (its pod went first).
             return Ok(ControlFlow::Continue(()));
