@@ -1,3 +1,4 @@
+use super::fields::parse_u32;
 use super::*;
 
 #[test]
