@@ -297,6 +297,20 @@ fn every_runc_container_heals_with_one_layer_after_demofs_mounts_over_its_stale_
     every_container_heals(Daemon::DemoFs, Restart::MountOverStale, 10);
 }
 
+/// Third-party daemons from Debian besides bindfs: rclone (Go, its own
+/// FUSE library, mounts through fusermount3) restarting as libfuse daemons
+/// must, and sshfs (libfuse3) handed a connection mounted over its stale
+/// mount.
+#[test]
+fn every_runc_container_heals_with_one_layer_after_rclone_restarts() {
+    every_container_heals(Daemon::Rclone, Restart::UnmountThenMount, 10);
+}
+
+#[test]
+fn every_runc_container_heals_with_one_layer_after_sshfs_mounts_over_its_stale_mount() {
+    every_container_heals(Daemon::Sshfs, Restart::MountOverStale, 10);
+}
+
 /// After a heal, a HostToContainer container still receives what the host
 /// mounts under the pod's volume (its new mount is a slave of the source),
 /// and a None container still does not.
