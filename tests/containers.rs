@@ -8,6 +8,7 @@
 //! table, the host's and the kernel's list of FUSE connections are back to
 //! what they were before the first crash. Needs root and /dev/fuse.
 use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -162,6 +163,16 @@ impl Node {
         }
     }
 
+    /// Crashes the daemon once the supervisor watches it, and waits until
+    /// every container sees it; returns the dead connection's minor.
+    fn crash(&mut self, cycle: usize) -> u32 {
+        self.daemon_watched();
+        let dead_minor = self.source_minor();
+        self.source.crash().expect("crash the daemon");
+        self.all_fail(cycle);
+        dead_minor
+    }
+
     /// The minor of the FUSE device of the source's current mount.
     fn source_minor(&self) -> u32 {
         let ids = scenario::fuse_mount_ids_at(&self.sandbox, &self.source.path);
@@ -250,11 +261,8 @@ fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
     let host_baseline = node.host_mounts();
 
     for cycle in 1..=cycles {
-        node.daemon_watched();
-        let dead_minor = node.source_minor();
         let daemon = node.source.pid().expect("daemon running");
-        node.source.crash().expect("crash the daemon");
-        node.all_fail(cycle);
+        let dead_minor = node.crash(cycle);
         if restart == Restart::MountOverStale {
             node.death_seen(daemon);
         }
@@ -322,10 +330,7 @@ fn a_healed_host_to_container_volume_still_receives_host_mounts() {
     node.all_read(0);
     node.start_supervisor();
     let host_baseline = node.host_mounts();
-    node.daemon_watched();
-    let dead_minor = node.source_minor();
-    node.source.crash().expect("crash the daemon");
-    node.all_fail(1);
+    let dead_minor = node.crash(1);
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
     node.all_read(1);
     node.settled(1, host_baseline, dead_minor);
@@ -349,6 +354,60 @@ fn a_healed_host_to_container_volume_still_receives_host_mounts() {
         )
     });
     assert!(!tmpfs_at_sub(&node.containers[1]), "the None container received a host mount");
+}
+
+/// A namespace made during the outage holds copies of the dead mounts
+/// made after the death was seen, which the search at the death did not
+/// find. (Not a runc container: runc stats a volume's source before binding
+/// it, so a container bound to a dead target fails to start, ENOTCONN, and
+/// its kubelet starts it again after the heal.) Here a process that
+/// unshares its own, private namespace (as `unshare -m` does): found after
+/// the host heal, healed with one layer, and pinning no dead connection.
+#[test]
+fn a_namespace_made_during_the_outage_is_healed_with_one_layer() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("before", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+    let dead_minor = node.crash(1);
+    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+
+    let mut command = std::process::Command::new(fuse_supervisor::testbed::system::program("unshare"));
+    command.args(["--mount", "--propagation", "private", "sleep", "600"]);
+    let process = node.sandbox.spawn(command).expect("unshare");
+    let sandbox_namespace = std::fs::metadata(node.sandbox.namespace_path()).expect("sandbox namespace").ino();
+    let namespace = || std::fs::metadata(format!("/proc/{}/ns/mnt", process.pid())).map(|meta| meta.ino()).ok();
+    scenario::wait_for("the process in a namespace of its own", HEAL_TIMEOUT, || {
+        namespace().is_some_and(|inode| inode != sandbox_namespace)
+    })
+    .unwrap();
+    let target = node.sandbox.pod_volume_dir("before", "data");
+    let layers = || {
+        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", process.pid())).unwrap_or_default();
+        let point = target.to_str().expect("a UTF-8 path");
+        table
+            .lines()
+            .filter(|line| line.split(' ').nth(4) == Some(point) && line.contains(" - fuse"))
+            .filter_map(|line| line.split(' ').nth(2).map(str::to_owned))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(layers(), [format!("0:{dead_minor}")], "its copy of the target is the dead mount");
+
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    node.all_read(1);
+    // Read through its own root: its namespace's tree.
+    let data = PathBuf::from(format!("/proc/{}/root", process.pid())).join(target.strip_prefix("/").unwrap());
+    let expected = node.source.expected_content();
+    scenario::wait_for("the process's copy read again", HEAL_TIMEOUT, || {
+        std::fs::read_to_string(data.join(DATA_FILE)).is_ok_and(|read| read == expected)
+    })
+    .unwrap_or_else(|err| panic!("{err}: layers {:?}", layers()));
+    let live = layers();
+    assert_eq!(live.len(), 1, "one layer: {live:?}");
+    assert_ne!(live[0], format!("0:{dead_minor}"), "{live:?}");
+    node.settled(1, host_baseline, dead_minor);
 }
 
 /// The test bed itself: a container reads its volume through runc, `runc

@@ -407,6 +407,11 @@ pub struct MountExecutor {
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
     isolated: BTreeMap<Dev, Vec<containers::ForeignMount>>,
+    /// Handles on the stale layers of the last batch, kept from its flatten
+    /// to its heal in containers: they keep the dead connections alive, so
+    /// their device numbers are nobody else's while containers are searched
+    /// by number for mounts made during the outage.
+    pinned: Vec<OwnedFd>,
 }
 
 impl MountExecutor {
@@ -427,7 +432,15 @@ impl MountExecutor {
         if !mount_beneath {
             info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
         }
-        Ok(MountExecutor { mounter, pool, mount_beneath, watched, watched_inode, isolated: BTreeMap::new() })
+        Ok(MountExecutor {
+            mounter,
+            pool,
+            mount_beneath,
+            watched,
+            watched_inode,
+            isolated: BTreeMap::new(),
+            pinned: Vec::new(),
+        })
     }
 
     /// Flattens as on a kernel that cannot slide a mount beneath another.
@@ -495,15 +508,34 @@ impl Executor for MountExecutor {
     }
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
-        // Only what was isolated before the host heal: no walk after it. The
-        // host heal let go of the dead connection's last mounts here, and a
-        // freed device number is soon another connection's (another pod's,
-        // live): a walk by number would then find and replace its mounts.
+        let pinned = std::mem::take(&mut self.pinned);
         let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(dev)).flatten().collect();
-        if isolated.is_empty() {
-            return Vec::new();
+        let mut outcomes = if isolated.is_empty() {
+            Vec::new()
+        } else {
+            containers::replace(&self.watched, source, &source.root, &isolated)
+        };
+        // Then the namespaces that got a copy of a dead mount during the
+        // outage (a container started meanwhile): found by device number,
+        // which only the pins make safe. Without them (a heal by the
+        // kernel's propagation) the host heal let go of the dead
+        // connection's last mounts here, and a freed number is soon another
+        // connection's (another pod's, live), whose mounts a walk would
+        // find and replace.
+        if pinned.is_empty() {
+            return outcomes;
         }
-        containers::replace(&self.watched, source, &source.root, &isolated)
+        let mut skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
+        skip.insert(self.watched_inode);
+        match containers::find(Path::new("/proc"), &skip, dead) {
+            Ok(found) if !found.is_empty() => {
+                outcomes.extend(containers::replace(&self.watched, source, &source.root, &found));
+            }
+            Ok(_) => {}
+            Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
+        }
+        drop(pinned);
+        outcomes
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
@@ -536,6 +568,9 @@ impl Executor for MountExecutor {
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
+        // A copy per stale layer (a dup each): any of them may be the only
+        // one of its dead connection.
+        self.pinned = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect();
         // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the
         // flatten, which only the host sees, comes after.

@@ -173,6 +173,9 @@ impl<E: Executor> Supervisor<E> {
         let started = Instant::now();
         let outcomes = self.executor.heal_containers(dead, top);
         let took = started.elapsed();
+        // From the first sight of the new mount to the last container of
+        // the batch healed (they heal at once, and are reported together).
+        let latency = self.source_seen_at(source, top.dev).map(|seen| seen.elapsed().as_micros() as u64);
         for (foreign, outcome) in &outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
             let propagation = match foreign.propagation {
@@ -181,7 +184,7 @@ impl<E: Executor> Supervisor<E> {
             };
             match outcome {
                 Ok(ForeignHealed::Replaced) => {
-                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us = took.as_micros() as u64, "container healed");
+                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us = took.as_micros() as u64, latency_us = latency, "container healed");
                 }
                 Ok(ForeignHealed::Stacked { why }) => {
                     warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
