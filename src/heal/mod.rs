@@ -146,6 +146,11 @@ pub trait Executor {
     fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
         Vec::new()
     }
+
+    /// Heals `mounts` again, whose heal from `source` failed before.
+    fn retry_containers(&mut self, _mounts: &[containers::ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
+        Vec::new()
+    }
 }
 
 /// What [`Executor::isolate_containers`] did.
@@ -536,6 +541,10 @@ impl Executor for MountExecutor {
         }
         drop(pinned);
         outcomes
+    }
+
+    fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
+        containers::replace(&self.watched, source, &source.root, mounts)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
