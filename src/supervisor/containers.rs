@@ -32,9 +32,8 @@ impl<E: Executor> Supervisor<E> {
     /// heal from `source` (its mount `top`), in parallel: by a batch, or by
     /// the kernel's propagation of a mount over the stale source.
     pub(super) fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &Path, top: &FuseMount) {
-        if dead.is_empty() {
-            return;
-        }
+        // Called with no dead connection too: the executor lets go of what
+        // it kept for the search after the heal.
         let started = Instant::now();
         let outcomes = self.executor.heal_containers(dead, top);
         // From the first sight of the new mount to the last container of
@@ -141,5 +140,22 @@ fn namespace_gone(err: &ContainerHealError) -> bool {
         ContainerHealError::NamespaceGone { .. } => true,
         ContainerHealError::OpenNamespace { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_namespace_nobody_is_left_in_ends_the_retries() {
+        let gone = ContainerHealError::NamespaceGone { pid: 7, expected: 4026531840 };
+        assert!(namespace_gone(&gone));
+        let exited = ContainerHealError::OpenNamespace { pid: 7, source: std::io::ErrorKind::NotFound.into() };
+        assert!(namespace_gone(&exited));
+        let refused = ContainerHealError::OpenNamespace { pid: 7, source: std::io::ErrorKind::PermissionDenied.into() };
+        assert!(!namespace_gone(&refused));
+        let busy = ContainerHealError::Thread { pid: 7, source: std::io::Error::other("no thread") };
+        assert!(!namespace_gone(&busy));
     }
 }
