@@ -112,19 +112,28 @@ impl Node {
         self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
     }
 
-    /// The supervisor has seen the death of daemon `pid`. A restart that
-    /// mounts over the stale mount covers every copy it propagates to, the
-    /// host's targets and a HostToContainer container's volume: a layer
-    /// covered before the death is seen has no handle and no path left to
-    /// remove it by (a README limit), so such a restart must come after
-    /// (on a loaded machine the death can be seen 100 ms late, the restart
-    /// comes within milliseconds). An unmount-then-mount restart needs no
-    /// wait: its heal isolates the containers first if the death was not
-    /// seen yet.
-    fn death_seen(&self, pid: u32) {
+    /// The supervisor has seen the death of daemon `pid`, and detached its
+    /// dead mount from the source path (the `cycle`th time) (`--detach-dead-sources`, milliseconds later, once nobody holds
+    /// the connection). A restart that mounts over the stale mount covers
+    /// every copy it propagates to, the host's targets and a
+    /// HostToContainer container's volume: a layer covered before the
+    /// death is seen has no handle and no path left to remove it by (a
+    /// README limit), so such a restart must come after (on a loaded
+    /// machine the death can be seen 100 ms late, the restart comes within
+    /// milliseconds); and one between the check of the dead mount and its
+    /// detach has its new mount detached with it (another README limit),
+    /// so it comes after the detach, as a FUSE pod's restart does. An
+    /// unmount-then-mount restart needs no wait: its heal isolates the
+    /// containers first if the death was not seen yet.
+    fn death_seen(&self, pid: u32, cycle: usize) {
+        let supervisor = self.supervisor.as_ref().expect("supervisor running");
         let pid = format!("\"pid\":{pid},");
         let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"") && line.contains(&pid);
-        self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, died).unwrap();
+        supervisor.wait_for_log(HEAL_TIMEOUT, died).unwrap();
+        // Counted: device numbers are reused from one cycle to the next.
+        let detached =
+            || supervisor.log().iter().filter(|line| line.contains("\"message\":\"dead source detached")).count();
+        scenario::wait_for("the dead source detached", HEAL_TIMEOUT, || detached() >= cycle).unwrap();
     }
 
     /// The host's mounts: all of the sandbox's, or, after a restart over
@@ -264,7 +273,7 @@ fn every_container_heals(daemon: Daemon, restart: Restart, cycles: usize) {
         let daemon = node.source.pid().expect("daemon running");
         let dead_minor = node.crash(cycle);
         if restart == Restart::MountOverStale {
-            node.death_seen(daemon);
+            node.death_seen(daemon, cycle);
         }
         node.source.restart(&node.sandbox, restart).expect("restart the daemon");
         node.all_read(cycle);
