@@ -522,7 +522,8 @@ impl Executor for MountExecutor {
             containers::replace(&self.watched, source, &source.root, &isolated)
         };
         // Then the namespaces that got a copy of a dead mount during the
-        // outage (a container started meanwhile): found by device number,
+        // outage (a process that unshared its own meanwhile; runc refuses
+        // to start a container on a dead volume): found by device number,
         // which only the pins make safe. Without them (a heal by the
         // kernel's propagation) the host heal let go of the dead
         // connection's last mounts here, and a freed number is soon another
