@@ -93,6 +93,7 @@ impl JobPod {
                 let (b, m) = (backing.display().to_string(), mount.display().to_string());
                 fuse_cgroup.command(&system::program("bindfs"), &["-f", "-o", "allow_other", &b, &m], ignore_term)
             }
+            other => panic!("the Job tests run demofs or bindfs, not {}", other.name()),
         };
         let daemon = sandbox.spawn(command).expect("start the FUSE daemon");
         wait_for("the FUSE mount", TIMEOUT, || !fuse_mount_ids_at(&sandbox, &mount).is_empty()).expect("mounted");

@@ -146,8 +146,14 @@ pub trait Executor {
 
     /// After the host heal of a batch from `source`: replaces the mounts of
     /// the `dead` connections in other namespaces with clones of `source`,
-    /// in parallel, and says how each went.
+    /// in parallel, and says how each went. Called after every heal, with
+    /// no dead connection too.
     fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
+        Vec::new()
+    }
+
+    /// Heals `mounts` again, whose heal from `source` failed before.
+    fn retry_containers(&mut self, _mounts: &[containers::ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
         Vec::new()
     }
 }
@@ -411,6 +417,11 @@ pub struct MountExecutor {
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
     isolated: BTreeMap<Dev, Vec<containers::ForeignMount>>,
+    /// Handles on the stale layers of the last batch, kept from its flatten
+    /// to its heal in containers: they keep the dead connections alive, so
+    /// their device numbers are nobody else's while containers are searched
+    /// by number for mounts made during the outage.
+    pinned: Vec<OwnedFd>,
 }
 
 impl MountExecutor {
@@ -431,7 +442,15 @@ impl MountExecutor {
         if !mount_beneath {
             info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
         }
-        Ok(MountExecutor { mounter, pool, mount_beneath, watched, watched_inode, isolated: BTreeMap::new() })
+        Ok(MountExecutor {
+            mounter,
+            pool,
+            mount_beneath,
+            watched,
+            watched_inode,
+            isolated: BTreeMap::new(),
+            pinned: Vec::new(),
+        })
     }
 
     /// Flattens as on a kernel that cannot slide a mount beneath another.
@@ -499,15 +518,42 @@ impl Executor for MountExecutor {
     }
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
-        // Only what was isolated before the host heal: no walk after it. The
-        // host heal let go of the dead connection's last mounts here, and a
-        // freed device number is soon another connection's (another pod's,
-        // live): a walk by number would then find and replace its mounts.
+        let pinned = std::mem::take(&mut self.pinned);
         let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(dev)).flatten().collect();
-        if isolated.is_empty() {
-            return Vec::new();
+        let mut outcomes = if isolated.is_empty() {
+            Vec::new()
+        } else {
+            containers::replace(&self.watched, source, &source.root, &isolated)
+        };
+        // Then the namespaces that got a copy of a dead mount during the
+        // outage (a process that unshared its own meanwhile; runc refuses
+        // to start a container on a dead volume): found by device number,
+        // which only the pins make safe. Without them (a heal by the
+        // kernel's propagation) the host heal let go of the dead
+        // connection's last mounts here, and a freed number is soon another
+        // connection's (another pod's, live), whose mounts a walk would
+        // find and replace.
+        if pinned.is_empty() || dead.is_empty() {
+            return outcomes;
         }
-        containers::replace(&self.watched, source, &source.root, &isolated)
+        let mut skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
+        skip.insert(self.watched_inode);
+        let searched = std::time::Instant::now();
+        let found = containers::find(Path::new("/proc"), &skip, dead);
+        debug!(took_us = searched.elapsed().as_micros() as u64, "searched for dead mounts made during the outage");
+        match found {
+            Ok(found) if !found.is_empty() => {
+                outcomes.extend(containers::replace(&self.watched, source, &source.root, &found));
+            }
+            Ok(_) => {}
+            Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
+        }
+        drop(pinned);
+        outcomes
+    }
+
+    fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
+        containers::replace(&self.watched, source, &source.root, mounts)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
@@ -540,6 +586,9 @@ impl Executor for MountExecutor {
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
+        // A copy per stale layer (a dup each): any of them may be the only
+        // one of its dead connection.
+        self.pinned = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect();
         // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the
         // flatten, which only the host sees, comes after.

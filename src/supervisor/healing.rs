@@ -5,10 +5,9 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
-use crate::heal::containers::ForeignHealed;
-use crate::heal::{Executor, Healed, Prepared, Propagation};
+use crate::heal::{Executor, Healed, Prepared};
 use crate::model::state::{Mapping, TargetState, retry_delay};
-use crate::model::table::{Dev, FuseMount};
+use crate::model::table::Dev;
 use crate::plan::HealBatch;
 use crate::report::{HealReport, Report, TargetEvent, error_chain};
 
@@ -159,43 +158,5 @@ impl<E: Executor> Supervisor<E> {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
         self.heal_containers(&dead, &batch.source.path, batch.source.top());
-    }
-
-    /// The containers' mounts of the `dead` connections, after the host
-    /// heal from `source` (its mount `top`), in parallel: by a batch, or by
-    /// the kernel's propagation of a mount over the stale source.
-    pub(super) fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &Path, top: &FuseMount) {
-        if dead.is_empty() {
-            return;
-        }
-        let started = Instant::now();
-        let outcomes = self.executor.heal_containers(dead, top);
-        let took = started.elapsed();
-        for (foreign, outcome) in &outcomes {
-            let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
-            let propagation = match foreign.propagation {
-                Propagation::Slave => "slave",
-                _ => "private",
-            };
-            match outcome {
-                Ok(ForeignHealed::Replaced) => {
-                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us = took.as_micros() as u64, "container healed");
-                }
-                Ok(ForeignHealed::Stacked { why }) => {
-                    warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
-                }
-                Err(err) => {
-                    warn!(namespace, pid, mount_point = %mount_point, err = %error_chain(err), "container heal failed");
-                }
-            }
-            self.reporters.report(&Report::ContainerHealed {
-                source,
-                result: match outcome {
-                    Ok(ForeignHealed::Replaced) => "replaced",
-                    Ok(ForeignHealed::Stacked { .. }) => "stacked",
-                    Err(_) => "failed",
-                },
-            });
-        }
     }
 }

@@ -32,6 +32,7 @@ use crate::watch::mount_table::{Rearm, WatchMode};
 use crate::watch::pods::PodChange;
 
 mod confirmation;
+mod containers;
 pub mod daemons;
 mod degraded;
 mod healing;
@@ -200,6 +201,8 @@ struct Supervisor<E: Executor> {
     daemons: Option<Daemons>,
     /// Handles on the stale tops of targets whose daemon died.
     held: BTreeMap<PathBuf, degraded::Held>,
+    /// Container heals that failed, waiting for their retry.
+    container_retries: Vec<containers::ContainerRetry>,
     /// Heals per source, to tell a crash loop.
     flapping: Flapping,
     /// The journal changed since the state file was last written: written
@@ -307,11 +310,19 @@ impl<E: Executor> Supervisor<E> {
         let probes =
             self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
         let confirmations = self.confirmer.as_ref().and_then(|confirmer| confirmer.confirmations.next_deadline());
-        retries.chain(probes).chain(confirmations).chain(self.degraded_deadline()).filter(|at| *at > now).min()
+        let container_retries = self.container_retries.iter().map(|retry| retry.retry_at);
+        retries
+            .chain(probes)
+            .chain(confirmations)
+            .chain(self.degraded_deadline())
+            .chain(container_retries)
+            .filter(|at| *at > now)
+            .min()
     }
 
     fn on_deadline(&mut self) {
         self.on_degraded_deadline();
+        self.retry_containers();
         for source in self.prober.overdue() {
             // Handles on its targets' stale layers would keep their pods'
             // volumes busy for as long as the daemon does not answer.

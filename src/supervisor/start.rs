@@ -272,6 +272,7 @@ impl<E: Executor> Supervisor<E> {
             polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             held: BTreeMap::new(),
+            container_retries: Vec::new(),
             flapping: Flapping::new(config.daemons.flapping),
             state_dirty: false,
             state_writer: None,

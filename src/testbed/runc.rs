@@ -35,7 +35,7 @@ use super::{Observation, Sandbox};
 /// How long a container may take to start and report its first reading.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(20);
 /// The applets the rootfs links to busybox.
-const APPLETS: [&str; 8] = ["sh", "cat", "ls", "sleep", "usleep", "echo", "mount", "ln"];
+const APPLETS: [&str; 9] = ["sh", "cat", "ls", "sleep", "usleep", "echo", "mount", "umount", "ln"];
 /// Where each container mounts its volume.
 pub const VOLUME_IN_CONTAINER: &str = "/volume";
 /// A line the reader prints every second so that a closed pipe ends it.

@@ -6,11 +6,12 @@ use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fuse_supervisor_sys::fuse as sys_fuse;
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use fuse_supervisor_sys::pidfd::PidFd;
@@ -56,6 +57,15 @@ pub enum Daemon {
     DemoFs,
     /// Debian's bindfs, a libfuse3 daemon.
     Bindfs,
+    /// Debian's rclone, `rclone mount` of a local directory: a Go daemon
+    /// (its own FUSE library) that mounts through `fusermount3`.
+    Rclone,
+    /// Debian's sshfs, a libfuse3 daemon, in passive mode: SFTP over a pipe
+    /// to a local `sftp-server` (its helper process), no network. It alone
+    /// of the three can mount over its stale mount: given a `/dev/fuse`
+    /// already mounted there (`/dev/fd/N`, as a mount helper hands a daemon
+    /// its connection), libfuse serves it without looking at the mount point.
+    Sshfs,
 }
 
 impl Daemon {
@@ -63,7 +73,14 @@ impl Daemon {
         match self {
             Daemon::DemoFs => "demofs",
             Daemon::Bindfs => "bindfs",
+            Daemon::Rclone => "rclone",
+            Daemon::Sshfs => "sshfs",
         }
+    }
+
+    /// Whether it can be restarted with [`Restart::MountOverStale`].
+    pub fn mounts_over_stale(self) -> bool {
+        matches!(self, Daemon::DemoFs | Daemon::Sshfs)
     }
 }
 
@@ -89,6 +106,9 @@ pub struct FuseSource {
     daemon: Daemon,
     binary: PathBuf,
     process: Option<SandboxChild>,
+    /// A process the daemon needs beside it (sshfs's `sftp-server`),
+    /// killed with it.
+    helper: Option<SandboxChild>,
     generation: u32,
     /// How a demofs leaves its connection to another process, and the file
     /// where it writes that process's pid (as the sandbox sees it, and from
@@ -181,12 +201,13 @@ impl FuseSource {
             daemon,
             binary: binary.to_path_buf(),
             process: None,
+            helper: None,
             generation: 0,
             delegation,
             successor: None,
         };
         source.write_generation(sandbox)?;
-        source.launch(sandbox)?;
+        source.launch(sandbox, false)?;
         Ok(source)
     }
 
@@ -300,7 +321,9 @@ impl FuseSource {
         sandbox.run(move || fs::write(file, content)).map_err(io_step("write data file"))
     }
 
-    fn launch(&mut self, sandbox: &Sandbox) -> Result<(), ScenarioError> {
+    /// Starts the daemon; with `over_stale`, on a connection mounted over
+    /// whatever is at the path (sshfs only; demofs mounts over it itself).
+    fn launch(&mut self, sandbox: &Sandbox, over_stale: bool) -> Result<(), ScenarioError> {
         // Connections, not mount IDs: the ID of a dead mount detached just
         // before (by the supervisor) is free for the new one at once.
         let before = fuse_connections_in(&sandbox.mountinfo(), &self.path);
@@ -335,8 +358,22 @@ impl FuseSource {
                 command.args(["-f", "-o", "allow_other"]).arg(&self.backing).arg(&self.path);
                 command
             }
+            Daemon::Rclone => {
+                // An empty configuration: a local path needs no remote.
+                let config = sandbox.root().join("rclone.conf");
+                let written = config.clone();
+                sandbox.run(move || fs::write(written, "")).map_err(io_step("write rclone's configuration"))?;
+                let mut command = Command::new(super::system::program("rclone"));
+                command.arg("mount").arg(&self.backing).arg(&self.path).arg("--config").arg(config);
+                command.args(["--allow-other", "--log-level", "ERROR"]);
+                command
+            }
+            Daemon::Sshfs => self.sshfs_command(sandbox, over_stale)?,
         };
-        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        if self.daemon != Daemon::Sshfs {
+            command.stdin(Stdio::null()).stdout(Stdio::null());
+        }
+        command.stderr(Stdio::inherit());
         let process = sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?;
         let path = self.path.clone();
         let exited = || process.try_wait().ok().flatten();
@@ -356,10 +393,43 @@ impl FuseSource {
         Ok(())
     }
 
+    /// sshfs in passive mode, its SFTP session on a pair of pipes to a
+    /// local `sftp-server`, which is started here as its helper. With
+    /// `over_stale`, the connection is mounted here, over whatever is at
+    /// the path, and sshfs gets it as `/dev/fd/N`.
+    fn sshfs_command(&mut self, sandbox: &Sandbox, over_stale: bool) -> Result<Command, ScenarioError> {
+        let (from_sshfs, to_server) = io::pipe().map_err(io_step("make sshfs's pipes"))?;
+        let (from_server, to_sshfs) = io::pipe().map_err(io_step("make sshfs's pipes"))?;
+        let mut server = Command::new(super::system::program("sftp-server"));
+        server.stdin(from_sshfs).stdout(to_sshfs).stderr(Stdio::inherit());
+        self.helper = Some(sandbox.spawn(server).map_err(io_step("start sftp-server"))?);
+        let mut command = Command::new(super::system::program("sshfs"));
+        command.args(["-f", "-o", "passive,allow_other"]).arg(format!("localhost:{}", self.backing.display()));
+        if over_stale {
+            let (path, source) = (self.path.clone(), format!("localhost:{}", self.backing.display()));
+            let device = sandbox
+                .run(move || {
+                    let device = sys_fuse::open_device()?;
+                    sys_fuse::mount(device.as_fd(), &path, "sshfs", &source).map(|()| device)
+                })
+                .map_err(io_step(format!("mount sshfs's connection over {}", self.path.display())))?;
+            command.arg(format!("/dev/fd/{}", device.as_raw_fd()));
+            process::inherit_fd(&mut command, device);
+        } else {
+            command.arg(&self.path);
+        }
+        command.stdin(from_server).stdout(to_server);
+        Ok(command)
+    }
+
     /// SIGKILL: the mount stays, every access answers ENOTCONN.
     pub fn crash(&mut self) -> Result<(), ScenarioError> {
         if let Some(process) = self.process.take() {
             process.kill().map_err(io_step(format!("kill {}", self.daemon.name())))?;
+        }
+        // Its helper would end on the closed pipe; it is not left to.
+        if let Some(helper) = self.helper.take() {
+            helper.kill().map_err(io_step(format!("kill the helper of {}", self.daemon.name())))?;
         }
         self.kill_successor()
     }
@@ -395,14 +465,14 @@ impl FuseSource {
                 });
                 detached.map_err(io_step("detach the stale global mount"))?;
             }
-            Restart::MountOverStale if self.daemon == Daemon::Bindfs => {
+            Restart::MountOverStale if !self.daemon.mounts_over_stale() => {
                 return Err(ScenarioError::CannotMountOverStale { daemon: self.daemon.name() });
             }
             Restart::MountOverStale | Restart::InPlace => {}
         }
         self.generation += 1;
         self.write_generation(sandbox)?;
-        self.launch(sandbox)
+        self.launch(sandbox, style == Restart::MountOverStale && self.daemon == Daemon::Sshfs)
     }
 
     /// Binds the source into a pod volume directory, as a CSI driver does.

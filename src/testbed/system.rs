@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[allow(dead_code, reason = "the installer's half is used by `cargo xtask` only")]
 mod system_packages;
 
-use system_packages::{PackageManager, TEST_PACKAGES, find_program, missing_message};
+use system_packages::{PackageManager, TEST_PACKAGES, locate, missing_message};
 
 /// Where `program` is on `PATH`.
 ///
@@ -27,7 +27,7 @@ fn program_on(program: &str, search_path: &OsStr) -> PathBuf {
     let Some(package) = TEST_PACKAGES.iter().find(|package| package.program == program) else {
         panic!("{program} is not in xtask/src/system_packages.rs: add it there, so `cargo xtask test` installs it");
     };
-    match find_program(program, search_path) {
+    match locate(package, search_path) {
         Some(path) => path,
         None => panic!("{}", missing_message(&[*package], PackageManager::find(search_path))),
     }

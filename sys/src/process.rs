@@ -1,5 +1,6 @@
 //! Child processes that cannot outlive their creator, and signals.
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -21,6 +22,21 @@ pub fn kill_with_parent(command: &mut Command) -> &mut Command {
         command.pre_exec(|| {
             rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
                 .map_err(io::Error::from)
+        })
+    }
+}
+
+/// Leaves `fd` open in `command`'s child across its exec, at the same
+/// number (`/dev/fd/<n>` there, with `n` its raw number here): a descriptor
+/// handed to the program, as a mount helper hands a FUSE daemon the
+/// `/dev/fuse` it mounted. The command keeps it open until it is dropped.
+pub fn inherit_fd(command: &mut Command, fd: OwnedFd) -> &mut Command {
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // one async-signal-safe syscall (fcntl) on a descriptor the closure owns,
+    // so it is open in the child; it allocates nothing and takes no lock.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::io::fcntl_setfd(fd.as_fd(), rustix::io::FdFlags::empty()).map_err(io::Error::from)
         })
     }
 }

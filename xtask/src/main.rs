@@ -153,7 +153,26 @@ mod tests {
         assert_eq!(find_program("unshare", &search_path), Some(dir.join("unshare")));
         assert_eq!(find_program("bindfs", &search_path), None, "neither a directory nor a file without x");
         let missing: Vec<&str> = missing_packages(&search_path).iter().map(|package| package.program).collect();
-        assert_eq!(missing, ["bindfs", "fusermount3", "nsenter", "umount", "runc", "busybox"]);
+        // All but unshare, and but a helper this machine has off PATH.
+        let off_path = |program: &&str| locate(&package(program), std::ffi::OsStr::new("")).is_some();
+        let expected: Vec<&str> =
+            TEST_PACKAGES.iter().map(|package| package.program).filter(|p| *p != "unshare" && !off_path(p)).collect();
+        assert_eq!(missing, expected);
+        assert!(missing.starts_with(&["bindfs", "fusermount3", "nsenter", "umount", "runc", "busybox"]));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_helper_off_the_search_path_is_found_in_its_packages_directory() {
+        let dir = std::env::temp_dir().join(format!("xtask-libexec-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("sftp-server"), "#!/bin/sh\n").unwrap();
+        fs::set_permissions(dir.join("sftp-server"), fs::Permissions::from_mode(0o755)).unwrap();
+        let also_in: &'static [&'static str] = Box::leak(Box::new([&*dir.to_string_lossy().into_owned().leak()]));
+        let helper = SystemPackage { also_in, ..package("sftp-server") };
+        let empty = std::ffi::OsStr::new("");
+        assert_eq!(locate(&helper, empty), Some(dir.join("sftp-server")));
+        assert_eq!(locate(&SystemPackage { also_in: &[], ..helper }, empty), None);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -20,6 +20,9 @@ pub struct SystemPackage {
     pub rpm: &'static str,
     /// What the tests need it for, said when it is missing.
     pub used_for: &'static str,
+    /// Directories off `PATH` where the package puts it (a helper program
+    /// such as `sftp-server`), looked in after `PATH`.
+    pub also_in: &'static [&'static str],
 }
 
 /// Everything the tests run that a minimal system may lack (a shell and
@@ -30,42 +33,70 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         deb: "bindfs",
         rpm: "bindfs",
         used_for: "the third-party FUSE daemon of the heal tests",
+        also_in: &[],
     },
     SystemPackage {
         program: "fusermount3",
         deb: "fuse3",
         rpm: "fuse3",
         used_for: "libfuse's mount helper, which bindfs falls back to",
+        also_in: &[],
     },
     SystemPackage {
         program: "unshare",
         deb: "util-linux",
         rpm: "util-linux",
         used_for: "the private namespaces of the process and sidecar tests",
+        also_in: &[],
     },
     SystemPackage {
         program: "nsenter",
         deb: "util-linux",
         rpm: "util-linux",
         used_for: "entering a pod's namespaces in the sidecar tests",
+        also_in: &[],
     },
     SystemPackage {
         program: "umount",
         deb: "mount",
         rpm: "util-linux",
         used_for: "a FUSE container unmounting its dead mount in the sidecar tests",
+        also_in: &[],
     },
     SystemPackage {
         program: "runc",
         deb: "runc",
         rpm: "runc",
         used_for: "the real OCI containers of the top tier of the heal tests",
+        also_in: &[],
     },
     SystemPackage {
         program: "busybox",
         deb: "busybox-static",
         rpm: "busybox",
         used_for: "the static root filesystem of those containers",
+        also_in: &[],
+    },
+    SystemPackage {
+        program: "rclone",
+        deb: "rclone",
+        rpm: "rclone",
+        used_for: "a third-party FUSE daemon of the heal tests (`rclone mount` of a local directory)",
+        also_in: &[],
+    },
+    SystemPackage {
+        program: "sshfs",
+        deb: "sshfs",
+        rpm: "fuse-sshfs",
+        used_for: "a third-party FUSE daemon of the heal tests (SFTP over a pipe, no network)",
+        also_in: &[],
+    },
+    SystemPackage {
+        program: "sftp-server",
+        deb: "openssh-sftp-server",
+        rpm: "openssh-server",
+        used_for: "the SFTP server that sshfs talks to over a pipe in the heal tests",
+        also_in: &["/usr/lib/openssh", "/usr/libexec/openssh", "/usr/libexec"],
     },
 ];
 
@@ -120,9 +151,22 @@ impl PackageManager {
     }
 }
 
-/// The packages of `TEST_PACKAGES` whose program is not on `search_path`.
+/// The packages of `TEST_PACKAGES` whose program is not on `search_path`
+/// (nor where the package puts it off `PATH`).
 pub fn missing_packages(search_path: &OsStr) -> Vec<SystemPackage> {
-    TEST_PACKAGES.iter().filter(|package| find_program(package.program, search_path).is_none()).copied().collect()
+    TEST_PACKAGES.iter().filter(|package| locate(package, search_path).is_none()).copied().collect()
+}
+
+/// Where `package`'s program is: on `search_path`, else in one of the
+/// package's own directories.
+pub fn locate(package: &SystemPackage, search_path: &OsStr) -> Option<PathBuf> {
+    find_program(package.program, search_path).or_else(|| {
+        package
+            .also_in
+            .iter()
+            .map(|dir| Path::new(dir).join(package.program))
+            .find(|candidate| is_executable(candidate))
+    })
 }
 
 /// Where `program` is on `search_path` (a `PATH`-style list), if anywhere,

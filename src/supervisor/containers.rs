@@ -1,0 +1,161 @@
+//! The heal inside containers after a host heal (see
+//! [`crate::heal::containers`]), how each went, and the retries of those
+//! that failed: a failed container heal stays in the work set, retried with
+//! the targets' back-off, until it succeeds or its namespace is gone.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::heal::Propagation;
+use tracing::{info, warn};
+
+use crate::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
+use crate::heal::{ContainerOutcome, Executor};
+use crate::model::state::retry_delay;
+use crate::model::table::{Dev, FuseMount};
+use crate::report::{Report, error_chain};
+
+use super::Supervisor;
+
+/// A container heal that failed, waiting for its retry.
+#[derive(Debug)]
+pub(super) struct ContainerRetry {
+    foreign: ForeignMount,
+    /// The source whose current mount replaces the dead one.
+    source: PathBuf,
+    attempts: u32,
+    pub(super) retry_at: Instant,
+}
+
+impl<E: Executor> Supervisor<E> {
+    /// The containers' mounts of the `dead` connections, after the host
+    /// heal from `source` (its mount `top`), in parallel: by a batch, or by
+    /// the kernel's propagation of a mount over the stale source.
+    pub(super) fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &Path, top: &FuseMount) {
+        // Called with no dead connection too: the executor lets go of what
+        // it kept for the search after the heal.
+        let started = Instant::now();
+        let outcomes = self.executor.heal_containers(dead, top);
+        // From the first sight of the new mount to the last container of
+        // the batch healed (they heal at once, and are reported together).
+        let latency = self.source_seen_at(source, top.dev).map(|seen| seen.elapsed().as_micros() as u64);
+        self.container_outcomes(outcomes, source, started, latency, &[]);
+    }
+
+    /// Heals again the containers whose retry is due, from their source's
+    /// current mount.
+    pub(super) fn retry_containers(&mut self) {
+        let now = Instant::now();
+        let (due, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.container_retries).into_iter().partition(|retry| retry.retry_at <= now);
+        self.container_retries = waiting;
+        if due.is_empty() {
+            return;
+        }
+        let Some(classified) = self.read_table() else {
+            self.container_retries.extend(due.into_iter().map(ContainerRetry::again));
+            return;
+        };
+        let mut by_source: BTreeMap<PathBuf, Vec<ContainerRetry>> = BTreeMap::new();
+        for retry in due {
+            by_source.entry(retry.source.clone()).or_default().push(retry);
+        }
+        for (source, retries) in by_source {
+            // Still on a dead connection: the daemon is down again.
+            let top = classified.sources.get(&source).map(|stack| stack.top().clone());
+            let Some(top) = top.filter(|top| retries.iter().all(|retry| retry.foreign.mount.dev != top.dev)) else {
+                self.container_retries.extend(retries.into_iter().map(ContainerRetry::again));
+                continue;
+            };
+            let mounts: Vec<ForeignMount> = retries.iter().map(|retry| retry.foreign.clone()).collect();
+            let attempts: Vec<_> = retries.into_iter().map(|retry| (retry.foreign, retry.attempts)).collect();
+            let started = Instant::now();
+            let outcomes = self.executor.retry_containers(&mounts, &top);
+            self.container_outcomes(outcomes, &source, started, None, &attempts);
+        }
+    }
+
+    /// Logs, counts and reports each outcome; a failure is retried unless
+    /// its namespace is gone. `attempts` are the failures so far of those
+    /// that are retries.
+    fn container_outcomes(
+        &mut self,
+        outcomes: Vec<ContainerOutcome>,
+        source: &Path,
+        started: Instant,
+        latency: Option<u64>,
+        attempts: &[(ForeignMount, u32)],
+    ) {
+        let took_us = started.elapsed().as_micros() as u64;
+        for (foreign, outcome) in outcomes {
+            let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
+            let propagation = match foreign.propagation {
+                Propagation::Slave => "slave",
+                _ => "private",
+            };
+            let failed_before = attempts.iter().find(|(retried, _)| *retried == foreign).map_or(0, |(_, n)| *n);
+            let result = match &outcome {
+                Ok(ForeignHealed::Replaced) => {
+                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
+                    "replaced"
+                }
+                Ok(ForeignHealed::Stacked { why }) => {
+                    warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
+                    "stacked"
+                }
+                Err(err) if namespace_gone(err) => {
+                    info!(namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
+                    continue;
+                }
+                Err(err) => {
+                    let attempts = failed_before + 1;
+                    let delay = retry_delay(attempts);
+                    warn!(namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
+                    self.container_retries.push(ContainerRetry {
+                        foreign: foreign.clone(),
+                        source: source.to_path_buf(),
+                        attempts,
+                        retry_at: Instant::now() + delay,
+                    });
+                    "failed"
+                }
+            };
+            self.reporters.report(&Report::ContainerHealed { source, result });
+        }
+    }
+}
+
+impl ContainerRetry {
+    /// Put back for later, as if it had failed once more.
+    fn again(self) -> ContainerRetry {
+        let attempts = self.attempts + 1;
+        ContainerRetry { attempts, retry_at: Instant::now() + retry_delay(attempts), ..self }
+    }
+}
+
+/// The container exited (no process is left in its namespace): nothing to
+/// heal, and nothing to retry.
+fn namespace_gone(err: &ContainerHealError) -> bool {
+    match err {
+        ContainerHealError::NamespaceGone { .. } => true,
+        ContainerHealError::OpenNamespace { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_namespace_nobody_is_left_in_ends_the_retries() {
+        let gone = ContainerHealError::NamespaceGone { pid: 7, expected: 4026531840 };
+        assert!(namespace_gone(&gone));
+        let exited = ContainerHealError::OpenNamespace { pid: 7, source: std::io::ErrorKind::NotFound.into() };
+        assert!(namespace_gone(&exited));
+        let refused = ContainerHealError::OpenNamespace { pid: 7, source: std::io::ErrorKind::PermissionDenied.into() };
+        assert!(!namespace_gone(&refused));
+        let busy = ContainerHealError::Thread { pid: 7, source: std::io::Error::other("no thread") };
+        assert!(!namespace_gone(&busy));
+    }
+}
