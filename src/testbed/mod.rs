@@ -17,6 +17,7 @@ mod reader;
 pub mod runc;
 mod sandbox;
 pub mod scenario;
+pub mod subpath;
 mod supervisor_process;
 pub mod system;
 

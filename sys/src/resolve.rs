@@ -30,6 +30,21 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
+/// `open(path, O_RDONLY|O_NOFOLLOW|O_CLOEXEC)`: a real open, which a FUSE
+/// filesystem answers (a dead one with `ENOTCONN`), refusing a symlink in
+/// the last component. The kubelet opens a volume so before it walks a
+/// subPath beneath it; the test world does the same.
+pub fn open_read_nofollow(path: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?)
+}
+
+/// `openat(dir, name, O_PATH|O_NOFOLLOW|O_CLOEXEC)`: one component below
+/// `dir`, a symlink opened as itself rather than followed (the kubelet's
+/// walk of a subPath, one component at a time).
+pub fn open_component_nofollow(dir: BorrowedFd<'_>, name: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(dir, name, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?)
+}
+
 /// Reads a small regular file whole, refusing a symlink in the last component
 /// (`ELOOP`), anything but a regular file (so a FIFO put there cannot block the
 /// reader), and a file longer than `limit` bytes (`EFBIG`).
