@@ -406,7 +406,12 @@ impl<E: Executor> Supervisor<E> {
         );
         for (batch, probing) in batches.into_iter().zip(probing) {
             if probing {
-                let prepared = self.prepare_heal(&batch);
+                // Not for a source that does not answer (see on_deadline):
+                // its probe may wait for good.
+                let prepared = match self.reported_overdue.contains(&batch.source.path) {
+                    true => Prepared::default(),
+                    false => self.prepare_heal(&batch),
+                };
                 self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
             }
         }
