@@ -42,6 +42,10 @@ pub enum HealError {
     },
     #[error("target {path} changed since it was planned (mount {found}, planned {planned})")]
     Changed { path: PathBuf, planned: u32, found: u32 },
+    #[error(
+        "target {path} changed since it was planned: its mount ID {mount_id} is now another mount's (device {found}, planned {planned})"
+    )]
+    Reused { path: PathBuf, mount_id: u32, planned: Dev, found: Dev },
     #[error("no handle on {root} inside the source for target {path}")]
     NoSourceRoot { path: PathBuf, root: PathBuf },
     #[error("subdirectory {root} of the source cannot be opened beneath it for target {path}")]
@@ -195,6 +199,22 @@ impl Staging {
     }
 }
 
+/// Whether the mount `id` on device `dev` (None: unknown) at the target is
+/// the top its heal was planned for: the ID, and the device, since a freed
+/// ID is reused at once (a target unmounted and its directory recreated,
+/// with another mount on it, between the plan and the heal).
+fn planned_top(target: &TargetHeal, id: u32, dev: Option<Dev>) -> Result<(), HealError> {
+    if id != target.top_mount_id {
+        return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
+    }
+    match dev {
+        Some(found) if found != target.top_dev => {
+            Err(HealError::Reused { path: target.path.clone(), mount_id: id, planned: target.top_dev, found })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// What every flattening thread needs: the roots to resolve targets
 /// beneath, and the parking directories.
 #[derive(Debug)]
@@ -213,6 +233,12 @@ impl Mounter {
     /// source's bind elsewhere (learned from the table as the source's peer,
     /// never from anything a pod wrote) from the namespace's root.
     fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        self.resolve_mount(path).map(|(fd, id, _)| (fd, id))
+    }
+
+    /// [`Mounter::resolve_target`], with the device of the top mount where
+    /// the kernel tells it without asking the filesystem.
+    fn resolve_mount(&self, path: &Path) -> Result<(OwnedFd, u32, Option<Dev>), HealError> {
         let (base, relative) = match path.strip_prefix(&self.kubelet_root) {
             Ok(relative) => (self.kubelet_root_fd.as_fd(), relative),
             Err(_) => {
@@ -223,16 +249,14 @@ impl Mounter {
         };
         let resolve_error = |source| HealError::Resolve { path: path.to_path_buf(), source };
         let fd = resolve::open_beneath(base, relative).map_err(resolve_error)?;
-        let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
-        Ok((fd, id))
+        let (id, dev) = resolve::mount_and_device_of(fd.as_fd()).map_err(resolve_error)?;
+        Ok((fd, id, dev.map(Dev::from)))
     }
 
     /// A handle on the target's top, if it is still the planned one.
     fn open_planned(&self, target: &TargetHeal) -> Result<OwnedFd, HealError> {
-        let (fd, id) = self.resolve_target(&target.path)?;
-        if id != target.top_mount_id {
-            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
-        }
+        let (fd, id, dev) = self.resolve_mount(&target.path)?;
+        planned_top(target, id, dev)?;
         Ok(fd)
     }
 
@@ -246,15 +270,13 @@ impl Mounter {
         source: &SourceHandles,
         source_dev: Dev,
     ) -> Result<(Healed, OwnedFd), HealError> {
-        let (fd, top) = self.resolve_target(&target.path)?;
-        if top != target.top_mount_id {
+        let (fd, top, dev) = self.resolve_mount(&target.path)?;
+        if let Err(changed) = planned_top(target, top, dev) {
             // An earlier stack of this batch propagated onto it if the new top
             // is on the source's connection; anything else was mounted there
             // by someone else: changed under the heal, like a failed check.
-            let found = resolve::device_of(fd.as_fd())
-                .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
-            if found != (source_dev.major, source_dev.minor) {
-                return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+            if dev != Some(source_dev) {
+                return Err(changed);
             }
             // `fd` was resolved onto the copy.
             return Ok((Healed::Propagated, fd));

@@ -94,6 +94,23 @@ pub fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     Ok((stat.stx_dev_major, stat.stx_dev_minor))
 }
 
+/// The mount ID and the device of the mount `fd` is on, from the one `statx`
+/// of [`mount_id_of`] and [`device_of`]. The device is None where that
+/// `statx` fails (the mount ID then comes from fdinfo, as in [`mount_id_of`]).
+pub fn mount_and_device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, Option<(u32, u32)>)> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    let Ok(stat) = rustix::fs::statx(fd, c"", flags, StatxFlags::empty()) else {
+        return Ok((mount_id_from_fdinfo(fd)?, None));
+    };
+    let device = Some((stat.stx_dev_major, stat.stx_dev_minor));
+    if stat.stx_mask & StatxFlags::MNT_ID.bits() == 0 {
+        return Ok((mount_id_from_fdinfo(fd)?, device));
+    }
+    let id = u32::try_from(stat.stx_mnt_id)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "statx mount ID does not fit 32 bits"))?;
+    Ok((id, device))
+}
+
 /// The `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the kernel
 /// fills from the fd's `struct path` alone.
 fn mount_id_from_fdinfo(fd: BorrowedFd<'_>) -> io::Result<u32> {
