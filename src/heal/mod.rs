@@ -105,6 +105,11 @@ impl Prepared {
     fn fits(&self, targets: usize) -> bool {
         self.stale.len() == targets
     }
+
+    /// Whether it holds nothing (prepared for no target, or let go).
+    pub fn is_empty(&self) -> bool {
+        self.stale.is_empty()
+    }
 }
 
 /// Carries out heal batches. The real one mounts; tests record.
