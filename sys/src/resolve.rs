@@ -111,6 +111,19 @@ pub fn mount_and_device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, Option<(u32, 
     Ok((id, device))
 }
 
+/// The unique, never reused, 64-bit ID of the mount `fd` is on
+/// (`statx` with `STATX_MNT_ID_UNIQUE`, Linux 6.8): what `listmount` and
+/// `statmount` take. `EOPNOTSUPP` where the kernel does not give it.
+pub fn unique_mount_id_of(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    let unique = StatxFlags::from_bits_retain(linux_raw_sys::general::STATX_MNT_ID_UNIQUE);
+    let stat = rustix::fs::statx(fd, c"", flags, unique)?;
+    if stat.stx_mask & unique.bits() == 0 {
+        return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+    }
+    Ok(stat.stx_mnt_id)
+}
+
 /// The `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the kernel
 /// fills from the fd's `struct path` alone.
 fn mount_id_from_fdinfo(fd: BorrowedFd<'_>) -> io::Result<u32> {
