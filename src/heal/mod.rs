@@ -562,7 +562,8 @@ impl Executor for MountExecutor {
                 Expiry::Busy => break,
             }
         }
-        // In use (or a kernel before 6.8): detached lazily, checked a syscall
+        // In use, looked at between the steps every time, or a kernel before
+        // 6.8 (no unique mount IDs): detached lazily, checked a syscall
         // before. A new daemon mounting there in between would take a
         // process start and a FUSE handshake, far longer than that.
         let (top, _, dev) = self.mounter.resolve_mount(source)?;
