@@ -221,6 +221,16 @@ fn planned_top(target: &TargetHeal, id: u32, dev: Option<Dev>) -> Result<(), Hea
     }
 }
 
+/// Where a stack put the new source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placed {
+    /// On top of the stale layer, as a stack does.
+    OnTop,
+    /// Beneath it, where the stale layer's root cannot be mounted on: the
+    /// stale layer is then on top, as after a flatten's slide.
+    Beneath,
+}
+
 /// Rounds of [`Mounter::expire_dead_source`] before a dead source that is
 /// looked at between its two steps each time is detached lazily instead.
 const EXPIRY_TRIES: usize = 3;
@@ -339,7 +349,7 @@ impl Mounter {
         target: &TargetHeal,
         source: &SourceHandles,
         source_dev: Dev,
-    ) -> Result<(Healed, OwnedFd), HealError> {
+    ) -> Result<(Healed, OwnedFd, Placed), HealError> {
         let (fd, top, dev) = self.resolve_mount(&target.path)?;
         if let Err(changed) = planned_top(target, top, dev) {
             // An earlier stack of this batch propagated onto it if the new top
@@ -349,7 +359,7 @@ impl Mounter {
                 return Err(changed);
             }
             // `fd` was resolved onto the copy.
-            return Ok((Healed::Propagated, fd));
+            return Ok((Healed::Propagated, fd, Placed::OnTop));
         }
         let from = match source.for_root(&target.root_in_source) {
             Some(Ok(from)) => from,
@@ -366,9 +376,21 @@ impl Mounter {
             }
         };
         let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
-        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(HealError::mount("stack onto target", &target.path))?;
-        // Attached now, the clone's fd is a handle on the target's new top.
-        Ok((Healed::Stacked, clone))
+        // Attached, the clone's fd is a handle on the target's new mount.
+        match mount::move_mount(clone.as_fd(), fd.as_fd()) {
+            Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),
+            // The stale layer's root directory is out of its filesystem's
+            // tree (a subPath directory removed since it was bound, or its
+            // dentry invalidated by a lookup through FUSE): the kernel mounts
+            // nothing on an unhashed dentry, but the new source can go under
+            // the stale layer, on the target's own directory.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                mount::move_mount_beneath(clone.as_fd(), fd.as_fd())
+                    .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
+                Ok((Healed::Stacked, clone, Placed::Beneath))
+            }
+            Err(err) => Err(HealError::mount("stack onto target", &target.path)(err)),
+        }
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
@@ -621,16 +643,20 @@ impl Executor for MountExecutor {
         let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
         let mut outcomes = Vec::with_capacity(batch.targets.len());
         let mut flattens = Vec::with_capacity(batch.targets.len());
+        // Placed beneath their stale layer: only that layer's detach is left
+        // (older layers under it, if any, stay under the new mount).
+        let mut slid = Vec::new();
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
             let mut flatten_error = None;
             let result = match stacked {
-                Ok((stale, (how, new_top))) => {
+                Ok((stale, (how, new_top, placed))) => {
                     // Out of the old peer group as soon as the new mount is on
                     // it: a later stack (a subPath's) can then no longer
                     // propagate a copy onto this stale layer, a mount on it
                     // that would keep it from going with the others.
                     match mount::make_private(stale.as_fd()) {
+                        Ok(()) if placed == Placed::Beneath => slid.push((index, new_top)),
                         Ok(()) => flattens.push((index, stale, new_top)),
                         Err(err) => {
                             flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
@@ -671,7 +697,6 @@ impl Executor for MountExecutor {
         for _ in 0..helpers {
             self.pool.queue.ready.notify_one();
         }
-        let mut slid = Vec::with_capacity(slides.len());
         for (index, stale, new_top) in slides {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
             match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {
