@@ -387,6 +387,7 @@ impl Mounter {
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 mount::move_mount_beneath(clone.as_fd(), fd.as_fd())
                     .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
+                debug!(target = %target.path.display(), "its stale root is out of its filesystem's tree: the new source slid beneath it");
                 Ok((Healed::Stacked, clone, Placed::Beneath))
             }
             Err(err) => Err(HealError::mount("stack onto target", &target.path)(err)),
