@@ -43,6 +43,7 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
             kind: TargetKind::Volume,
             root_in_source: Default::default(),
             top_mount_id: stale.mount_id,
+            top_dev: stale.dev,
             layer_ids: vec![stale.mount_id],
         }],
     };
@@ -84,14 +85,15 @@ fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
     let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).unwrap();
     let classified = Classified::new(&snapshot, &Layout::new(&sandbox.kubelet_root()));
     let heal_of = |path: &Path, pod: &str| {
-        let top = classified.targets[path].stack.top().mount_id;
+        let top = classified.targets[path].stack.top();
         TargetHeal {
             path: path.to_path_buf(),
             pod_uid: pod.into(),
             kind: TargetKind::Volume,
             root_in_source: Default::default(),
-            top_mount_id: top,
-            layer_ids: vec![top],
+            top_mount_id: top.mount_id,
+            top_dev: top.dev,
+            layer_ids: vec![top.mount_id],
         }
     };
     let batch = HealBatch {

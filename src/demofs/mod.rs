@@ -26,6 +26,11 @@
 //! that did not hold it before, like a libfuse daemon's child after
 //! `fuse_daemonize`.
 //!
+//! `--answer-on-signal` makes it a daemon slow to answer: it mounts and
+//! answers nothing (requests, the kernel's INIT first, wait) until
+//! `SIGUSR1`, then serves as usual. A probe of its mount blocks meanwhile,
+//! so a test can act between a heal's plan and its stack.
+//!
 //! `--watchdog PIDFILE` makes it a watchdog like JuiceFS's mount process: it
 //! mounts, takes the connection's INIT request and keeps the descriptor
 //! without reading it again, and a child it starts on a copy serves
@@ -82,6 +87,8 @@ pub enum DemoFsRole {
     /// request a watchdog took (a watchdog's child), with the inode numbers
     /// the children before it gave the kernel, from `inode_journal`.
     WatchdogChild { init: ReplayedInit, inode_journal: PathBuf },
+    /// Mounts, answers nothing until `SIGUSR1`, then serves.
+    AnswerOnSignal,
     /// Mounts, keeps the connection, and has a child process serve it,
     /// writing its pid to the file; after the child dies, starts another
     /// on `SIGUSR1`.
@@ -180,7 +187,10 @@ enum Stop {
 pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     // Before mounting: a signal that comes earlier kills the process while
     // there is no mount to leave behind yet.
-    let delegates = matches!(options.role, DemoFsRole::HandOffOnSignal { .. } | DemoFsRole::Watchdog { .. });
+    let delegates = matches!(
+        options.role,
+        DemoFsRole::HandOffOnSignal { .. } | DemoFsRole::Watchdog { .. } | DemoFsRole::AnswerOnSignal
+    );
     let signals = Signals::new(if delegates { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
         .map_err(DemoFsError::Signals)?;
 
@@ -216,6 +226,7 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     match &options.role {
         DemoFsRole::HandOffOnSignal { pid_file } => hand_off_on_signal(options, pid_file, device, signals),
         DemoFsRole::Watchdog { pid_file } => watch_over_serving_children(options, pid_file, &device, signals),
+        DemoFsRole::AnswerOnSignal => answer_on_signal(options, backing, device, signals),
         DemoFsRole::Serve | DemoFsRole::DeviceOnStdin | DemoFsRole::WatchdogChild { .. } => {
             serve_device(options, backing, device, signals)
         }
@@ -301,6 +312,25 @@ fn serve_device(
     }
     // Returning ends the process, which closes the device: the kernel aborts
     // the connection, and the session thread's blocked read ends with it.
+}
+
+/// Holds the mounted connection unanswered until `SIGUSR1`, then serves it.
+fn answer_on_signal(
+    options: &DemoFsOptions,
+    backing: PathBuf,
+    device: OwnedFd,
+    mut signals: Signals,
+) -> Result<(), DemoFsError> {
+    let mountpoint = &options.mountpoint;
+    tracing::info!(mountpoint = %mountpoint.display(), "demofs mounted; answering on SIGUSR1");
+    match signals.forever().next() {
+        Some(SIGUSR1) => serve_device(options, backing, device, signals),
+        signal => {
+            tracing::info!(mountpoint = %mountpoint.display(), ?signal, "demofs stopping before it answered");
+            sys_mount::detach(mountpoint)
+                .map_err(|source| DemoFsError::Detach { mountpoint: mountpoint.clone(), source })
+        }
+    }
 }
 
 /// Holds the mounted connection unserved until `SIGUSR1`, then starts a

@@ -8,13 +8,14 @@
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use fuse_supervisor_sys::{mount, ns, resolve};
+use fuse_supervisor_sys::{listmount, mount, ns, resolve};
 use tracing::{debug, info, warn};
 
 use crate::heal::priority::HealPriority;
@@ -46,6 +47,10 @@ pub enum HealError {
     },
     #[error("target {path} changed since it was planned (mount {found}, planned {planned})")]
     Changed { path: PathBuf, planned: u32, found: u32 },
+    #[error(
+        "target {path} changed since it was planned: its mount ID {mount_id} is now another mount's (device {found}, planned {planned})"
+    )]
+    Reused { path: PathBuf, mount_id: u32, planned: Dev, found: Dev },
     #[error("no handle on {root} inside the source for target {path}")]
     NoSourceRoot { path: PathBuf, root: PathBuf },
     #[error("subdirectory {root} of the source cannot be opened beneath it for target {path}")]
@@ -104,6 +109,11 @@ impl Prepared {
     /// Whether it was prepared for a batch of `targets` targets.
     fn fits(&self, targets: usize) -> bool {
         self.stale.len() == targets
+    }
+
+    /// Whether it holds nothing (prepared for no target, or let go).
+    pub fn is_empty(&self) -> bool {
+        self.stale.is_empty()
     }
 }
 
@@ -205,6 +215,51 @@ impl Staging {
     }
 }
 
+/// Whether the mount `id` on device `dev` (None: unknown) at the target is
+/// the top its heal was planned for: the ID, and the device, since a freed
+/// ID is reused at once (a target unmounted and its directory recreated,
+/// with another mount on it, between the plan and the heal).
+fn planned_top(target: &TargetHeal, id: u32, dev: Option<Dev>) -> Result<(), HealError> {
+    if id != target.top_mount_id {
+        return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
+    }
+    match dev {
+        Some(found) if found != target.top_dev => {
+            Err(HealError::Reused { path: target.path.clone(), mount_id: id, planned: target.top_dev, found })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Where a stack put the new source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placed {
+    /// On top of the stale layer, as a stack does.
+    OnTop,
+    /// Beneath it, where the stale layer's root cannot be mounted on: the
+    /// stale layer is then on top, as after a flatten's slide.
+    Beneath,
+}
+
+/// Rounds of [`Mounter::expire_dead_source`] before a dead source that is
+/// looked at between its two steps each time is detached lazily instead.
+const EXPIRY_TRIES: usize = 3;
+
+/// How an unmount of a dead source by expiry went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expiry {
+    Unmounted,
+    /// Something was mounted on it (a new daemon): left alone, and the new
+    /// mount too.
+    Covered,
+    /// Unmounted by someone else meanwhile.
+    Gone,
+    /// Looked at between the two steps (which clears the mark): try again.
+    Used,
+    /// Open, or with mounts on it: it cannot be unmounted but lazily.
+    Busy,
+}
+
 /// What every flattening thread needs: the roots to resolve targets
 /// beneath, and the parking directories.
 #[derive(Debug)]
@@ -223,6 +278,12 @@ impl Mounter {
     /// source's bind elsewhere (learned from the table as the source's peer,
     /// never from anything a pod wrote) from the namespace's root.
     fn resolve_target(&self, path: &Path) -> Result<(OwnedFd, u32), HealError> {
+        self.resolve_mount(path).map(|(fd, id, _)| (fd, id))
+    }
+
+    /// [`Mounter::resolve_target`], with the device of the top mount where
+    /// the kernel tells it without asking the filesystem.
+    fn resolve_mount(&self, path: &Path) -> Result<(OwnedFd, u32, Option<Dev>), HealError> {
         let (base, relative) = match path.strip_prefix(&self.kubelet_root) {
             Ok(relative) => (self.kubelet_root_fd.as_fd(), relative),
             Err(_) => {
@@ -233,16 +294,59 @@ impl Mounter {
         };
         let resolve_error = |source| HealError::Resolve { path: path.to_path_buf(), source };
         let fd = resolve::open_beneath(base, relative).map_err(resolve_error)?;
-        let id = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
-        Ok((fd, id))
+        let (id, dev) = resolve::mount_and_device_of(fd.as_fd()).map_err(resolve_error)?;
+        Ok((fd, id, dev.map(Dev::from)))
+    }
+
+    /// Unmounts the dead source `dead` (its unique mount ID), on top at
+    /// `source`, without ever unmounting a mount made on it since: a plain
+    /// unmount by path acts on whatever is on top at that moment, and a new
+    /// daemon may mount over the dead mount at any moment. The first
+    /// `umount2(MNT_EXPIRE)` marks the top; `listmount` (which touches no
+    /// mount: a lookup would clear the mark) then says whether anything is
+    /// mounted on the dead mount, which was on top when it was checked just
+    /// before; if not, the second unmounts the top if it is still the marked
+    /// one. A mount made on top in between is unmarked, so it is never taken.
+    fn expire_dead_source(&self, source: &Path, dead: u64) -> Result<Expiry, HealError> {
+        let (Some(parent), Some(name)) = (source.parent(), source.file_name()) else {
+            return Err(HealError::NotAbsolute { path: source.to_path_buf() });
+        };
+        // By a handle on the parent, resolved without symlinks, and the last
+        // component, not followed if a symlink: the lookup ends on the top
+        // mount at the source path without holding it.
+        let (parent, _) = self.resolve_target(parent)?;
+        let at = PathBuf::from(format!("/proc/thread-self/fd/{}", parent.as_raw_fd())).join(name);
+        let failed = |step| HealError::mount(step, source);
+        // Marks the top: the dead mount, checked just before, or a mount made
+        // on it since, fresh and so unmarked.
+        match mount::expire(&at) {
+            // Marked already, and unused: only a mark made since the check
+            // (closing its handle cleared any), by someone else's expiry.
+            Ok(()) => return Ok(Expiry::Unmounted),
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+            Err(err) if err.kind() == io::ErrorKind::ResourceBusy => return Ok(Expiry::Busy),
+            Err(err) => return Err(failed("mark the dead source expired")(err)),
+        }
+        match listmount::children(dead, 1) {
+            Ok(children) if children.is_empty() => {}
+            Ok(_) => return Ok(Expiry::Covered),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Expiry::Gone),
+            Err(err) => return Err(failed("look for mounts on the dead source")(err)),
+        }
+        match mount::expire(&at) {
+            Ok(()) => Ok(Expiry::Unmounted),
+            // Looked at since it was marked, or covered just now: look again.
+            Err(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::ResourceBusy) => {
+                Ok(Expiry::Used)
+            }
+            Err(err) => Err(failed("detach the dead source")(err)),
+        }
     }
 
     /// A handle on the target's top, if it is still the planned one.
     fn open_planned(&self, target: &TargetHeal) -> Result<OwnedFd, HealError> {
-        let (fd, id) = self.resolve_target(&target.path)?;
-        if id != target.top_mount_id {
-            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: id });
-        }
+        let (fd, id, dev) = self.resolve_mount(&target.path)?;
+        planned_top(target, id, dev)?;
         Ok(fd)
     }
 
@@ -255,19 +359,17 @@ impl Mounter {
         target: &TargetHeal,
         source: &SourceHandles,
         source_dev: Dev,
-    ) -> Result<(Healed, OwnedFd), HealError> {
-        let (fd, top) = self.resolve_target(&target.path)?;
-        if top != target.top_mount_id {
+    ) -> Result<(Healed, OwnedFd, Placed), HealError> {
+        let (fd, top, dev) = self.resolve_mount(&target.path)?;
+        if let Err(changed) = planned_top(target, top, dev) {
             // An earlier stack of this batch propagated onto it if the new top
             // is on the source's connection; anything else was mounted there
             // by someone else: changed under the heal, like a failed check.
-            let found = resolve::device_of(fd.as_fd())
-                .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
-            if found != (source_dev.major, source_dev.minor) {
-                return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+            if dev != Some(source_dev) {
+                return Err(changed);
             }
             // `fd` was resolved onto the copy.
-            return Ok((Healed::Propagated, fd));
+            return Ok((Healed::Propagated, fd, Placed::OnTop));
         }
         let from = match source.for_root(&target.root_in_source) {
             Some(Ok(from)) => from,
@@ -284,9 +386,22 @@ impl Mounter {
             }
         };
         let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
-        mount::move_mount(clone.as_fd(), fd.as_fd()).map_err(HealError::mount("stack onto target", &target.path))?;
-        // Attached now, the clone's fd is a handle on the target's new top.
-        Ok((Healed::Stacked, clone))
+        // Attached, the clone's fd is a handle on the target's new mount.
+        match mount::move_mount(clone.as_fd(), fd.as_fd()) {
+            Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),
+            // The stale layer's root directory is out of its filesystem's
+            // tree (a subPath directory removed since it was bound, or its
+            // dentry invalidated by a lookup through FUSE): the kernel mounts
+            // nothing on an unhashed dentry, but the new source can go under
+            // the stale layer, on the target's own directory.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                mount::move_mount_beneath(clone.as_fd(), fd.as_fd())
+                    .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
+                debug!(target = %target.path.display(), "its stale root is out of its filesystem's tree: the new source slid beneath it");
+                Ok((Healed::Stacked, clone, Placed::Beneath))
+            }
+            Err(err) => Err(HealError::mount("stack onto target", &target.path)(err)),
+        }
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
@@ -477,15 +592,31 @@ impl Executor for MountExecutor {
     }
 
     fn detach_dead_source(&mut self, source: &Path, dead: Dev) -> Result<bool, HealError> {
-        let (top, _) = self.mounter.resolve_target(source)?;
-        let dev = resolve::device_of(top.as_fd())
-            .map_err(|source_err| HealError::Resolve { path: source.to_path_buf(), source: source_err })?;
-        if Dev::from(dev) != dead {
+        for _ in 0..EXPIRY_TRIES {
+            let (top, _, dev) = self.mounter.resolve_mount(source)?;
+            if dev != Some(dead) {
+                return Ok(false);
+            }
+            let Ok(unique) = resolve::unique_mount_id_of(top.as_fd()) else { break };
+            // Held, it could not be unmounted; closing it also clears any
+            // expiry mark on it, so the first step below marks afresh.
+            drop(top);
+            match self.mounter.expire_dead_source(source, unique)? {
+                Expiry::Unmounted => return Ok(true),
+                Expiry::Covered | Expiry::Gone => return Ok(false),
+                Expiry::Used => continue,
+                Expiry::Busy => break,
+            }
+        }
+        // In use, looked at between the steps every time, or a kernel before
+        // 6.8 (no unique mount IDs): detached lazily, checked a syscall
+        // before. A new daemon mounting there in between would take a
+        // process start and a FUSE handshake, far longer than that.
+        let (top, _, dev) = self.mounter.resolve_mount(source)?;
+        if dev != Some(dead) {
             return Ok(false);
         }
-        // The top is checked a syscall before it is detached: a new daemon
-        // mounting there in between would take a process start and a FUSE
-        // handshake, far longer than that.
+        debug!(source = %source.display(), "the dead source is in use: detached lazily");
         mount::detach_top(top.as_fd()).map_err(HealError::mount("detach the dead source", source))?;
         Ok(true)
     }
@@ -563,16 +694,20 @@ impl Executor for MountExecutor {
         let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
         let mut outcomes = Vec::with_capacity(batch.targets.len());
         let mut flattens = Vec::with_capacity(batch.targets.len());
+        // Placed beneath their stale layer: only that layer's detach is left
+        // (older layers under it, if any, stay under the new mount).
+        let mut slid = Vec::new();
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
             let mut flatten_error = None;
             let result = match stacked {
-                Ok((stale, (how, new_top))) => {
+                Ok((stale, (how, new_top, placed))) => {
                     // Out of the old peer group as soon as the new mount is on
                     // it: a later stack (a subPath's) can then no longer
                     // propagate a copy onto this stale layer, a mount on it
                     // that would keep it from going with the others.
                     match mount::make_private(stale.as_fd()) {
+                        Ok(()) if placed == Placed::Beneath => slid.push((index, new_top)),
                         Ok(()) => flattens.push((index, stale, new_top)),
                         Err(err) => {
                             flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
@@ -616,7 +751,6 @@ impl Executor for MountExecutor {
         for _ in 0..helpers {
             self.pool.queue.ready.notify_one();
         }
-        let mut slid = Vec::with_capacity(slides.len());
         for (index, stale, new_top) in slides {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
             match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {

@@ -148,6 +148,17 @@ impl Prober {
         Ok(())
     }
 
+    /// Whether the probe of `source` in flight has been waiting for at
+    /// least `wait`.
+    pub fn waited(&self, source: &Path, wait: Duration) -> bool {
+        self.in_flight.get(source).is_some_and(|(started, _)| started.elapsed() >= wait)
+    }
+
+    /// When the probe of `source` in flight will have waited `wait`.
+    pub fn will_have_waited(&self, source: &Path, wait: Duration) -> Option<Instant> {
+        self.in_flight.get(source).map(|(started, _)| *started + wait)
+    }
+
     /// Called when a report arrives.
     pub fn finished(&mut self, source: &Path) {
         self.in_flight.remove(source);

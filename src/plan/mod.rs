@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tracing::info;
 
 use crate::model::state::{Journal, Mapping};
-use crate::model::table::{Classified, Layout, Stack, Target, TargetKind, root_within};
+use crate::model::table::{Classified, Dev, Layout, Stack, Target, TargetKind, root_within};
 
 /// What a target needs, judged from the table alone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -200,6 +200,10 @@ pub struct TargetHeal {
     /// The mount ID on top of the target when planned; the executor
     /// refuses to act if the path no longer resolves to it.
     pub top_mount_id: u32,
+    /// The device of that mount: the kernel reuses a freed mount's ID at
+    /// once, so an ID alone could name a mount made since on a recreated
+    /// directory.
+    pub top_dev: Dev,
     /// Every FUSE layer at the path when planned, bottom first: what
     /// flattening may remove.
     pub layer_ids: Vec<u32>,
@@ -214,6 +218,7 @@ impl TargetHeal {
             kind: target.kind,
             root_in_source: mapping.root_in_source.clone(),
             top_mount_id: target.stack.top().mount_id,
+            top_dev: target.stack.top().dev,
             layer_ids: target.stack.layers.iter().map(|layer| layer.mount_id).collect(),
         }
     }

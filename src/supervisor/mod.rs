@@ -51,6 +51,14 @@ pub use start::{run, start_job_lifecycle};
 use crate::shutdown::Shutdown;
 use targets::TargetRecord;
 
+/// How long the handles a heal takes on its targets' stale tops while its
+/// probe waits for the new daemon's first answer are kept. A held mount
+/// cannot be unmounted: the plain `umount(2)` of a pod deleted meanwhile
+/// fails with EBUSY, and the kubelet retries it only 500 ms later. A daemon
+/// that takes longer to answer gains nothing from handles taken ahead: its
+/// heal takes them when it answers.
+const PREPARED_HOLD: Duration = Duration::from_millis(100);
+
 /// How `run` is set up.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -311,18 +319,36 @@ impl<E: Executor> Supervisor<E> {
             self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
         let confirmations = self.confirmer.as_ref().and_then(|confirmer| confirmer.confirmations.next_deadline());
         let container_retries = self.container_retries.iter().map(|retry| retry.retry_at);
+        let holds = self
+            .probed_batches
+            .iter()
+            .filter(|(_, (_, _, prepared))| !prepared.is_empty())
+            .filter_map(|(source, _)| self.prober.will_have_waited(source, PREPARED_HOLD));
         retries
             .chain(probes)
             .chain(confirmations)
+            .chain(holds)
             .chain(self.degraded_deadline())
             .chain(container_retries)
             .filter(|at| *at > now)
             .min()
     }
 
+    /// Whether a heal of `source` planned now may take its handles ahead:
+    /// not once its probe has waited [`PREPARED_HOLD`] or overran its time.
+    fn prepares_ahead(&self, source: &std::path::Path) -> bool {
+        !self.reported_overdue.contains(source) && !self.prober.waited(source, PREPARED_HOLD)
+    }
+
     fn on_deadline(&mut self) {
         self.on_degraded_deadline();
         self.retry_containers();
+        for (source, (_, _, prepared)) in &mut self.probed_batches {
+            if !prepared.is_empty() && self.prober.waited(source, PREPARED_HOLD) {
+                *prepared = Prepared::default();
+                debug!(source = %source.display(), "the new daemon is slow to answer: its targets' handles are let go until it does");
+            }
+        }
         for source in self.prober.overdue() {
             // Handles on its targets' stale layers would keep their pods'
             // volumes busy for as long as the daemon does not answer.
@@ -389,7 +415,10 @@ impl<E: Executor> Supervisor<E> {
         );
         for (batch, probing) in batches.into_iter().zip(probing) {
             if probing {
-                let prepared = self.prepare_heal(&batch);
+                let prepared = match self.prepares_ahead(&batch.source.path) {
+                    true => self.prepare_heal(&batch),
+                    false => Prepared::default(),
+                };
                 self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
             }
         }

@@ -324,3 +324,64 @@ fn a_source_that_fails_its_probe_heals_nothing() {
     assert!(harness.calls().iter().all(|call| matches!(call, Call::Prepare { .. })), "{:?}", harness.calls());
     assert!(harness.reports().iter().all(|line| line.starts_with("broken ")));
 }
+
+/// A source whose probe overran its time keeps no handles on its targets:
+/// the scans that follow (a pod's target unmounted meanwhile, say) plan
+/// the heal again but prepare nothing, so the kubelet's plain umount of a
+/// deleted pod's target is not refused with EBUSY while the daemon is silent.
+#[test]
+fn a_source_that_does_not_answer_has_nothing_prepared_by_later_scans() {
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let new = Some((harness.new_global_id, 51, 9));
+    harness.table.set(harness.table(&node(50, 7, new)));
+    harness.supervisor.rescan();
+    let global = harness.path(GLOBAL);
+    assert_eq!(harness.calls().len(), 1, "prepared while the probe waits: {:?}", harness.calls());
+    // What on_deadline does once the probe is overdue.
+    harness.supervisor.reported_overdue.insert(global.clone());
+    harness.supervisor.probed_batches.get_mut(&global).expect("planned").2 = Prepared::default();
+
+    let mut without_a = node(50, 7, new);
+    without_a.retain(|mount| mount.3 != POD_A);
+    harness.table.set(harness.table(&without_a));
+    harness.supervisor.rescan();
+    assert_eq!(harness.calls().len(), 1, "nothing prepared for a silent source: {:?}", harness.calls());
+    let (_, batch, _) = &harness.supervisor.probed_batches[&global];
+    assert_eq!(batch.targets.len(), 2, "planned again without the unmounted target");
+}
+
+/// A target unmounted in the instant between the loop's last look at the
+/// table and its stack fails that heal once; it is not in the table at its
+/// retry, so nothing is attempted again, and it leaves the work set with its
+/// pod directory.
+#[test]
+fn a_target_unmounted_just_before_its_stack_fails_once_and_leaves_with_its_pod() {
+    let mut harness = Harness::new(None, Some(POD_B));
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let (replaced, _) = harness.replaced_and_healed();
+    let mut healed_without_b = node(51, 9, Some((harness.new_global_id, 51, 9)));
+    healed_without_b.retain(|mount| mount.3 != POD_B);
+    harness.supervisor.executor.after_heal = Some(harness.table(&healed_without_b));
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    harness.source_answers();
+    let pod_b = harness.path(POD_B);
+    assert!(harness.reports().contains(&format!("failed {}", pod_b.display())), "{:?}", harness.reports());
+
+    // Its retry comes: the table has no such target any more.
+    if let Some(record) = harness.supervisor.records.get_mut(&pod_b) {
+        record.state = TargetState::Failed { attempts: 1, retry_at: std::time::Instant::now(), error: String::new() };
+    }
+    harness.supervisor.on_deadline();
+    let heals = harness.calls().iter().filter(|call| matches!(call, Call::Heal { .. })).count();
+    assert_eq!(heals, 1, "{:?}", harness.calls());
+    assert_eq!(harness.supervisor.next_deadline(), None, "nothing left to retry");
+
+    std::fs::remove_dir_all(harness.path("pods/bbbb")).unwrap();
+    harness.supervisor.on_pods(crate::watch::pods::PodChange::PodRemoved { uid: "bbbb".into() });
+    assert!(harness.supervisor.journal.get(&pod_b).is_none());
+    assert!(!harness.supervisor.records.contains_key(&pod_b));
+}

@@ -19,6 +19,7 @@ pub mod runc;
 mod sandbox;
 pub mod scenario;
 pub mod storm;
+pub mod subpath;
 mod supervisor_process;
 pub mod system;
 

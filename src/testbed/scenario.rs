@@ -117,6 +117,8 @@ pub struct FuseSource {
     /// The process a hand-off left serving, or the watchdog's serving
     /// child: not a child of the sandbox, so killed here.
     successor: Option<u32>,
+    /// The next demofs launched answers nothing until `SIGUSR1`.
+    answer_on_signal: bool,
 }
 
 /// A demofs whose connection is served by a process other than the one that
@@ -205,6 +207,7 @@ impl FuseSource {
             generation: 0,
             delegation,
             successor: None,
+            answer_on_signal: false,
         };
         source.write_generation(sandbox)?;
         source.launch(sandbox, false)?;
@@ -349,6 +352,7 @@ impl FuseSource {
                 match &self.delegation {
                     Some((Delegation::HandOff, pid_file, _)) => command.arg("--hand-off-on-signal").arg(pid_file),
                     Some((Delegation::Watchdog, pid_file, _)) => command.arg("--watchdog").arg(pid_file),
+                    None if self.answer_on_signal => command.arg("--answer-on-signal"),
                     None => &mut command,
                 };
                 command
@@ -473,6 +477,27 @@ impl FuseSource {
         self.generation += 1;
         self.write_generation(sandbox)?;
         self.launch(sandbox, style == Restart::MountOverStale && self.daemon == Daemon::Sshfs)
+    }
+
+    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
+    /// nothing until [`FuseSource::answer`]: its mount is in place, and every
+    /// request to it, the supervisor's probe first, waits.
+    pub fn restart_unanswered(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
+        if self.daemon != Daemon::DemoFs || self.delegation.is_some() {
+            return Err(ScenarioError::Io {
+                step: "restart unanswered".into(),
+                source: io::Error::other("only a plain demofs can hold its answers"),
+            });
+        }
+        self.answer_on_signal = true;
+        let restarted = self.restart(sandbox, style);
+        self.answer_on_signal = false;
+        restarted
+    }
+
+    /// Has a daemon started by [`FuseSource::restart_unanswered`] answer.
+    pub fn answer(&self) -> Result<(), ScenarioError> {
+        self.signal(Signal::Usr1)
     }
 
     /// Binds the source into a pod volume directory, as a CSI driver does.

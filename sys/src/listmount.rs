@@ -46,6 +46,22 @@ pub fn mount_ids_after(namespace: Namespace, after: u64, ids: &mut Vec<u64>) -> 
     }
 }
 
+/// The unique IDs of the mounts mounted on the mount `unique_id` (of the
+/// calling thread's namespace), up to `limit` of them: those on its root
+/// cover it. `ENOENT` once it is gone.
+pub fn children(unique_id: u64, limit: usize) -> io::Result<Vec<u64>> {
+    let mut ids = vec![0u64; limit];
+    let request = Namespace::Current.request(unique_id, 0);
+    // SAFETY: `request` is a valid `mnt_id_req`; `ids` is writable for
+    // `limit` u64s, and the kernel writes at most that many.
+    let ret = unsafe { libc::syscall(SYS_LISTMOUNT, &raw const request, ids.as_mut_ptr(), limit, 0 as libc::c_uint) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    ids.truncate((ret as usize).min(limit));
+    Ok(ids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

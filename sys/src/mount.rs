@@ -141,6 +141,15 @@ pub fn detach(path: &Path) -> io::Result<()> {
     Ok(rustix::mount::unmount(path, UnmountFlags::DETACH)?)
 }
 
+/// `umount2(path, MNT_EXPIRE|UMOUNT_NOFOLLOW)`: the topmost mount at
+/// `path`, unused and with no mounts on it, is marked expired (`EAGAIN`) the
+/// first time and unmounted the second, unless it was used in between (any
+/// lookup through it clears the mark). A mount made on top in between is
+/// unmarked, so the second call cannot take it; `EBUSY` while it is used.
+pub fn expire(path: &Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(path, UnmountFlags::EXPIRE | UnmountFlags::NOFOLLOW)?)
+}
+
 /// `umount2(path, 0)`: unmount the topmost mount at `path`; `EBUSY` while
 /// anything uses it (an open file, a mount below it).
 pub fn unmount(path: &Path) -> io::Result<()> {

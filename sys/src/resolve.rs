@@ -30,6 +30,21 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
+/// `open(path, O_RDONLY|O_NOFOLLOW|O_CLOEXEC)`: a real open, which a FUSE
+/// filesystem answers (a dead one with `ENOTCONN`), refusing a symlink in
+/// the last component. The kubelet opens a volume so before it walks a
+/// subPath beneath it; the test world does the same.
+pub fn open_read_nofollow(path: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?)
+}
+
+/// `openat(dir, name, O_PATH|O_NOFOLLOW|O_CLOEXEC)`: one component below
+/// `dir`, a symlink opened as itself rather than followed (the kubelet's
+/// walk of a subPath, one component at a time).
+pub fn open_component_nofollow(dir: BorrowedFd<'_>, name: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(dir, name, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?)
+}
+
 /// Reads a small regular file whole, refusing a symlink in the last component
 /// (`ELOOP`), anything but a regular file (so a FIFO put there cannot block the
 /// reader), and a file longer than `limit` bytes (`EFBIG`).
@@ -77,6 +92,36 @@ pub fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
     let stat = rustix::fs::statx(fd, c"", flags, StatxFlags::empty())?;
     Ok((stat.stx_dev_major, stat.stx_dev_minor))
+}
+
+/// The mount ID and the device of the mount `fd` is on, from the one `statx`
+/// of [`mount_id_of`] and [`device_of`]. The device is None where that
+/// `statx` fails (the mount ID then comes from fdinfo, as in [`mount_id_of`]).
+pub fn mount_and_device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, Option<(u32, u32)>)> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    let Ok(stat) = rustix::fs::statx(fd, c"", flags, StatxFlags::empty()) else {
+        return Ok((mount_id_from_fdinfo(fd)?, None));
+    };
+    let device = Some((stat.stx_dev_major, stat.stx_dev_minor));
+    if stat.stx_mask & StatxFlags::MNT_ID.bits() == 0 {
+        return Ok((mount_id_from_fdinfo(fd)?, device));
+    }
+    let id = u32::try_from(stat.stx_mnt_id)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "statx mount ID does not fit 32 bits"))?;
+    Ok((id, device))
+}
+
+/// The unique, never reused, 64-bit ID of the mount `fd` is on
+/// (`statx` with `STATX_MNT_ID_UNIQUE`, Linux 6.8): what `listmount` and
+/// `statmount` take. `EOPNOTSUPP` where the kernel does not give it.
+pub fn unique_mount_id_of(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC | AtFlags::SYMLINK_NOFOLLOW;
+    let unique = StatxFlags::from_bits_retain(linux_raw_sys::general::STATX_MNT_ID_UNIQUE);
+    let stat = rustix::fs::statx(fd, c"", flags, unique)?;
+    if stat.stx_mask & unique.bits() == 0 {
+        return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+    }
+    Ok(stat.stx_mnt_id)
 }
 
 /// The `mnt_id:` line of `/proc/thread-self/fdinfo/<fd>`, which the kernel

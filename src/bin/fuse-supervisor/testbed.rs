@@ -57,6 +57,9 @@ pub(crate) enum Internal {
         /// start another on SIGUSR1.
         #[arg(long, value_name = "PID_FILE", conflicts_with_all = ["device_on_stdin", "hand_off_on_signal"])]
         watchdog: Option<PathBuf>,
+        /// Mount, and answer nothing (requests wait) until SIGUSR1, then serve.
+        #[arg(long, conflicts_with_all = ["device_on_stdin", "hand_off_on_signal", "watchdog"])]
+        answer_on_signal: bool,
     },
     /// Run a container-model reader.
     Container {
@@ -182,6 +185,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
             answer_init,
             inode_journal,
             watchdog,
+            answer_on_signal,
         } => {
             // Both or neither: clap requires the one with the other.
             let watchdog_child = init_request.zip(inode_journal);
@@ -193,6 +197,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                     inode_journal,
                 },
                 (None, None, None) if device_on_stdin => DemoFsRole::DeviceOnStdin,
+                (None, None, None) if answer_on_signal => DemoFsRole::AnswerOnSignal,
                 (None, None, None) => DemoFsRole::Serve,
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
