@@ -23,6 +23,7 @@ pub mod plan;
 pub mod report;
 pub mod sidecar;
 pub mod status;
+pub mod stop_point;
 pub mod supervisor;
 #[cfg(feature = "testbed")]
 pub mod testbed;

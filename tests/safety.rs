@@ -44,6 +44,7 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
             root_in_source: Default::default(),
             top_mount_id: stale.mount_id,
             layer_ids: vec![stale.mount_id],
+            beneath_top: None,
         }],
     };
     let (kubelet_root, staging, source_path) =
@@ -92,6 +93,7 @@ fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
             root_in_source: Default::default(),
             top_mount_id: top,
             layer_ids: vec![top],
+            beneath_top: None,
         }
     };
     let batch = HealBatch {

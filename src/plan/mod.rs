@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tracing::info;
 
 use crate::model::state::{Journal, Mapping};
-use crate::model::table::{Classified, Layout, Stack, Target, TargetKind, root_within};
+use crate::model::table::{Classified, Dev, Layout, Stack, Target, TargetKind, root_within};
 
 /// What a target needs, judged from the table alone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -203,6 +203,10 @@ pub struct TargetHeal {
     /// Every FUSE layer at the path when planned, bottom first: what
     /// flattening may remove.
     pub layer_ids: Vec<u32>,
+    /// The connection and root of the layer right under the top, if any: a
+    /// heal cut short after it slid the new source beneath the stale top
+    /// left the new source there.
+    pub beneath_top: Option<(Dev, PathBuf)>,
 }
 
 impl TargetHeal {
@@ -215,6 +219,7 @@ impl TargetHeal {
             root_in_source: mapping.root_in_source.clone(),
             top_mount_id: target.stack.top().mount_id,
             layer_ids: target.stack.layers.iter().map(|layer| layer.mount_id).collect(),
+            beneath_top: target.stack.layers.iter().rev().nth(1).map(|layer| (layer.dev, layer.root.clone())),
         }
     }
 

@@ -13,6 +13,7 @@ pub mod cgroup;
 pub mod container;
 pub mod kubelet;
 mod logs;
+pub mod node;
 mod reader;
 pub mod runc;
 mod sandbox;
