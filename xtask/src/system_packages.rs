@@ -50,6 +50,18 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         used_for: "entering a pod's namespaces in the sidecar tests",
     },
     SystemPackage {
+        program: "setpriv",
+        deb: "util-linux",
+        rpm: "util-linux",
+        used_for: "running the supervisor without CAP_SYS_ADMIN in the node-fault tests",
+    },
+    SystemPackage {
+        program: "prlimit",
+        deb: "util-linux",
+        rpm: "util-linux",
+        used_for: "a low open-file limit for the supervisor alone in the node-fault tests",
+    },
+    SystemPackage {
         program: "umount",
         deb: "mount",
         rpm: "util-linux",
