@@ -13,7 +13,7 @@
 //! (p50/p99/max), and the supervisor's RSS, open descriptors and threads
 //! after the first, tenth and last cycles and their maximum. Every flag is
 //! also an environment variable (`SOAK_BENCH_CYCLES`, `SOAK_BENCH_VOLUMES`
-//! (3), `SOAK_BENCH_SUBPATHS` (1), `SOAK_BENCH_DAEMON`: bindfs or demofs).
+//! (9), `SOAK_BENCH_SUBPATHS` (1), `SOAK_BENCH_DAEMON`: bindfs or demofs).
 //! Needs root, /dev/fuse and bindfs.
 use std::path::Path;
 use std::time::Duration;
@@ -36,7 +36,7 @@ fn main() {
     }
     let flags = Flags::new("SOAK_BENCH");
     let cycles: usize = flags.number("cycles", "1000");
-    let volumes: usize = flags.number("volumes", "3");
+    let volumes: usize = flags.number("volumes", "9");
     let subpaths: usize = flags.number("subpaths", "1");
     let (daemon, styles) = match flags.text("daemon", "bindfs").as_str() {
         "demofs" => (Daemon::DemoFs, vec![Restart::UnmountThenMount, Restart::MountOverStale]),

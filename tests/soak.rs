@@ -1,5 +1,5 @@
 //! A short soak of `fuse-supervisor run`: 50 crash/restart cycles of a
-//! bindfs daemon serving four targets (one a subPath), each read in a
+//! bindfs daemon serving ten targets (one a subPath), each read in a
 //! container, each restart unmount-then-mount. Every cycle converges (every target read again, one layer each,
 //! the mount count at its baseline, the state file current), and the
 //! supervisor's descriptors and threads are where they were after the
@@ -19,7 +19,7 @@ const WARM_UP: usize = 10;
 
 #[test]
 fn fifty_cycles_heal_every_time_and_leak_nothing() {
-    let options = NodeOptions { daemon: Daemon::Bindfs, volumes: 3, subpaths: 1 };
+    let options = NodeOptions { daemon: Daemon::Bindfs, volumes: 9, subpaths: 1 };
     let mut node = Node::new(Path::new(BINARY), options).expect("node");
     node.converge(TIMEOUT).expect("readers read");
     node.start_supervisor(&[], &[]).expect("supervisor");
