@@ -153,7 +153,7 @@ mod tests {
         assert_eq!(find_program("unshare", &search_path), Some(dir.join("unshare")));
         assert_eq!(find_program("bindfs", &search_path), None, "neither a directory nor a file without x");
         let missing: Vec<&str> = missing_packages(&search_path).iter().map(|package| package.program).collect();
-        assert_eq!(missing, ["bindfs", "fusermount3", "nsenter", "umount", "runc", "busybox"]);
+        assert_eq!(missing, ["bindfs", "fusermount3", "nsenter", "setpriv", "prlimit", "umount", "runc", "busybox"]);
         fs::remove_dir_all(&dir).unwrap();
     }
 }
