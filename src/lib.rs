@@ -24,6 +24,7 @@ pub mod report;
 pub mod shutdown;
 pub mod sidecar;
 pub mod status;
+pub mod stop_point;
 pub mod supervisor;
 #[cfg(feature = "testbed")]
 pub mod testbed;

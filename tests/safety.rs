@@ -45,6 +45,7 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
             top_mount_id: stale.mount_id,
             top_dev: stale.dev,
             layer_ids: vec![stale.mount_id],
+            beneath_top: None,
         }],
     };
     let (kubelet_root, staging, source_path) =
@@ -94,6 +95,7 @@ fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
             top_mount_id: top.mount_id,
             top_dev: top.dev,
             layer_ids: vec![top.mount_id],
+            beneath_top: None,
         }
     };
     let batch = HealBatch {

@@ -57,6 +57,7 @@ fn a_subpath_bound_to_a_removed_directory_is_healed_beneath_its_stale_bind() {
             top_mount_id: stale_id,
             top_dev: stale_dev,
             layer_ids: vec![stale_id],
+            beneath_top: None,
         }],
     };
     let (kubelet_root, staging, source_path) =

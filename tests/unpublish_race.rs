@@ -191,6 +191,7 @@ fn a_batch_planned_before_the_unpublish_mounts_nothing_on_the_removed_or_recreat
             top_mount_id: top.mount_id,
             top_dev: top.dev,
             layer_ids: vec![top.mount_id],
+            beneath_top: None,
         }
     };
     let mut batch = HealBatch {

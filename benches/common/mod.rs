@@ -84,3 +84,13 @@ pub fn mount_targets_and_padding(
         })
         .expect("populate the sandbox's mount table");
 }
+
+/// `p50 … ms  p99 … ms  max … ms` of `took`, or `-` when empty.
+pub fn summary_ms(mut took: Vec<std::time::Duration>) -> String {
+    if took.is_empty() {
+        return "-".into();
+    }
+    took.sort_unstable();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1000.0;
+    format!("p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", at(0.5), at(0.99), at(1.0))
+}

@@ -139,6 +139,16 @@ pub trait Executor {
     /// Returns the number of layers removed.
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError>;
 
+    /// Like [`Executor::flatten_covered`] without a handle on the covered
+    /// layers: they are reached once the top is parked, which the kernel
+    /// allows only when the layer under the top is private (a heal cut
+    /// short after its stacks left it so; a daemon's mount over its stale
+    /// source leaves it shared, and the move is refused). Returns the
+    /// number of layers removed.
+    fn flatten_covered_unheld(&mut self, _target: &TargetHeal) -> Result<usize, HealError> {
+        Ok(0)
+    }
+
     /// Detaches the mount on top of `source` if it is on the dead
     /// connection `dead`: the source's own dead mount, never a target (its
     /// binds are other mounts and stay). Returns whether it detached one.
@@ -208,6 +218,7 @@ impl Staging {
             .map(|index| {
                 let park = path.join(format!("park-{index}"));
                 std::fs::create_dir_all(&park)?;
+                clear_park(&park)?;
                 resolve::open_dir(&park)
             })
             .collect::<std::io::Result<_>>()?;
@@ -258,6 +269,25 @@ enum Expiry {
     Used,
     /// Open, or with mounts on it: it cannot be unmounted but lazily.
     Busy,
+}
+
+/// Detaches whatever a previous run left parked on `park`: a run killed in
+/// the middle of a flatten leaves a new top there, which nobody would ever
+/// move back, and which would pass for a bind of its source.
+fn clear_park(park: &Path) -> std::io::Result<()> {
+    let mut removed = 0;
+    loop {
+        match mount::detach(park) {
+            Ok(()) => removed += 1,
+            // Not a mount point (any more).
+            Err(err) if err.kind() == std::io::ErrorKind::InvalidInput => break,
+            Err(err) => return Err(err),
+        }
+    }
+    if removed > 0 {
+        warn!(park = %park.display(), removed, "mounts a previous run left parked removed");
+    }
+    Ok(())
 }
 
 /// What every flattening thread needs: the roots to resolve targets
@@ -473,6 +503,7 @@ impl Mounter {
         new_top: BorrowedFd<'_>,
     ) -> Result<Option<usize>, HealError> {
         self.park(target, new_top, 0)?;
+        crate::stop_point::reached(crate::stop_point::PARKED);
         match mount::move_mount_beneath(new_top, stale) {
             Ok(()) => Ok(None),
             Err(err) => {
@@ -503,6 +534,27 @@ impl Mounter {
             return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
         }
         mount::detach_top(fd.as_fd()).map(|()| true).map_err(HealError::mount("remove stale layer", &target.path))
+    }
+
+    /// Detaches the stale top a cut-short slide left over the new source,
+    /// unless a detach on a peer took it already (detaches propagate
+    /// between layers slid onto peers' roots). Returns whether it detached
+    /// it itself.
+    fn finish_slide(&self, target: &TargetHeal, source_dev: Dev) -> Result<bool, HealError> {
+        let (fd, top) = self.resolve_target(&target.path)?;
+        if top != target.top_mount_id {
+            let found = resolve::device_of(fd.as_fd())
+                .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
+            if found == (source_dev.major, source_dev.minor) {
+                return Ok(false);
+            }
+            return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
+        }
+        // Private already if that heal made it so; made sure of here, so
+        // that the detach reaches no container.
+        mount::make_private(fd.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
+        mount::detach_top(fd.as_fd()).map_err(HealError::mount("remove stale layer", &target.path))?;
+        Ok(true)
     }
 
     fn run(&self, job: FlattenJob, park: usize) {
@@ -628,6 +680,11 @@ impl Executor for MountExecutor {
         self.mounter.flatten(target, top.as_fd(), 0)
     }
 
+    fn flatten_covered_unheld(&mut self, target: &TargetHeal) -> Result<usize, HealError> {
+        let top = self.mounter.open_planned(target)?;
+        self.mounter.flatten(target, top.as_fd(), 0)
+    }
+
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
         if self.isolated.contains_key(&dev) {
             return None;
@@ -697,7 +754,22 @@ impl Executor for MountExecutor {
         // Placed beneath their stale layer: only that layer's detach is left
         // (older layers under it, if any, stay under the new mount).
         let mut slid = Vec::new();
+        let source_root = &batch.source.top().root;
         for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
+            if target
+                .beneath_top
+                .as_ref()
+                .is_some_and(|(dev, root)| *dev == source_dev && *root == source_root.join(&target.root_in_source))
+            {
+                // A heal cut short (the supervisor killed) after it slid
+                // the new source beneath this stale layer: only the detach
+                // is left to do. It counts as that heal's stack.
+                let detached = opened.and_then(|_| mounter.finish_slide(target, source_dev));
+                let layers_removed = usize::from(matches!(detached, Ok(true)));
+                let result = detached.map(|_| Healed::Stacked);
+                outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed, flatten_error: None });
+                continue;
+            }
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
             let mut flatten_error = None;
             let result = match stacked {
@@ -724,6 +796,7 @@ impl Executor for MountExecutor {
         // A copy per stale layer (a dup each): any of them may be the only
         // one of its dead connection.
         self.pinned = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect();
+        crate::stop_point::reached(crate::stop_point::STACKED);
         // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the
         // flatten, which only the host sees, comes after.
@@ -760,6 +833,9 @@ impl Executor for MountExecutor {
             }
         }
         let (slid_count, mut detaches) = (slid.len(), 0);
+        if slid_count > 0 {
+            crate::stop_point::reached(crate::stop_point::SLID);
+        }
         for (index, new_top) in slid {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
             match mounter.detach_slid(target, new_top.as_fd()) {

@@ -207,6 +207,10 @@ pub struct TargetHeal {
     /// Every FUSE layer at the path when planned, bottom first: what
     /// flattening may remove.
     pub layer_ids: Vec<u32>,
+    /// The connection and root of the layer right under the top, if any: a
+    /// heal cut short after it slid the new source beneath the stale top
+    /// left the new source there.
+    pub beneath_top: Option<(Dev, PathBuf)>,
 }
 
 impl TargetHeal {
@@ -220,6 +224,7 @@ impl TargetHeal {
             top_mount_id: target.stack.top().mount_id,
             top_dev: target.stack.top().dev,
             layer_ids: target.stack.layers.iter().map(|layer| layer.mount_id).collect(),
+            beneath_top: target.stack.layers.iter().rev().nth(1).map(|layer| (layer.dev, layer.root.clone())),
         }
     }
 

@@ -10,7 +10,7 @@ use crate::heal::{Executor, Healed};
 use crate::model::state::TargetState;
 use crate::model::table::{Classified, Dev, TargetKind};
 use crate::plan::locate::{self, Located};
-use crate::plan::{self, Assessment};
+use crate::plan::{self, Assessment, TargetHeal};
 use crate::report::{HealReport, Report, ScanCounts, TargetEvent};
 use crate::watch::pods::PodChange;
 
@@ -70,7 +70,7 @@ impl<E: Executor> Supervisor<E> {
     pub(super) fn report_propagated_heals(&mut self, classified: &Classified) {
         let mut healed_sources = Vec::new();
         for (path, target) in &classified.targets {
-            let Some(mapping) = self.journal.get(path) else { continue };
+            let Some(mapping) = self.journal.get(path).cloned() else { continue };
             let Some(source) = classified.sources.get(&mapping.source) else { continue };
             let top = target.stack.top();
             if top.dev != mapping.dev
@@ -89,10 +89,21 @@ impl<E: Executor> Supervisor<E> {
                 if self.held.contains_key(path) {
                     continue;
                 }
+                // A heal cut short after its stacks (the supervisor killed)
+                // left private stale layers, which a flatten reaches
+                // without a handle; a daemon's mount over its stale source
+                // left shared ones, out of reach.
+                let removed = match self.executor.flatten_covered_unheld(&TargetHeal::of(path, target, &mapping)) {
+                    Ok(removed) => removed,
+                    Err(err) => {
+                        debug!(target = %path.display(), %err, "the covered stale layers are out of reach");
+                        0
+                    }
+                };
                 // This scan may be the first to see the source's new mount.
                 let latency =
                     self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
-                self.report_propagated(path, &target.pod_uid, &mapping.source, latency, 0);
+                self.report_propagated(path, &target.pod_uid, &mapping.source, latency, removed);
                 healed_sources.push((mapping.source.clone(), mapping.dev, source.top().clone()));
             }
         }
@@ -100,6 +111,9 @@ impl<E: Executor> Supervisor<E> {
         healed_sources.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
         for (source, dead, top) in healed_sources {
             self.count_source_heal(&source, top.dev);
+            // Unless done at the death: the covered layers keep the dead
+            // connection's device number from being reused meanwhile.
+            self.isolate_containers(dead);
             self.heal_containers(&BTreeSet::from([dead]), &source, &top);
         }
     }

@@ -14,6 +14,7 @@ pub mod container;
 pub mod fuzz;
 pub mod kubelet;
 mod logs;
+pub mod node;
 mod reader;
 pub mod runc;
 mod sandbox;

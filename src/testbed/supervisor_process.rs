@@ -202,6 +202,11 @@ impl SupervisorProcess {
         self.process.try_wait().map_err(io_step("check the supervisor's exit"))
     }
 
+    /// SIGKILL and reap: a crash of the supervisor itself.
+    pub fn kill(self) -> Result<std::process::ExitStatus, ScenarioError> {
+        self.process.kill().map_err(io_step("kill the supervisor"))
+    }
+
     /// SIGTERM and wait: a clean shutdown.
     pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
         self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;

@@ -168,6 +168,15 @@ pub fn mount_tmpfs(target: &Path) -> io::Result<()> {
     Ok(rustix::mount::mount(TMPFS, target, TMPFS, rustix::mount::MountFlags::empty(), None)?)
 }
 
+/// `mount("tmpfs", target, "tmpfs", ro ? MS_RDONLY : 0, "size=<bytes>")`:
+/// a small tmpfs, for tests of a full or read-only directory.
+pub fn mount_tmpfs_limited(target: &Path, bytes: u64, read_only: bool) -> io::Result<()> {
+    const TMPFS: &CStr = c"tmpfs";
+    let flags = if read_only { rustix::mount::MountFlags::RDONLY } else { rustix::mount::MountFlags::empty() };
+    let data = std::ffi::CString::new(format!("size={bytes}")).map_err(io::Error::other)?;
+    Ok(rustix::mount::mount(TMPFS, target, TMPFS, flags, Some(data.as_c_str()))?)
+}
+
 /// `mount("fusectl", target, "fusectl", 0, NULL)`: the FUSE control
 /// filesystem (`/sys/fs/fuse/connections` on a host), for a namespace that
 /// has none mounted.

@@ -108,6 +108,16 @@ pub fn lower_thread_priority() -> io::Result<()> {
     Ok(rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19)?)
 }
 
+/// Stops the whole process, from the calling thread (`raise(SIGSTOP)`, a
+/// `tgkill` to itself): the calling thread stops before it returns, where a
+/// `kill` to the process would let it run on until the main thread, which
+/// takes such a signal, got a CPU. Returns once the process is continued.
+pub fn stop_self() -> io::Result<()> {
+    // SAFETY: raise takes a signal number and touches no memory of ours.
+    let ret = unsafe { libc::raise(libc::SIGSTOP) };
+    if ret != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
 /// Schedules the calling thread (alone) `SCHED_FIFO` at `priority` (1-99),
 /// or back to `SCHED_OTHER` with `None`. `SCHED_RESET_ON_FORK` is set too,
 /// so threads it starts later begin at the normal policy. Needs

@@ -158,7 +158,16 @@ mod tests {
         let expected: Vec<&str> =
             TEST_PACKAGES.iter().map(|package| package.program).filter(|p| *p != "unshare" && !off_path(p)).collect();
         assert_eq!(missing, expected);
-        assert!(missing.starts_with(&["bindfs", "fusermount3", "nsenter", "umount", "runc", "busybox"]));
+        assert!(missing.starts_with(&[
+            "bindfs",
+            "fusermount3",
+            "nsenter",
+            "setpriv",
+            "prlimit",
+            "umount",
+            "runc",
+            "busybox"
+        ]));
         fs::remove_dir_all(&dir).unwrap();
     }
 

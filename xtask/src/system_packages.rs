@@ -57,6 +57,20 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         also_in: &[],
     },
     SystemPackage {
+        program: "setpriv",
+        deb: "util-linux",
+        rpm: "util-linux",
+        used_for: "running the supervisor without CAP_SYS_ADMIN in the node-fault tests",
+        also_in: &[],
+    },
+    SystemPackage {
+        program: "prlimit",
+        deb: "util-linux",
+        rpm: "util-linux",
+        used_for: "a low open-file limit for the supervisor alone in the node-fault tests",
+        also_in: &[],
+    },
+    SystemPackage {
         program: "umount",
         deb: "mount",
         rpm: "util-linux",

@@ -19,6 +19,7 @@ pub(super) fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), State
         let mut file = fs::File::create(&temporary)?;
         file.write_all(contents)?;
         file.sync_all()?;
+        crate::stop_point::reached(crate::stop_point::STATE_WRITTEN);
         fs::rename(&temporary, path)?;
         fs::File::open(dir)?.sync_all()
     };

@@ -1,0 +1,102 @@
+//! Hung FUSE daemons under `fuse-supervisor run`: a daemon SIGSTOPped
+//! before it dies, a new daemon SIGSTOPped before its first answer, and a
+//! daemon that answers `statfs` but never a `lookup`. Each is bounded by
+//! `--probe-timeout`: the loop stays responsive (`/healthz`, `status`),
+//! another source crashes and heals meanwhile, and the hung one heals once
+//! it answers or is replaced. Real daemons in private mount namespaces;
+//! needs root, /dev/fuse and bindfs.
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fuse_supervisor::testbed::node::{Frozen, Node, NodeOptions};
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, ScenarioError};
+use fuse_supervisor::testbed::{ContainerReader, Observation};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const PROBE_TIMEOUT: &str = "1s";
+
+/// The node's source (two volumes and a subPath) and another source with
+/// one pod and its reader, supervised with a short probe timeout.
+struct TwoSources {
+    other_reader: ContainerReader,
+    other: FuseSource,
+    node: Node,
+}
+
+impl TwoSources {
+    fn new(daemon: Daemon) -> TwoSources {
+        let options = NodeOptions { daemon, volumes: 2, subpaths: 1 };
+        let mut node = Node::new(Path::new(BINARY), options).expect("node");
+        let other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+        let target: PathBuf = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
+        let other_reader =
+            ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &target, Path::new(DATA_FILE))
+                .expect("reader");
+        node.converge(TIMEOUT).expect("readers read");
+        node.start_supervisor(&[], &["--probe-timeout", PROBE_TIMEOUT]).expect("supervisor");
+        node.converge(TIMEOUT).expect("the state saved");
+        let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
+        node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)).expect("both daemons watched");
+        TwoSources { other_reader, other, node }
+    }
+
+    fn check<T>(&self, result: Result<T, ScenarioError>) -> T {
+        result.unwrap_or_else(|err| panic!("{err:?}\n{}", self.node.describe()))
+    }
+
+    /// While the node's source hangs: the other source crashes and heals,
+    /// `/healthz` answers 200 and `status` answers.
+    fn stays_responsive(&mut self) {
+        let node = &self.node;
+        self.other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
+        let expected = self.other.expected_content();
+        let read = self.other_reader.wait_until(TIMEOUT, |o: &Observation| o.content() == Some(expected.as_str()));
+        read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
+        let (status, body) = self.check(node.supervisor().and_then(|s| s.http_get("/healthz")));
+        assert_eq!(status, 200, "{body}");
+        let status = self.check(node.status());
+        assert!(status["targets"].as_array().is_some_and(|targets| targets.len() == 4), "{status}");
+    }
+}
+
+/// The daemon is stopped (every request hangs) and then killed: its
+/// targets wait, the loop does not.
+#[test]
+fn a_daemon_stopped_before_its_death_holds_up_nothing_else() {
+    let mut world = TwoSources::new(Daemon::Bindfs);
+    world.node.source.stop().expect("stop the daemon");
+    // Readers of the stopped source hang in their reads; the supervisor
+    // must not: it probes nothing yet (nothing changed), and it answers.
+    world.stays_responsive();
+    world.node.source.crash().expect("kill the stopped daemon");
+    let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, died)));
+    world.node.source.restart(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
+    world.check(world.node.converge(TIMEOUT));
+}
+
+/// The new daemon mounts and is stopped before it answers the probe: the
+/// probe gives up after `--probe-timeout` and says so, the loop goes on,
+/// and the heal happens once the daemon answers.
+#[test]
+fn a_new_daemon_stopped_before_its_first_answer_holds_up_nothing_else() {
+    let mut world = TwoSources::new(Daemon::Bindfs);
+    let from = world.check(world.node.supervisor()).log_len();
+    // Frozen, the supervisor cannot probe before the daemon is stopped.
+    let frozen = world.check(Frozen::stop(world.check(world.node.supervisor()).pid()));
+    world.node.source.restart(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
+    world.node.source.stop().expect("stop the new daemon");
+    let stopped_at = Instant::now();
+    drop(frozen);
+    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    assert!(stopped_at.elapsed() >= Duration::from_secs(1), "reported before --probe-timeout");
+    world.stays_responsive();
+    assert!(
+        world.node.readers[0].latest().is_some_and(|o| o.content().is_none()),
+        "healed from a daemon that never answered"
+    );
+    world.node.source.resume().expect("resume the new daemon");
+    world.check(world.node.converge(TIMEOUT));
+}

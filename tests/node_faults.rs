@@ -1,0 +1,203 @@
+//! Faults of the node under `fuse-supervisor run`: a state directory that
+//! is full or read-only (healing goes on, one error), a staging directory
+//! it cannot use, an open-file limit too low for a heal, no CAP_SYS_ADMIN.
+//! Each ends in a clear error, at start or per heal; never a half-done
+//! heal, never a lost target. Real daemons in private mount namespaces;
+//! needs root, /dev/fuse, bindfs and util-linux's prlimit and setpriv.
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fuse_supervisor::testbed::node::{Node, NodeOptions, top_dev};
+use fuse_supervisor::testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, wait_for};
+use fuse_supervisor::testbed::system::program;
+use fuse_supervisor_sys::mount;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+fn node(volumes: usize) -> Node {
+    let options = NodeOptions { daemon: Daemon::Bindfs, volumes, subpaths: 1 };
+    let node = Node::new(Path::new(BINARY), options).expect("node");
+    node.converge(TIMEOUT).expect("readers read before anything happens");
+    node
+}
+
+fn or_describe<T>(node: &Node, result: Result<T, ScenarioError>) -> T {
+    result.unwrap_or_else(|err| panic!("{err:?}\n{}", node.describe()))
+}
+
+fn start(node: &mut Node, wrapper: &[OsString]) {
+    if let Err(err) = node.start_supervisor(wrapper, &[]) {
+        panic!("{err:?}\n{}", node.describe());
+    }
+}
+
+fn crash_and_restart(node: &mut Node) {
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+}
+
+fn lines_with(node: &Node, text: &str) -> Vec<String> {
+    node.supervisor().map(|s| s.log()).unwrap_or_default().into_iter().filter(|line| line.contains(text)).collect()
+}
+
+/// A state directory on a tmpfs of `bytes`, read-only or not.
+fn small_state_dir(node: &Node, bytes: u64, read_only: bool) {
+    let dir = node.state_dir.clone();
+    node.sandbox
+        .run(move || std::fs::create_dir_all(&dir).and_then(|()| mount::mount_tmpfs_limited(&dir, bytes, read_only)))
+        .expect("mount the state directory's tmpfs");
+}
+
+/// The state file cannot be saved (`errno` says why): the heals go on, the
+/// error is logged once over two heals and `/readyz` shows it; once the
+/// directory is usable again (`fix`) the next save works and says so.
+fn heals_go_on_without_the_state_file(node: &mut Node, errno: &str, fix: impl FnOnce(&Node)) {
+    start(node, &[]);
+    for _ in 0..2 {
+        crash_and_restart(node);
+        or_describe(node, node.healed(TIMEOUT));
+    }
+    let errors = lines_with(node, "cannot save state");
+    assert_eq!(errors.len(), 1, "{errors:#?}\n{}", node.describe());
+    assert!(errors[0].contains(errno), "{}", errors[0]);
+    let (status, body) = or_describe(node, node.supervisor().and_then(|s| s.http_get("/readyz")));
+    assert!(status == 200 && body.contains(errno), "{status} {body}");
+
+    fix(node);
+    crash_and_restart(node);
+    or_describe(node, node.converge(TIMEOUT));
+    assert_eq!(lines_with(node, "state saved again").len(), 1, "{}", node.describe());
+}
+
+#[test]
+fn a_full_state_directory_stops_no_heal() {
+    let mut node = node(2);
+    small_state_dir(&node, 64 * 1024, false);
+    let filler = node.state_dir.join("filler");
+    let fill = filler.clone();
+    let filled = node.sandbox.run(move || std::fs::write(fill, vec![0_u8; 1 << 20]));
+    assert_eq!(filled.map_err(|err| err.raw_os_error()), Err(Some(28)), "the tmpfs is full (ENOSPC)");
+    heals_go_on_without_the_state_file(&mut node, "No space left on device", |node| {
+        node.sandbox.run(move || std::fs::remove_file(filler)).expect("free the space");
+    });
+}
+
+#[test]
+fn a_read_only_state_directory_stops_no_heal() {
+    let mut node = node(2);
+    small_state_dir(&node, 64 * 1024, true);
+    heals_go_on_without_the_state_file(&mut node, "Read-only file system", |node| {
+        let dir = node.state_dir.clone();
+        node.sandbox
+            .run(move || mount::detach(&dir).and_then(|()| mount::mount_tmpfs_limited(&dir, 64 * 1024, false)))
+            .expect("a writable state directory");
+    });
+}
+
+/// What a `run` that cannot start logged, with `wrapper` and `args`.
+fn failed_start(node: &Node, wrapper: &[OsString], args: &[&str]) -> String {
+    let all = ["--kubelet", "none"].iter().chain(args);
+    match SupervisorProcess::start_wrapped(&node.sandbox, wrapper, Path::new(BINARY), &node.state_dir, all) {
+        Ok(_) => panic!("the supervisor started\n{}", node.describe()),
+        Err(ScenarioError::Timeout { what, .. }) => what,
+        Err(err) => panic!("{err:?}"),
+    }
+}
+
+/// A staging path it cannot mount on (a file there): `run` stops at once,
+/// naming it, before any heal; a crash meanwhile is healed once it can
+/// start.
+#[test]
+fn an_unusable_staging_directory_stops_the_start_with_its_path() {
+    let mut node = node(1);
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+    node.kill_supervisor().expect("stop");
+    let staging: PathBuf = node.sandbox.root().join("staging");
+    let blocked = staging.clone();
+    node.sandbox
+        .run(move || {
+            mount::detach(&blocked)
+                .and_then(|()| std::fs::remove_dir_all(&blocked))
+                .and_then(|()| std::fs::write(&blocked, ""))
+        })
+        .expect("a file where the staging directory was");
+    crash_and_restart(&mut node);
+
+    let log = failed_start(&node, &[], &[]);
+    assert!(log.contains(&format!("staging mount {}", staging.display())), "{log}");
+    let mounts = node.mounts();
+    assert_eq!(Some(mounts), node.baseline().map(|baseline| baseline - 1), "only the staging tmpfs is gone\n{log}");
+
+    let path = staging.clone();
+    node.sandbox.run(move || std::fs::remove_file(path)).expect("the file gone");
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+}
+
+/// Without CAP_SYS_ADMIN nothing can be mounted: `run` stops at start,
+/// saying what it could not do, and touches nothing.
+#[test]
+fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
+    let mut node = node(1);
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+    node.kill_supervisor().expect("stop");
+    crash_and_restart(&mut node);
+    let before = node.sandbox.mountinfo();
+    let setpriv: Vec<OsString> = vec![
+        program("setpriv").into(),
+        "--inh-caps=-sys_admin".into(),
+        "--bounding-set=-sys_admin".into(),
+        "--".into(),
+    ];
+    let log = failed_start(&node, &setpriv, &[]);
+    assert!(log.contains("Operation not permitted"), "{log}");
+    assert_eq!(node.sandbox.mountinfo(), before, "{log}");
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+}
+
+/// `prlimit --nofile=<limit>:<limit> --`.
+fn prlimit(limit: u32) -> Vec<OsString> {
+    vec![program("prlimit").into(), format!("--nofile={limit}:{limit}").into(), "--".into()]
+}
+
+/// An open-file limit that lets it start but not hold a heal's handles:
+/// the heals that run out fail with EMFILE, each logged with the target
+/// and retried, the supervisor stays up, and no target is lost: every one
+/// ends on the new connection. What is not clean yet (README, Limits): a
+/// target whose handle could not be taken is reached by a peer's stack
+/// while its stale layer is still shared, which keeps that layer (and a
+/// subPath stack's copy on it) beyond the flatten's reach, and container
+/// heals that ran out are not retried.
+#[test]
+fn an_open_file_limit_too_low_for_a_heal_fails_heals_clearly_and_loses_none() {
+    let mut node = node(12);
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+    node.kill_supervisor().expect("stop");
+    start(&mut node, &prlimit(LOW_NOFILE));
+    crash_and_restart(&mut node);
+
+    let supervisor = node.supervisor().expect("running");
+    let failed = |line: &str| {
+        line.contains("\"heal failed\"") && line.contains("Too many open files") && line.contains("\"target\"")
+    };
+    or_describe(&node, supervisor.wait_for_log(TIMEOUT, failed));
+    let source_dev = || top_dev(&node.sandbox, &node.source.path);
+    for target in &node.targets {
+        let healed =
+            wait_for("the target on the new connection", TIMEOUT, || top_dev(&node.sandbox, target) == source_dev());
+        or_describe(&node, healed);
+    }
+    let status = or_describe(&node, node.status());
+    let targets = status["targets"].as_array().map_or(0, Vec::len);
+    assert_eq!(targets, node.targets.len(), "a target left the state: {status}");
+    assert!(supervisor.try_wait().ok().flatten().is_none(), "the supervisor exited\n{}", node.describe());
+}
+
+/// Descriptors the supervisor starts with, and a few more: not enough for
+/// a heal of the node's 13 targets (several handles each).
+const LOW_NOFILE: u32 = 48;
