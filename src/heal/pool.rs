@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 use fuse_supervisor_sys::ns;
 use tracing::warn;
 
-use super::{HealError, Mounter};
+use super::HealError;
+use super::mounter::Mounter;
 use crate::heal::priority::HealPriority;
 use crate::plan::TargetHeal;
 
