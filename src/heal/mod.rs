@@ -7,7 +7,7 @@
 //! goes through an fd that was resolved without symlinks (beneath the kubelet
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -28,6 +28,7 @@ pub use fuse_supervisor_sys::mount::Propagation;
 
 pub mod containers;
 pub mod in_namespace;
+mod isolations;
 mod pool;
 pub mod priority;
 pub mod probe;
@@ -416,7 +417,7 @@ pub struct MountExecutor {
     watched_inode: u64,
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
-    isolated: BTreeMap<Dev, Vec<containers::ForeignMount>>,
+    isolated: isolations::Isolations,
     /// Handles on the stale layers of the last batch, kept from its flatten
     /// to its heal in containers: they keep the dead connections alive, so
     /// their device numbers are nobody else's while containers are searched
@@ -448,7 +449,7 @@ impl MountExecutor {
             mount_beneath,
             watched,
             watched_inode,
-            isolated: BTreeMap::new(),
+            isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
             pinned: Vec::new(),
         })
     }
@@ -498,7 +499,7 @@ impl Executor for MountExecutor {
     }
 
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
-        if self.isolated.contains_key(&dev) {
+        if self.isolated.contains(dev) {
             return None;
         }
         let own = BTreeSet::from([self.watched_inode]);
@@ -519,7 +520,7 @@ impl Executor for MountExecutor {
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
-        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(dev)).flatten().collect();
+        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(*dev)).flatten().collect();
         let mut outcomes = if isolated.is_empty() {
             Vec::new()
         } else {
