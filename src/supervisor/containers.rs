@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
 use crate::heal::{ContainerOutcome, Executor};
+use crate::kube::cgroup::{PodContainer, container_of};
 use crate::model::state::retry_delay;
 use crate::model::table::{Dev, FuseMount};
 use crate::report::{Report, error_chain};
@@ -93,24 +94,27 @@ impl<E: Executor> Supervisor<E> {
                 Propagation::Slave => "slave",
                 _ => "private",
             };
+            let owner = self.owner(pid);
+            let pod = owner.as_ref().map(|owner| format!("{}/{}", owner.namespace, owner.pod));
+            let (pod, container) = (pod.as_deref(), owner.as_ref().map(|owner| owner.container.as_str()));
             let failed_before = attempts.iter().find(|(retried, _)| *retried == foreign).map_or(0, |(_, n)| *n);
             let result = match &outcome {
                 Ok(ForeignHealed::Replaced) => {
-                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
+                    info!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
                     "replaced"
                 }
                 Ok(ForeignHealed::Stacked { why }) => {
-                    warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
+                    warn!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
                     "stacked"
                 }
                 Err(err) if namespace_gone(err) => {
-                    info!(namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
+                    info!(pod, container, namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
                     continue;
                 }
                 Err(err) => {
                     let attempts = failed_before + 1;
                     let delay = retry_delay(attempts);
-                    warn!(namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
+                    warn!(pod, container, namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
                     self.container_retries.push(ContainerRetry {
                         foreign: foreign.clone(),
                         source: source.to_path_buf(),
@@ -122,6 +126,16 @@ impl<E: Executor> Supervisor<E> {
             };
             self.reporters.report(&Report::ContainerHealed { source, result });
         }
+    }
+
+    /// The pod and container of a namespace's process, from its cgroup and
+    /// the kubelet's last `/pods` list; None without a kubelet or a list
+    /// (the log then names the process and namespace only), and for a
+    /// namespace that is no pod's container.
+    fn owner(&self, pid: u32) -> Option<PodContainer> {
+        let listed = self.kubelet.as_ref()?.last_listed()?;
+        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+        container_of(&cgroups, &listed.pods)
     }
 }
 

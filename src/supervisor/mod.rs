@@ -182,6 +182,9 @@ struct Supervisor<E: Executor> {
     probed_batches: BTreeMap<PathBuf, (u64, HealBatch, Prepared)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
+    /// Its last `/pods` list names the containers healed in their own
+    /// namespace; None with `--kubelet none`.
+    kubelet: Option<Kubelet>,
     /// Whether the first scan is done: mounts seen in it were there before
     /// the supervisor, so when they appeared is unknown.
     scanned_once: bool,
