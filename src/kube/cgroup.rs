@@ -28,6 +28,7 @@ pub fn in_container(cgroups: &str, id: &str) -> bool {
 pub struct PodContainer {
     pub namespace: String,
     pub pod: String,
+    pub pod_uid: String,
     pub container: String,
 }
 
@@ -42,6 +43,7 @@ pub fn container_of(cgroups: &str, pods: &PodList) -> Option<PodContainer> {
             .map(|(status, _)| PodContainer {
                 namespace: pod.metadata.namespace.clone(),
                 pod: pod.metadata.name.clone(),
+                pod_uid: pod.metadata.uid.clone(),
                 container: status.name.clone(),
             })
     })
@@ -78,6 +80,7 @@ mod tests {
         let mut pod = Pod::default();
         pod.metadata.namespace = namespace.into();
         pod.metadata.name = name.into();
+        pod.metadata.uid = format!("uid-{name}");
         pod.status.container_statuses = containers.iter().map(status).collect();
         pod.status.init_container_statuses = init.iter().map(status).collect();
         pod
@@ -98,9 +101,19 @@ mod tests {
             ..Default::default()
         };
         let systemd = format!("0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{OTHER}.scope\n");
-        let app = PodContainer { namespace: "default".into(), pod: "reader".into(), container: "app".into() };
+        let app = PodContainer {
+            namespace: "default".into(),
+            pod: "reader".into(),
+            pod_uid: "uid-reader".into(),
+            container: "app".into(),
+        };
         assert_eq!(container_of(&systemd, &pods), Some(app));
-        let sidecar = PodContainer { namespace: "data".into(), pod: "trainer".into(), container: "sync".into() };
+        let sidecar = PodContainer {
+            namespace: "data".into(),
+            pod: "trainer".into(),
+            pod_uid: "uid-trainer".into(),
+            container: "sync".into(),
+        };
         assert_eq!(container_of(&format!("0::/../crio-{ID}.scope\n"), &pods), Some(sidecar));
         // Not a pod's container (the host's, an unshared process'), and an
         // empty ID that would match any path: no owner.
