@@ -141,7 +141,7 @@ impl<E: Executor> Supervisor<E> {
     /// namespace that is no pod's container.
     fn owner(&self, pid: u32) -> Option<PodContainer> {
         let listed = self.kubelet.as_ref()?.last_listed()?;
-        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+        let cgroups = std::fs::read_to_string(self.proc_root.join(pid.to_string()).join("cgroup")).ok()?;
         container_of(&cgroups, &listed.pods)
     }
 }

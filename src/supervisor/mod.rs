@@ -185,6 +185,8 @@ struct Supervisor<E: Executor> {
     /// Its last `/pods` list names the containers healed in their own
     /// namespace; None with `--kubelet none`.
     kubelet: Option<Kubelet>,
+    /// Where a container's process's cgroup is read: `/proc` but in tests.
+    proc_root: PathBuf,
     /// Whether the first scan is done: mounts seen in it were there before
     /// the supervisor, so when they appeared is unknown.
     scanned_once: bool,
