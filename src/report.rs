@@ -4,6 +4,7 @@
 //!
 //! A [`Reporter`] runs on the loop thread: it must return at once (count,
 //! or hand the report to a queue of its own).
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -11,6 +12,21 @@ use std::time::{Duration, SystemTime};
 use crate::heal::Healed;
 use crate::kube::KubeletError;
 use crate::model::state::Owner;
+
+/// The heals in one pod's containers after a host heal.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainersHealed {
+    pub namespace: String,
+    pub pod: String,
+    pub pod_uid: String,
+    /// The containers healed, by name.
+    pub containers: BTreeSet<String>,
+    /// Mounts replaced by a live one: one live layer left.
+    pub replaced: usize,
+    /// Mounts live again with the live mount stacked on the dead one, which
+    /// stays beneath (it could not be slid under it).
+    pub stacked: usize,
+}
 
 /// One thing that happened, borrowed from the loop for the call.
 #[derive(Debug)]
@@ -51,6 +67,10 @@ pub enum Report<'a> {
     /// dealt with after the host heal of `source`: `result` is `replaced`
     /// (one live layer left), `stacked` (the dead one under it) or `failed`.
     ContainerHealed { source: &'a Path, result: &'static str },
+    /// After the host heal from `source`, one pod's containers were healed
+    /// in their own mount namespaces: published apart from the targets'
+    /// heals, which it follows, so that it never delays them.
+    ContainersHealed { source: &'a Path, heals: &'a ContainersHealed },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

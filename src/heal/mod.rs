@@ -7,7 +7,7 @@
 //! goes through an fd that was resolved without symlinks (beneath the kubelet
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -29,6 +29,7 @@ pub use fuse_supervisor_sys::mount::Propagation;
 pub mod containers;
 mod dead_source;
 pub mod in_namespace;
+mod isolations;
 mod mounter;
 mod pool;
 
@@ -209,7 +210,7 @@ pub struct MountExecutor {
     watched_inode: u64,
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
-    isolated: BTreeMap<Dev, Vec<containers::ForeignMount>>,
+    isolated: isolations::Isolations,
     /// Handles on the stale layers of the last batch, kept from its flatten
     /// to its heal in containers: they keep the dead connections alive, so
     /// their device numbers are nobody else's while containers are searched
@@ -241,7 +242,7 @@ impl MountExecutor {
             mount_beneath,
             watched,
             watched_inode,
-            isolated: BTreeMap::new(),
+            isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
             pinned: Vec::new(),
         })
     }
@@ -286,7 +287,7 @@ impl Executor for MountExecutor {
     }
 
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
-        if self.isolated.contains_key(&dev) {
+        if self.isolated.contains(dev) {
             return None;
         }
         let own = BTreeSet::from([self.watched_inode]);
@@ -307,7 +308,7 @@ impl Executor for MountExecutor {
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
-        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(dev)).flatten().collect();
+        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(*dev)).flatten().collect();
         let mut outcomes = if isolated.is_empty() {
             Vec::new()
         } else {

@@ -65,6 +65,15 @@ impl Kubelet {
     }
 }
 
+#[cfg(test)]
+impl Kubelet {
+    /// As if `/pods` had just answered `pods`.
+    pub(crate) fn set_last_listed(&self, pods: PodList) {
+        *self.shared.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(Listed { pods: Arc::new(pods), at: Instant::now() });
+    }
+}
+
 impl std::fmt::Debug for Kubelet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let config = &self.shared.config;

@@ -4,6 +4,7 @@
 //! pod names), the Events the supervisor publishes, and the Job lifecycle of
 //! FUSE sidecars.
 mod asker;
+pub mod cgroup;
 mod client;
 pub mod events;
 mod http;

@@ -249,6 +249,8 @@ impl Reporter for Metrics {
             Report::ContainerHealed { result, .. } => {
                 self.container_heals.get_or_create(&ResultLabel { result }).inc();
             }
+            // Each of its heals was counted as a ContainerHealed.
+            Report::ContainersHealed { .. } => {}
             Report::DaemonDied { .. } => {
                 self.daemon_deaths.inc();
             }

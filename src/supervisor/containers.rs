@@ -11,9 +11,10 @@ use tracing::{info, warn};
 
 use crate::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
 use crate::heal::{ContainerOutcome, Executor};
+use crate::kube::cgroup::{PodContainer, container_of};
 use crate::model::state::retry_delay;
 use crate::model::table::{Dev, FuseMount};
-use crate::report::{Report, error_chain};
+use crate::report::{ContainersHealed, Report, error_chain};
 
 use super::Supervisor;
 
@@ -87,30 +88,37 @@ impl<E: Executor> Supervisor<E> {
         attempts: &[(ForeignMount, u32)],
     ) {
         let took_us = started.elapsed().as_micros() as u64;
+        let mut by_pod = BTreeMap::new();
         for (foreign, outcome) in outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
             let propagation = match foreign.propagation {
                 Propagation::Slave => "slave",
                 _ => "private",
             };
+            let owner = self.owner(pid);
+            let pod = owner.as_ref().map(|owner| format!("{}/{}", owner.namespace, owner.pod));
+            let (pod, container) = (pod.as_deref(), owner.as_ref().map(|owner| owner.container.as_str()));
             let failed_before = attempts.iter().find(|(retried, _)| *retried == foreign).map_or(0, |(_, n)| *n);
+            if let (Some(owner), Ok(healed)) = (&owner, &outcome) {
+                tally(&mut by_pod, owner, healed);
+            }
             let result = match &outcome {
                 Ok(ForeignHealed::Replaced) => {
-                    info!(namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
+                    info!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
                     "replaced"
                 }
                 Ok(ForeignHealed::Stacked { why }) => {
-                    warn!(namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
+                    warn!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
                     "stacked"
                 }
                 Err(err) if namespace_gone(err) => {
-                    info!(namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
+                    info!(pod, container, namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
                     continue;
                 }
                 Err(err) => {
                     let attempts = failed_before + 1;
                     let delay = retry_delay(attempts);
-                    warn!(namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
+                    warn!(pod, container, namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
                     self.container_retries.push(ContainerRetry {
                         foreign: foreign.clone(),
                         source: source.to_path_buf(),
@@ -122,6 +130,19 @@ impl<E: Executor> Supervisor<E> {
             };
             self.reporters.report(&Report::ContainerHealed { source, result });
         }
+        for heals in by_pod.values() {
+            self.reporters.report(&Report::ContainersHealed { source, heals });
+        }
+    }
+
+    /// The pod and container of a namespace's process, from its cgroup and
+    /// the kubelet's last `/pods` list; None without a kubelet or a list
+    /// (the log then names the process and namespace only), and for a
+    /// namespace that is no pod's container.
+    fn owner(&self, pid: u32) -> Option<PodContainer> {
+        let listed = self.kubelet.as_ref()?.last_listed()?;
+        let cgroups = std::fs::read_to_string(self.proc_root.join(pid.to_string()).join("cgroup")).ok()?;
+        container_of(&cgroups, &listed.pods)
     }
 }
 
@@ -130,6 +151,21 @@ impl ContainerRetry {
     fn again(self) -> ContainerRetry {
         let attempts = self.attempts + 1;
         ContainerRetry { attempts, retry_at: Instant::now() + retry_delay(attempts), ..self }
+    }
+}
+
+/// Counts a container heal into its pod's, by pod UID.
+fn tally(by_pod: &mut BTreeMap<String, ContainersHealed>, owner: &PodContainer, healed: &ForeignHealed) {
+    let heals = by_pod.entry(owner.pod_uid.clone()).or_insert_with(|| ContainersHealed {
+        namespace: owner.namespace.clone(),
+        pod: owner.pod.clone(),
+        pod_uid: owner.pod_uid.clone(),
+        ..ContainersHealed::default()
+    });
+    heals.containers.insert(owner.container.clone());
+    match healed {
+        ForeignHealed::Replaced => heals.replaced += 1,
+        ForeignHealed::Stacked { .. } => heals.stacked += 1,
     }
 }
 
@@ -157,5 +193,26 @@ mod tests {
         assert!(!namespace_gone(&refused));
         let busy = ContainerHealError::Thread { pid: 7, source: std::io::Error::other("no thread") };
         assert!(!namespace_gone(&busy));
+    }
+
+    #[test]
+    fn container_heals_are_counted_per_pod_and_how() {
+        let owner = |pod: &str, container: &str| PodContainer {
+            namespace: "default".into(),
+            pod: pod.into(),
+            pod_uid: format!("uid-{pod}"),
+            container: container.into(),
+        };
+        let mut by_pod = BTreeMap::new();
+        tally(&mut by_pod, &owner("a", "app"), &ForeignHealed::Replaced);
+        tally(&mut by_pod, &owner("a", "sync"), &ForeignHealed::Stacked { why: std::io::Error::other("busy") });
+        tally(&mut by_pod, &owner("a", "app"), &ForeignHealed::Replaced);
+        tally(&mut by_pod, &owner("b", "app"), &ForeignHealed::Replaced);
+        let a = &by_pod["uid-a"];
+        assert_eq!((a.pod.as_str(), a.replaced, a.stacked), ("a", 2, 1));
+        assert_eq!(a.containers, ["app".to_owned(), "sync".to_owned()].into());
+        let b = &by_pod["uid-b"];
+        assert_eq!((b.replaced, b.stacked, b.containers.len()), (1, 0, 1));
+        assert_eq!(by_pod.len(), 2);
     }
 }

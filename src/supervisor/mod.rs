@@ -190,6 +190,11 @@ struct Supervisor<E: Executor> {
     probed_batches: BTreeMap<PathBuf, (u64, HealBatch, Prepared)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
+    /// Its last `/pods` list names the containers healed in their own
+    /// namespace; None with `--kubelet none`.
+    kubelet: Option<Kubelet>,
+    /// Where a container's process's cgroup is read: `/proc` but in tests.
+    proc_root: PathBuf,
     /// Whether the first scan is done: mounts seen in it were there before
     /// the supervisor, so when they appeared is unknown.
     scanned_once: bool,

@@ -263,6 +263,8 @@ impl<E: Executor> Supervisor<E> {
             table_reads: 0,
             probed_batches: BTreeMap::new(),
             confirmer: None,
+            kubelet: config.kubelet.as_ref().map(|confirmation| confirmation.kubelet.clone()),
+            proc_root: std::path::PathBuf::from("/proc"),
             scanned_once: false,
             layouts: config.layouts.clone(),
             vol_data: VolDataCache::new(config.kubelet_root.join("pods")),

@@ -2,6 +2,7 @@
 //! records what it is asked to do, and a reporter that records what the loop
 //! says. A change of the table goes through the loop's own scan, plan, probe
 //! answer, heal and reports.
+use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -9,12 +10,14 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::heal::containers::{ForeignHealed, ForeignMount};
 use crate::heal::priority::HealPriority;
 use crate::heal::probe::{ProbeOutcome, SourceHandles};
-use crate::heal::{Executor, HealError, Healed, Prepared, TargetOutcome};
+use crate::heal::{ContainerOutcome, Executor, HealError, Healed, Prepared, Propagation, TargetOutcome};
+use crate::kube::{ContainerStatus, Kubelet, KubeletConfig, KubeletTls, Pod, PodList};
 use crate::model::source::{TableError, TableSource};
 use crate::model::state::TargetState;
-use crate::model::table::{Dev, Snapshot};
+use crate::model::table::{Dev, FuseMount, Snapshot};
 use crate::plan::layout::SourceLayouts;
 use crate::plan::{HealBatch, TargetHeal};
 use crate::report::{Report, Reporter, Reporters};
@@ -75,6 +78,8 @@ struct RecordingExecutor {
     table: SetTable,
     after_heal: Option<String>,
     fail: Option<PathBuf>,
+    /// What the next heal in containers returns.
+    containers: Vec<ContainerOutcome>,
 }
 
 impl Executor for RecordingExecutor {
@@ -116,6 +121,10 @@ impl Executor for RecordingExecutor {
     fn detach_dead_source(&mut self, source: &Path, _dead: Dev) -> Result<bool, HealError> {
         Err(HealError::NotAbsolute { path: source.to_path_buf() })
     }
+
+    fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
+        std::mem::take(&mut self.containers)
+    }
 }
 
 /// What the loop reported, one line each.
@@ -130,6 +139,13 @@ impl Reporter for RecordingReporter {
             Report::TargetBroken(target) => format!("broken {}", target.target.display()),
             Report::TargetHealed { target, heal } => format!("healed {} {:?}", target.target.display(), heal.how),
             Report::HealFailed { target, .. } => format!("failed {}", target.target.display()),
+            Report::ContainerHealed { result, .. } => format!("container {result}"),
+            Report::ContainersHealed { heals, .. } => {
+                format!(
+                    "containers of {}/{} {:?} {} {}",
+                    heals.namespace, heals.pod, heals.containers, heals.replaced, heals.stacked
+                )
+            }
             _ => return,
         };
         lock(&self.lines).push(line);
@@ -183,6 +199,7 @@ impl Harness {
             table: table.clone(),
             after_heal,
             fail: fail.map(|target| kubelet.path().join(target)),
+            containers: Vec::new(),
         };
         let reader = Box::new(SetTableReader { table: table.clone(), buffer: Vec::new() });
         let (events, inbox) = mpsc::channel();
@@ -384,4 +401,71 @@ fn a_target_unmounted_just_before_its_stack_fails_once_and_leaves_with_its_pod()
     harness.supervisor.on_pods(crate::watch::pods::PodChange::PodRemoved { uid: "bbbb".into() });
     assert!(harness.supervisor.journal.get(&pod_b).is_none());
     assert!(!harness.supervisor.records.contains_key(&pod_b));
+}
+
+#[test]
+fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
+    const ID: &str = "4f1bd2c7e0a94b5f8c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b";
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    // Process 4242 is in container `app` of pod default/reader, by its cgroup
+    // and the kubelet's last list; process 4343 is no pod's container.
+    let proc_root = tempfile::tempdir().unwrap();
+    let cgroup = format!("0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{ID}.scope\n");
+    for (pid, cgroup) in [(4242, cgroup.as_str()), (4343, "0::/user.slice/session-1.scope\n")] {
+        std::fs::create_dir(proc_root.path().join(pid.to_string())).unwrap();
+        std::fs::write(proc_root.path().join(pid.to_string()).join("cgroup"), cgroup).unwrap();
+    }
+    harness.supervisor.proc_root = proc_root.path().to_path_buf();
+    let kubelet = Kubelet::new(KubeletConfig::new("127.0.0.1", KubeletTls::InsecureSkipVerify));
+    let mut pod = Pod::default();
+    (pod.metadata.namespace, pod.metadata.name, pod.metadata.uid) = ("default".into(), "reader".into(), "aaaa".into());
+    pod.status.container_statuses = vec![ContainerStatus {
+        name: "app".into(),
+        container_id: Some(format!("containerd://{ID}")),
+        ..Default::default()
+    }];
+    kubelet.set_last_listed(PodList { items: vec![pod], ..Default::default() });
+    harness.supervisor.kubelet = Some(kubelet);
+    let foreign = |pid: u32, namespace: u64| ForeignMount {
+        namespace,
+        pid,
+        mount: FuseMount {
+            mount_id: 99,
+            parent_id: 1,
+            dev: Dev { major: 0, minor: 50 },
+            root: "/".into(),
+            mount_point: "/data".into(),
+            peer_group: None,
+            master: None,
+            fs_type: "fuse.juicefs".into(),
+            source: "JuiceFS:data".into(),
+            table_order: 0,
+        },
+        propagation: Propagation::Private,
+    };
+    harness.supervisor.executor.containers = vec![
+        (foreign(4242, 1), Ok(ForeignHealed::Replaced)),
+        (foreign(4242, 1), Ok(ForeignHealed::Stacked { why: io::Error::other("busy") })),
+        (foreign(4343, 2), Ok(ForeignHealed::Replaced)),
+    ];
+
+    let (replaced, healed) = harness.replaced_and_healed();
+    harness.supervisor.executor.after_heal = Some(healed);
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    harness.source_answers();
+    let reports = harness.reports();
+    let after_targets = reports.iter().skip_while(|line| !line.starts_with("healed ")).collect::<Vec<_>>();
+    assert_eq!(
+        after_targets[3..],
+        [
+            "container replaced",
+            "container stacked",
+            "container replaced",
+            r#"containers of default/reader {"app"} 1 1"#
+        ],
+        "the targets' heals first, then each container's, then one report for the pod: {reports:?}"
+    );
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::heal::Healed;
 use crate::model::state::Owner;
-use crate::report::Report;
+use crate::report::{ContainersHealed, Report};
 
 /// The events the supervisor publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,6 +28,9 @@ pub enum Reason {
     /// A FUSE daemon keeps crashing: its source was healed more than the
     /// limit within the window (Warning, on the daemon's pod).
     DaemonFlapping,
+    /// Containers of a pod were healed in their own mount namespaces after
+    /// the host heal (Normal, on the pod).
+    ContainersHealed,
 }
 
 impl Reason {
@@ -40,6 +43,7 @@ impl Reason {
             Reason::MountRestored => "FuseMountRestored",
             Reason::SourceDetached => "FuseSourceDetached",
             Reason::DaemonFlapping => "FuseDaemonFlapping",
+            Reason::ContainersHealed => "FuseContainersHealed",
         }
     }
 
@@ -47,7 +51,7 @@ impl Reason {
     pub fn action(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::MountRestored => "Detect",
-            Reason::MountHealed | Reason::HealFailed => "Heal",
+            Reason::MountHealed | Reason::HealFailed | Reason::ContainersHealed => "Heal",
             Reason::DaemonRestarted => "Confirm",
             Reason::SourceDetached => "Detach",
             Reason::DaemonFlapping => "Detect",
@@ -58,7 +62,11 @@ impl Reason {
     pub fn event_type(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::HealFailed | Reason::DaemonFlapping => "Warning",
-            Reason::MountHealed | Reason::DaemonRestarted | Reason::MountRestored | Reason::SourceDetached => "Normal",
+            Reason::MountHealed
+            | Reason::DaemonRestarted
+            | Reason::MountRestored
+            | Reason::SourceDetached
+            | Reason::ContainersHealed => "Normal",
         }
     }
 }
@@ -203,6 +211,16 @@ impl Occurrence {
                 ),
                 now,
             ),
+            Report::ContainersHealed { source, heals } => (
+                Reason::ContainersHealed,
+                Regarding::Pod(PodRef {
+                    namespace: heals.namespace.clone(),
+                    name: heals.pod.clone(),
+                    uid: heals.pod_uid.clone(),
+                }),
+                containers_note(source, heals),
+                now,
+            ),
             // A death is published through the FuseMountBroken of each target;
             // a detach from a source no pod is known to serve, in the log.
             Report::TableChanged
@@ -216,6 +234,29 @@ impl Occurrence {
         };
         Some(Occurrence { reason, regarding, note, at })
     }
+}
+
+/// `FUSE volume mounts healed from <source> in the own mount namespaces of
+/// 2 containers (app, sync): 1 replaced by the live mount, 1 stacked on its
+/// dead mount, which stays beneath`.
+fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
+    let count = heals.containers.len();
+    let names = heals.containers.iter().map(String::as_str).collect::<Vec<_>>().join(", ");
+    let mut note = format!(
+        "FUSE volume mounts healed from {} in the own mount namespace{} of {count} container{} ({names}):",
+        source.display(),
+        if count == 1 { "" } else { "s" },
+        if count == 1 { "" } else { "s" },
+    );
+    let mut hows = Vec::new();
+    if heals.replaced > 0 {
+        hows.push(format!(" {} replaced by the live mount", heals.replaced));
+    }
+    if heals.stacked > 0 {
+        hows.push(format!(" {} stacked on its dead mount, which stays beneath", heals.stacked));
+    }
+    note.push_str(&hows.join(","));
+    note
 }
 
 /// The target's path within its pod directory (`volumes/…/mount`), which
@@ -352,5 +393,35 @@ mod tests {
         for (duration, text) in cases {
             assert_eq!(human(duration), text);
         }
+    }
+
+    #[test]
+    fn containers_healed_in_their_own_namespaces_are_one_event_on_their_pod() {
+        let heals = ContainersHealed {
+            namespace: "data".into(),
+            pod: "trainer".into(),
+            pod_uid: "uid-1".into(),
+            containers: ["sync".to_owned(), "app".to_owned()].into(),
+            replaced: 1,
+            stacked: 1,
+        };
+        let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!(occurrence.reason.as_str(), "FuseContainersHealed");
+        assert_eq!((occurrence.reason.event_type(), occurrence.reason.action()), ("Normal", "Heal"));
+        let pod = PodRef { namespace: "data".into(), name: "trainer".into(), uid: "uid-1".into() };
+        assert_eq!(occurrence.regarding, Regarding::Pod(pod));
+        assert_eq!(
+            occurrence.note,
+            "FUSE volume mounts healed from /mnt/juicefs in the own mount namespaces of 2 containers (app, sync): \
+             1 replaced by the live mount, 1 stacked on its dead mount, which stays beneath"
+        );
+        let one = ContainersHealed { containers: ["app".to_owned()].into(), replaced: 2, stacked: 0, ..heals };
+        let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &one };
+        assert_eq!(
+            Occurrence::from_report(&report, SystemTime::now()).unwrap().note,
+            "FUSE volume mounts healed from /mnt/juicefs in the own mount namespace of 1 container (app): \
+             2 replaced by the live mount"
+        );
     }
 }

@@ -1,22 +1,12 @@
-//! Which processes belong to which container, from `/proc/<pid>/cgroup`.
-//!
-//! Every CRI runtime puts a container's processes in a cgroup named after
-//! its ID: `cri-containerd-<id>.scope` (containerd, systemd driver),
-//! `.../pod<uid>/<id>` (cgroupfs driver), `crio-<id>.scope` (CRI-O),
-//! `docker-<id>.scope` (cri-dockerd). The kubelet reports the same ID in
-//! `containerID`, so the last component of a process's cgroup path naming
-//! that ID ties process to container, on cgroup v1 and v2 alike, and from
-//! inside a cgroup namespace (where the path is relative but still ends in
-//! the container's directory). Nothing needs the runtime's socket.
+//! Which processes belong to which container, from `/proc/<pid>/cgroup`
+//! (see [`crate::kube::cgroup`]).
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::kube::cgroup::{MIN_ID_LEN, in_container};
 use crate::watch::processes::ProcessId;
-
-/// IDs shorter than this are not trusted to name one container.
-const MIN_ID_LEN: usize = 12;
 
 /// A process of a container.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,15 +86,6 @@ impl ContainerProcesses {
     }
 }
 
-/// Whether a `/proc/<pid>/cgroup` text puts the process in container `id`.
-fn in_container(cgroups: &str, id: &str) -> bool {
-    cgroups.lines().any(|line| {
-        let path = line.splitn(3, ':').nth(2).unwrap_or_default();
-        let last = path.rsplit('/').next().unwrap_or_default();
-        last == id || last.strip_suffix(".scope").is_some_and(|scope| scope.ends_with(&format!("-{id}")))
-    })
-}
-
 /// Start time and parent pid from `/proc/<pid>/stat`.
 fn stat_of(proc_root: &Path, pid: u32) -> Option<(u64, u32)> {
     let line = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
@@ -121,20 +102,6 @@ mod tests {
     use super::*;
 
     const ID: &str = "4f1bd2c7e0a94b5f8c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b";
-
-    #[test]
-    fn cgroup_paths_of_every_runtime() {
-        let systemd = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-{ID}.scope\n"
-        );
-        assert!(in_container(&systemd, ID));
-        assert!(in_container(&format!("12:memory:/kubepods/burstable/pod1234/{ID}\n1:cpu:/\n"), ID));
-        assert!(in_container(&format!("0::/../crio-{ID}.scope\n"), ID));
-        assert!(in_container(&format!("0::/system.slice/docker-{ID}.scope\n"), ID));
-        // A sibling container's ID merely starting the same: no.
-        assert!(!in_container(&format!("0::/kubepods/pod1/{ID}ff\n"), ID));
-        assert!(!in_container("0::/user.slice/session-2.scope\n", ID));
-    }
 
     #[test]
     fn own_process_by_stat_and_no_ids_no_scan() {

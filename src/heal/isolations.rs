@@ -1,0 +1,118 @@
+//! The containers' mounts isolated per dead connection, kept from the
+//! death until the heal.
+//!
+//! A device number alone does not name a connection: the kernel reuses an
+//! anonymous minor once the old superblock is gone, so an entry whose heal
+//! never came would make the next connection with that number look isolated
+//! already, and its containers would never be searched. Each entry also
+//! keeps the inode of the connection's `fusectl` directory
+//! (`/sys/fs/fuse/connections/<dev>`), which the kernel numbers afresh for
+//! every connection and removes with its superblock: an entry whose
+//! directory is gone or is another one is of an earlier connection.
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use super::containers::ForeignMount;
+use crate::model::table::Dev;
+
+/// Where the kernel lists the live FUSE connections.
+pub const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
+
+#[derive(Debug)]
+pub struct Isolations {
+    connections: PathBuf,
+    by_dev: BTreeMap<Dev, Isolation>,
+}
+
+#[derive(Debug)]
+struct Isolation {
+    /// The inode of the connection's directory when it was isolated; None
+    /// where `fusectl` is not mounted (then the number alone tells).
+    connection: Option<u64>,
+    mounts: Vec<ForeignMount>,
+}
+
+impl Isolations {
+    /// `connections` is [`FUSE_CONNECTIONS`] but in tests.
+    pub fn new(connections: &Path) -> Self {
+        Isolations { connections: connections.to_path_buf(), by_dev: BTreeMap::new() }
+    }
+
+    /// Whether the connection now numbered `dev` was isolated already. Drops
+    /// the entries of connections that are gone, this number's included.
+    pub fn contains(&mut self, dev: Dev) -> bool {
+        let connections = &self.connections;
+        self.by_dev.retain(|dev, isolation| isolation.connection == connection_inode(connections, *dev));
+        self.by_dev.contains_key(&dev)
+    }
+
+    /// Records the isolated `mounts` of the connection now numbered `dev`.
+    pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>) {
+        let connection = connection_inode(&self.connections, dev);
+        self.by_dev.insert(dev, Isolation { connection, mounts });
+    }
+
+    /// Takes the isolated mounts of the connection numbered `dev`, if they
+    /// are still of the connection that now has that number.
+    pub fn remove(&mut self, dev: Dev) -> Option<Vec<ForeignMount>> {
+        let isolation = self.by_dev.remove(&dev)?;
+        (isolation.connection == connection_inode(&self.connections, dev)).then_some(isolation.mounts)
+    }
+}
+
+/// The inode of the `fusectl` directory of the connection numbered `dev`,
+/// named by the kernel's internal device number (major in the top 12 bits).
+fn connection_inode(connections: &Path, dev: Dev) -> Option<u64> {
+    let number = (u64::from(dev.major) << 20) | u64::from(dev.minor);
+    std::fs::metadata(connections.join(number.to_string())).ok().map(|metadata| metadata.ino())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reused_device_number_does_not_match_an_earlier_connections_entry() {
+        let connections = tempfile::tempdir().unwrap();
+        let dir = connections.path().join("57");
+        std::fs::create_dir(&dir).unwrap();
+        let dev = Dev { major: 0, minor: 57 };
+        let mut isolations = Isolations::new(connections.path());
+        assert!(!isolations.contains(dev));
+        isolations.insert(dev, Vec::new());
+        assert!(isolations.contains(dev), "the same connection is isolated already");
+
+        // The connection goes and another gets its number: the old
+        // directory is kept elsewhere so the new one cannot share its inode.
+        std::fs::rename(&dir, connections.path().join("old")).unwrap();
+        std::fs::create_dir(&dir).unwrap();
+        assert!(!isolations.contains(dev), "a new connection with the number is searched again");
+        isolations.insert(dev, Vec::new());
+        assert_eq!(isolations.remove(dev), Some(Vec::new()));
+
+        // Gone before its heal: nothing is handed to the heal.
+        isolations.insert(dev, Vec::new());
+        std::fs::remove_dir(&dir).unwrap();
+        assert_eq!(isolations.remove(dev), None);
+    }
+
+    #[test]
+    fn without_fusectl_the_number_alone_tells() {
+        let connections = tempfile::tempdir().unwrap();
+        let mut isolations = Isolations::new(&connections.path().join("not-mounted"));
+        let dev = Dev { major: 0, minor: 3 };
+        isolations.insert(dev, Vec::new());
+        assert!(isolations.contains(dev));
+        assert_eq!(isolations.remove(dev), Some(Vec::new()));
+        assert!(!isolations.contains(dev));
+    }
+
+    #[test]
+    fn the_directory_is_named_by_the_kernels_device_number() {
+        let connections = tempfile::tempdir().unwrap();
+        std::fs::create_dir(connections.path().join(((8u64 << 20) | 1).to_string())).unwrap();
+        assert!(connection_inode(connections.path(), Dev { major: 8, minor: 1 }).is_some());
+        assert!(connection_inode(connections.path(), Dev { major: 0, minor: 1 }).is_none());
+    }
+}
