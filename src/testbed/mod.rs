@@ -15,6 +15,7 @@ pub mod fuzz;
 pub mod kubelet;
 mod logs;
 pub mod node;
+mod observe;
 mod reader;
 pub mod runc;
 mod sandbox;
