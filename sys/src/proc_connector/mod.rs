@@ -234,6 +234,9 @@ impl ProcConnector {
             // Filtered out like every other PROC_EVENT_NONE: no ack to wait for.
             connector.send_control(nonce.wrapping_add(4), &proc_input(PROC_CN_MCAST_LISTEN, types.mask()))?;
             connector.filtered = true;
+            // Events queued before the filter took effect are of every type:
+            // the caller is promised only the asked ones from here on.
+            connector.discard_queued().map_err(SubscribeError::Receive)?;
         }
         // Sized only now: until the filter is in place every event on the
         // machine arrives, and a small buffer would lose the acks among them.
@@ -273,6 +276,18 @@ impl ProcConnector {
             }
         }
         Ok(ReadOutcome::More)
+    }
+
+    /// Drops every datagram queued now, without blocking.
+    fn discard_queued(&self) -> io::Result<()> {
+        let mut buffer = [0u8; 4096];
+        loop {
+            match rustix::net::recvfrom(&self.socket, &mut buffer[..], RecvFlags::empty()) {
+                Ok(_) | Err(rustix::io::Errno::INTR | rustix::io::Errno::NOBUFS) => {}
+                Err(rustix::io::Errno::AGAIN) => return Ok(()),
+                Err(errno) => return Err(errno.into()),
+            }
+        }
     }
 
     fn send_control(&self, ack: u32, payload: &[u8]) -> Result<(), SubscribeError> {
