@@ -13,7 +13,7 @@ use std::time::Duration;
 use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::report::error_chain;
 use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor::testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
 };
@@ -213,15 +213,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
-            eprintln!("host mount table:\n{}", self.sandbox.mountinfo());
-            for app in &self.apps {
-                let container = &app.container;
-                eprintln!("container {} history:\n{}", container.name(), container.describe_history());
-                eprintln!("container {} mount table:\n{}", container.name(), container.mountinfo().unwrap_or_default());
-            }
+            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, self.apps.iter().map(|app| &app.container));
         }
     }
 }

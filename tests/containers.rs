@@ -242,15 +242,8 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
-            eprintln!("host mount table:\n{}", self.sandbox.mountinfo());
-            for watched in &self.containers {
-                let container = &watched.container;
-                eprintln!("container {} history:\n{}", container.name(), container.describe_history());
-                eprintln!("container {} mount table:\n{}", container.name(), container.mountinfo().unwrap_or_default());
-            }
+            let containers = self.containers.iter().map(|watched| &watched.container);
+            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, containers);
         }
     }
 }

@@ -13,6 +13,7 @@ use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
 use crate::kube::Asker;
+use crate::model::incremental::KernelMounts;
 use crate::model::mountinfo::MountInfoReader;
 use crate::model::source::{TableSource, TextTable};
 use crate::model::state::{Journal, StateError, StateWriter};
@@ -107,7 +108,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             shared = Some(table.clone());
             (Box::new(table), "mount events")
         }
-        (WatchMode::Events(_), None) if KeptTable::listing_supported() => {
+        (WatchMode::Events(_), None) if KernelMounts::listing_supported() => {
             (Box::new(KeptTable::from_listings(open_mountinfo()?)), "listmount")
         }
         _ => (Box::new(TextTable::new(MountInfoReader::from_file(open_mountinfo()?))), "mountinfo text"),

@@ -53,18 +53,13 @@ impl KeptTable {
     }
 
     /// Kept by listing the namespace at each change mountinfo's flag
-    /// reports; see [`KeptTable::listing_supported`].
+    /// reports; see [`KernelMounts::listing_supported`].
     pub fn from_listings(mountinfo: File) -> Self {
         Self::new(Changes::Flag { mountinfo })
     }
 
     fn new(changes: Changes) -> Self {
         KeptTable { changes, table: IncrementalTable::default(), kernel: KernelMounts, synced: false, dirty: true }
-    }
-
-    /// Whether this kernel can list and describe mounts (Linux 6.8+).
-    pub fn listing_supported() -> bool {
-        KernelMounts::listing_supported()
     }
 
     /// Applies what changed since the last look; whether there was any.

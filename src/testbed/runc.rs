@@ -487,6 +487,23 @@ fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
         .collect()
 }
 
+/// What a failed runc-tier test prints about its node: the supervisor's
+/// log, the host's mount table, and each container's readings and table.
+pub fn print_failure<'a>(
+    supervisor: Option<&super::supervisor_process::SupervisorProcess>,
+    sandbox: &Sandbox,
+    containers: impl IntoIterator<Item = &'a RuncContainer>,
+) {
+    if let Some(supervisor) = supervisor {
+        eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
+    }
+    eprintln!("host mount table:\n{}", sandbox.mountinfo());
+    for container in containers {
+        eprintln!("container {} history:\n{}", container.name(), container.describe_history());
+        eprintln!("container {} mount table:\n{}", container.name(), container.mountinfo().unwrap_or_default());
+    }
+}
+
 /// FUSE connections alive on the machine, by device minor, as the FUSE
 /// control filesystem mounted at `fusectl` lists them (a host's
 /// `/sys/fs/fuse/connections`): the kernel keeps one for every dead mount
