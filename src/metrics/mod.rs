@@ -160,6 +160,7 @@ impl Default for Metrics {
 /// from the start, so that a rate over them begins at the first scrape.
 const STATES: [&str; 4] = ["healthy", "broken", "healing", "failed"];
 const HEAL_RESULTS: [&str; 3] = ["stacked", "propagated", "failed"];
+const CONTAINER_HEAL_RESULTS: [&str; 3] = ["replaced", "stacked", "failed"];
 
 impl Metrics {
     /// Families whose label values come with the events (HTTP codes,
@@ -172,6 +173,9 @@ impl Metrics {
         }
         for result in HEAL_RESULTS {
             let _ = metrics.heals.get_or_create(&ResultLabel { result });
+        }
+        for result in CONTAINER_HEAL_RESULTS {
+            let _ = metrics.container_heals.get_or_create(&ResultLabel { result });
         }
         metrics
     }
@@ -336,8 +340,11 @@ mod tests {
         for state in STATES {
             assert!(text.contains(&format!("{PREFIX}_targets{{state=\"{state}\"}} 0\n")), "{state}:\n{text}");
         }
-        for result in HEAL_RESULTS {
-            assert!(text.contains(&format!("{PREFIX}_heals_total{{result=\"{result}\"}} 0\n")), "{result}:\n{text}");
+        for (family, results) in [("heals", HEAL_RESULTS), ("container_heals", CONTAINER_HEAL_RESULTS)] {
+            for result in results {
+                let series = format!("{PREFIX}_{family}_total{{result=\"{result}\"}} 0\n");
+                assert!(text.contains(&series), "{series}:\n{text}");
+            }
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
     }

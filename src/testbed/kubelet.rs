@@ -440,6 +440,28 @@ pub fn app_pod(namespace: &str, name: &str, uid: &str) -> Value {
     pod
 }
 
+/// [`app_pod`] running `containers`, each `(name, runtime ID)`: the
+/// kubelet's `containerID` is `containerd://<ID>`, as the container's cgroup
+/// names it, so a process in that cgroup maps to this pod and container.
+pub fn app_pod_running(namespace: &str, name: &str, uid: &str, containers: &[(&str, &str)]) -> Value {
+    let mut pod = app_pod(namespace, name, uid);
+    let (spec, status) = (pod["spec"]["containers"][0].clone(), pod["status"]["containerStatuses"][0].clone());
+    let specs = containers.iter().map(|(container, _)| {
+        let mut spec = spec.clone();
+        spec["name"] = Value::from(*container);
+        spec
+    });
+    pod["spec"]["containers"] = Value::Array(specs.collect());
+    let statuses = containers.iter().map(|(container, id)| {
+        let mut status = status.clone();
+        status["name"] = Value::from(*container);
+        status["containerID"] = Value::from(format!("containerd://{id}"));
+        status
+    });
+    pod["status"]["containerStatuses"] = Value::Array(statuses.collect());
+    pod
+}
+
 /// Low bits of a container ID, so that pods with different UIDs differ.
 fn uid_bits(uid: &str) -> u128 {
     uid.bytes().fold(0u64, |hash, byte| hash.wrapping_mul(31).wrapping_add(u64::from(byte))).into()

@@ -236,27 +236,28 @@ impl Occurrence {
     }
 }
 
-/// `FUSE volume mounts healed from <source> in the own mount namespaces of
-/// 2 containers (app, sync): 1 replaced by the live mount, 1 stacked on its
-/// dead mount, which stays beneath`.
+/// `FUSE volume mounts from <source> healed inside 2 containers (app, sync),
+/// each in its own mount namespace: 1 replaced by the live mount, 1 live
+/// again with the new mount stacked on the dead one, which stays beneath
+/// until the container exits`: what `kubectl describe pod` shows a user who
+/// knows the pod's containers, not the supervisor.
 fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
-    let count = heals.containers.len();
     let names = heals.containers.iter().map(String::as_str).collect::<Vec<_>>().join(", ");
-    let mut note = format!(
-        "FUSE volume mounts healed from {} in the own mount namespace{} of {count} container{} ({names}):",
-        source.display(),
-        if count == 1 { "" } else { "s" },
-        if count == 1 { "" } else { "s" },
-    );
+    let inside = match heals.containers.len() {
+        1 => format!("container {names}, in its own mount namespace"),
+        count => format!("{count} containers ({names}), each in its own mount namespace"),
+    };
     let mut hows = Vec::new();
     if heals.replaced > 0 {
-        hows.push(format!(" {} replaced by the live mount", heals.replaced));
+        hows.push(format!("{} replaced by the live mount", heals.replaced));
     }
     if heals.stacked > 0 {
-        hows.push(format!(" {} stacked on its dead mount, which stays beneath", heals.stacked));
+        hows.push(format!(
+            "{} live again with the new mount stacked on the dead one, which stays beneath until the container exits",
+            heals.stacked
+        ));
     }
-    note.push_str(&hows.join(","));
-    note
+    format!("FUSE volume mounts from {} healed inside {inside}: {}", source.display(), hows.join(", "))
 }
 
 /// The target's path within its pod directory (`volumes/…/mount`), which
@@ -413,15 +414,16 @@ mod tests {
         assert_eq!(occurrence.regarding, Regarding::Pod(pod));
         assert_eq!(
             occurrence.note,
-            "FUSE volume mounts healed from /mnt/juicefs in the own mount namespaces of 2 containers (app, sync): \
-             1 replaced by the live mount, 1 stacked on its dead mount, which stays beneath"
+            "FUSE volume mounts from /mnt/juicefs healed inside 2 containers (app, sync), each in its own mount \
+             namespace: 1 replaced by the live mount, 1 live again with the new mount stacked on the dead one, which \
+             stays beneath until the container exits"
         );
         let one = ContainersHealed { containers: ["app".to_owned()].into(), replaced: 2, stacked: 0, ..heals };
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &one };
         assert_eq!(
             Occurrence::from_report(&report, SystemTime::now()).unwrap().note,
-            "FUSE volume mounts healed from /mnt/juicefs in the own mount namespace of 1 container (app): \
-             2 replaced by the live mount"
+            "FUSE volume mounts from /mnt/juicefs healed inside container app, in its own mount namespace: 2 \
+             replaced by the live mount"
         );
     }
 }
