@@ -71,6 +71,12 @@ pub enum Report<'a> {
     /// in their own mount namespaces: published apart from the targets'
     /// heals, which it follows, so that it never delays them.
     ContainersHealed { source: &'a Path, heals: &'a ContainersHealed },
+    /// A watcher lost events and its view was read again from scratch:
+    /// `watch` is `pods` (the pod directories), `mounts` (the mount table)
+    /// or `processes` (the FUSE daemons); `reason` why events were lost
+    /// (`overflow`: the kernel's queue or buffer; `backlog`: events came
+    /// faster than the watcher read them).
+    Resynced { watch: &'static str, reason: &'static str },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
 }

@@ -24,6 +24,12 @@ fn field(line: &str, name: &str) -> Option<u64> {
     value.get("fields")?.get(name)?.as_u64()
 }
 
+/// `resyncs_total` of `watch` for lost events, from the supervisor's `/metrics`.
+fn overflow_resyncs(node: &StormNode, watch: &str) -> f64 {
+    let series = format!("fuse_supervisor_resyncs_total{{watch=\"{watch}\",reason=\"overflow\"}}");
+    node.supervisor.metric(&series).expect("scrape /metrics").unwrap_or_else(|| panic!("no {series}"))
+}
+
 fn top_dev(node: &StormNode, path: &Path) -> Option<Dev> {
     let snapshot = Snapshot::parse(node.sandbox.mountinfo().as_bytes()).ok()?;
     snapshot.fuse_mounts.iter().rfind(|mount| mount.mount_point == path).map(|mount| mount.dev)
@@ -38,6 +44,7 @@ fn a_storm_overflowing_both_queues_misses_nothing_and_heals_after() {
     let plan = StormPlan::overflowing().expect("queue limits");
     let mut node = StormNode::prepare(Path::new(BINARY), plan, &[]).expect("a supervised node");
     let from = node.supervisor.log_len();
+    let before = (overflow_resyncs(&node, "pods"), overflow_resyncs(&node, "mounts"));
 
     node.storm().expect("the storm");
 
@@ -55,6 +62,10 @@ fn a_storm_overflowing_both_queues_misses_nothing_and_heals_after() {
         l.contains("\"mount table resynced\"") && l.contains("\"overflow\"")
     });
     eprintln!("after the storm:\n  {rescanned}\n  {resynced}");
+    // Each resync counted, by the watcher that lost events.
+    let after = || (overflow_resyncs(&node, "pods"), overflow_resyncs(&node, "mounts"));
+    scenario::wait_for("both resyncs counted", TIMEOUT, || after().0 > before.0 && after().1 > before.1)
+        .unwrap_or_else(|err| panic!("{err}: before {before:?}, now {:?}", after()));
 
     // Every target of the storm known, the deleted pods' ones forgotten.
     let targets = node.targets.len();

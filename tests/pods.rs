@@ -7,7 +7,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::watch::pods::{PodChange, PodDirectory, PodWatcher, VolDataError};
+use fuse_supervisor::watch::pods::{LostEvents, PodChange, PodDirectory, PodWatcher, VolDataError};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -20,6 +20,8 @@ struct Watched {
     changes: Receiver<PodChange>,
     directory: PodDirectory,
     resyncs: usize,
+    /// Why events were lost, as the watcher told before each rescan.
+    lost: Vec<LostEvents>,
     pods_added: usize,
     invalid: Vec<VolDataError>,
 }
@@ -49,6 +51,7 @@ impl Watched {
             changes,
             directory: PodDirectory::default(),
             resyncs: 0,
+            lost: Vec::new(),
             pods_added: 0,
             invalid: Vec::new(),
         };
@@ -61,6 +64,7 @@ impl Watched {
     fn apply(&mut self, change: PodChange) {
         match &change {
             PodChange::Resync(_) => self.resyncs += 1,
+            PodChange::EventsLost(why) => self.lost.push(*why),
             PodChange::PodAdded { .. } => self.pods_added += 1,
             PodChange::Failed(err) => panic!("watcher failed: {err}"),
             _ => {}
@@ -328,6 +332,7 @@ fn a_queue_overflow_recovers_by_rescan() {
     gate.set_closed(false);
 
     watched.wait_until("a rescan", |w| w.resyncs >= 2);
+    assert_eq!(watched.lost, [LostEvents::Overflow], "the loss is told before its rescan");
     watched.wait_exact();
     assert!(watched.directory.pod(&late).is_some());
     assert!(watched.directory.pod(&kept).is_none());

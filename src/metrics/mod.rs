@@ -67,6 +67,13 @@ pub struct EventLabel {
     pub event: &'static str,
 }
 
+/// Labels of `resyncs`: which watcher lost events, and why.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResyncLabel {
+    pub watch: &'static str,
+    pub reason: &'static str,
+}
+
 /// Declares [`Metrics`] and registers each field: one line per metric,
 /// `field: Type = initial value, "name" [in Unit], "help";` (counters get
 /// `_total` and units their suffix when encoded).
@@ -140,6 +147,8 @@ metrics! {
         "Dead daemons' own mounts detached from their source paths once nobody held the connection";
     daemon_restarts: Counter = Counter::default(), "daemon_restarts",
         "Restarts of a FUSE daemon's pod confirmed by the kubelet";
+    resyncs: Family<ResyncLabel, Counter> = Family::default(), "resyncs",
+        "Views read again from scratch after a watcher lost events, by watch (pods, mounts, processes) and reason (overflow: the kernel's queue or buffer; backlog: events faster than they were read)";
     kubelet_requests: Family<CodeLabel, Counter> = Family::default(), "kubelet_requests",
         "Kubelet /pods requests by HTTP status (none: no answer)";
     kubelet_request_duration: Histogram = Histogram::new(KUBELET_BUCKETS), "kubelet_request_duration" in Seconds,
@@ -161,6 +170,11 @@ impl Default for Metrics {
 const STATES: [&str; 4] = ["healthy", "broken", "healing", "failed"];
 const HEAL_RESULTS: [&str; 3] = ["stacked", "propagated", "failed"];
 const CONTAINER_HEAL_RESULTS: [&str; 3] = ["replaced", "stacked", "failed"];
+/// Every way a watcher can lose events: the pod directories' inotify queue
+/// (or the watcher's own limit), the fanotify queue of mount events, the
+/// proc connector's socket buffer. (Mountinfo's flag and pidfds lose none.)
+const RESYNCS: [(&str, &str); 4] =
+    [("pods", "overflow"), ("pods", "backlog"), ("mounts", "overflow"), ("processes", "overflow")];
 
 impl Metrics {
     /// Families whose label values come with the events (HTTP codes,
@@ -176,6 +190,9 @@ impl Metrics {
         }
         for result in CONTAINER_HEAL_RESULTS {
             let _ = metrics.container_heals.get_or_create(&ResultLabel { result });
+        }
+        for (watch, reason) in RESYNCS {
+            let _ = metrics.resyncs.get_or_create(&ResyncLabel { watch, reason });
         }
         metrics
     }
@@ -255,6 +272,9 @@ impl Reporter for Metrics {
             }
             // Each of its heals was counted as a ContainerHealed.
             Report::ContainersHealed { .. } => {}
+            Report::Resynced { watch, reason } => {
+                self.resyncs.get_or_create(&ResyncLabel { watch, reason }).inc();
+            }
             Report::DaemonDied { .. } => {
                 self.daemon_deaths.inc();
             }
@@ -334,6 +354,7 @@ mod tests {
             "daemon_restarts",
             "kubelet_request_duration_seconds",
             "kube_events_dropped",
+            "resyncs",
         ] {
             assert!(text.contains(&format!("# HELP {PREFIX}_{name} ")), "{name} missing:\n{text}");
         }
@@ -448,6 +469,24 @@ mod tests {
         assert_eq!(value(&metrics, r#"fuse_supervisor_process_events_total{event="exited"}"#), Some(2.0));
         assert_eq!(value(&metrics, r#"fuse_supervisor_process_events_total{event="lost"}"#), Some(1.0));
         assert_eq!(value(&metrics, "fuse_supervisor_daemon_deaths_total"), Some(1.0));
+    }
+
+    #[test]
+    fn resyncs_count_by_watch_and_reason_from_zero() {
+        let metrics = Metrics::new();
+        let series = |watch: &str, reason: &str| {
+            format!("fuse_supervisor_resyncs_total{{watch=\"{watch}\",reason=\"{reason}\"}}")
+        };
+        for (watch, reason) in RESYNCS {
+            assert_eq!(value(&metrics, &series(watch, reason)), Some(0.0), "{watch} {reason}");
+        }
+        metrics.report(&Report::Resynced { watch: "pods", reason: "overflow" });
+        metrics.report(&Report::Resynced { watch: "mounts", reason: "overflow" });
+        metrics.report(&Report::Resynced { watch: "mounts", reason: "overflow" });
+        assert_eq!(value(&metrics, &series("pods", "overflow")), Some(1.0));
+        assert_eq!(value(&metrics, &series("mounts", "overflow")), Some(2.0));
+        assert_eq!(value(&metrics, &series("pods", "backlog")), Some(0.0));
+        assert_eq!(value(&metrics, &series("processes", "overflow")), Some(0.0));
     }
 
     #[test]

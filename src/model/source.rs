@@ -30,6 +30,11 @@ pub trait TableSource {
     /// Whether a snapshot now could differ from the last one, without
     /// making one (true when unsure).
     fn changed_since_read(&mut self) -> io::Result<bool>;
+    /// How many times since the last call the table was read again from
+    /// scratch because mount events were lost.
+    fn take_lost_resyncs(&mut self) -> u32 {
+        0
+    }
     /// Gives a large buffer's memory back between changes.
     fn release_buffer(&mut self) {}
     /// After a scan: drops its large buffer and hands the memory the scan

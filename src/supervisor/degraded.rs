@@ -83,6 +83,7 @@ impl<E: Executor> Supervisor<E> {
             DaemonEvent::Process(ProcessEvent::Exec { .. }) => daemons.exec_seen(),
             DaemonEvent::Process(ProcessEvent::Lost) => {
                 warn!("process events were lost; looking for every daemon again");
+                self.reporters.report(&Report::Resynced { watch: "processes", reason: "overflow" });
                 daemons.rediscover_all();
             }
             DaemonEvent::Process(ProcessEvent::Failed(err)) => {

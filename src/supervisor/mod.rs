@@ -376,7 +376,11 @@ impl<E: Executor> Supervisor<E> {
         // A read outside a scan (a daemon's death) may take in a change
         // whose report is still on its way: it must not look already seen.
         self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
-        match self.reader.snapshot() {
+        let snapshot = self.reader.snapshot();
+        for _ in 0..self.reader.take_lost_resyncs() {
+            self.reporters.report(&Report::Resynced { watch: "mounts", reason: "overflow" });
+        }
+        match snapshot {
             Ok(snapshot) => {
                 let mut classified = Classified::from_snapshot(snapshot, &self.layout);
                 self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);

@@ -42,6 +42,8 @@ pub struct KeptTable {
     synced: bool,
     /// What is kept changed since the last snapshot.
     dirty: bool,
+    /// Resyncs after lost events (a queue overflow) not yet taken by the loop.
+    lost_resyncs: u32,
 }
 
 impl KeptTable {
@@ -59,7 +61,14 @@ impl KeptTable {
     }
 
     fn new(changes: Changes) -> Self {
-        KeptTable { changes, table: IncrementalTable::default(), kernel: KernelMounts, synced: false, dirty: true }
+        KeptTable {
+            changes,
+            table: IncrementalTable::default(),
+            kernel: KernelMounts,
+            synced: false,
+            dirty: true,
+            lost_resyncs: 0,
+        }
     }
 
     /// Applies what changed since the last look; whether there was any.
@@ -96,6 +105,9 @@ impl KeptTable {
         self.synced = true;
         if applied.resynced {
             let reason = if reason == "events" { "overflow" } else { reason };
+            if reason == "overflow" {
+                self.lost_resyncs += 1;
+            }
             let took_us = started.elapsed().as_micros() as u64;
             info!(reason, mounts = self.table.mounts(), kept = self.table.kept(), took_us, "mount table resynced");
         } else {
@@ -115,7 +127,12 @@ impl TableSource for KeptTable {
 
     fn changed_since_read(&mut self) -> io::Result<bool> {
         self.update().map_err(io::Error::other)?;
-        Ok(self.dirty)
+        // Lost events are looked at too, if only to be counted.
+        Ok(self.dirty || self.lost_resyncs > 0)
+    }
+
+    fn take_lost_resyncs(&mut self) -> u32 {
+        std::mem::take(&mut self.lost_resyncs)
     }
 }
 
@@ -138,14 +155,17 @@ impl SharedTable {
     /// For the watcher thread after a report: applies the events, and if no
     /// kept mount changed, re-arms the watcher (as the loop would) and
     /// applies what the re-arm took in, until a re-arm takes in nothing.
-    /// True: a kept mount changed, the loop must look (and re-arm).
+    /// True: a kept mount changed, or events were lost (which the loop
+    /// counts), the loop must look (and re-arm).
     pub fn settle(&self, rearm: &dyn Rearm) -> Result<bool, SettleError> {
         let mut rearmed = false;
         loop {
             let took = self.lock().update().map_err(SettleError::Table)?;
-            if self.lock().dirty {
+            let table = self.lock();
+            if table.dirty || table.lost_resyncs > 0 {
                 return Ok(true);
             }
+            drop(table);
             if rearmed && !took {
                 return Ok(false);
             }
@@ -173,5 +193,9 @@ impl TableSource for SharedTable {
 
     fn changed_since_read(&mut self) -> io::Result<bool> {
         self.lock().changed_since_read()
+    }
+
+    fn take_lost_resyncs(&mut self) -> u32 {
+        self.lock().take_lost_resyncs()
     }
 }

@@ -163,6 +163,10 @@ impl<E: Executor> Supervisor<E> {
                 warn!(pod = %uid, volume = %name, %error, "vol_data.json unreadable; its layout cannot be used");
                 false
             }
+            PodChange::EventsLost(lost) => {
+                self.reporters.report(&Report::Resynced { watch: "pods", reason: lost.as_str() });
+                false
+            }
             PodChange::Failed(err) => {
                 error!(%err, "pod-directory watcher stopped; deleted pods are now found on each scan");
                 self.pods_watched = false;

@@ -230,7 +230,8 @@ impl Occurrence {
             | Report::DeadSourceDetached { owner: None, .. }
             | Report::DaemonFlapping { owner: None, .. }
             | Report::ProcessEvent { .. }
-            | Report::ContainerHealed { .. } => return None,
+            | Report::ContainerHealed { .. }
+            | Report::Resynced { .. } => return None,
         };
         Some(Occurrence { reason, regarding, note, at })
     }

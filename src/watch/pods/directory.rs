@@ -138,7 +138,7 @@ impl PodDirectory {
                 *self = directory;
                 changed
             }
-            PodChange::VolDataInvalid { .. } | PodChange::Failed(_) => false,
+            PodChange::VolDataInvalid { .. } | PodChange::EventsLost(_) | PodChange::Failed(_) => false,
         }
     }
 

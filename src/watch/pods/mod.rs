@@ -68,8 +68,30 @@ pub enum PodChange {
     /// The whole tree as read by a full scan: the first message, and again
     /// after events were lost (inotify queue overflow). Replaces the model.
     Resync(PodDirectory),
+    /// Events were lost, and a `Resync` follows (unless the rescan fails).
+    EventsLost(LostEvents),
     /// The watcher stopped on this error; no change follows.
     Failed(PodWatchError),
+}
+
+/// Why the pod watcher lost events and rescans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LostEvents {
+    /// The kernel's inotify queue overflowed (`IN_Q_OVERFLOW`).
+    Overflow,
+    /// Events arrived faster than they were read: the watcher stopped
+    /// reading them at its own limit.
+    Backlog,
+}
+
+impl LostEvents {
+    /// The `reason` label of `resyncs_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LostEvents::Overflow => "overflow",
+            LostEvents::Backlog => "backlog",
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

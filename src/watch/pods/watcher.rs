@@ -35,7 +35,7 @@ use super::directory::PodDirectory;
 use super::vol_data::VOL_DATA_FILE;
 use super::walk::{self, CSI_PLUGIN_DIR, Dir, Strictness, Visit};
 use super::watches::WatchTable;
-use super::{PodChange, PodWatchError};
+use super::{LostEvents, PodChange, PodWatchError};
 use crate::watch::thread::Watching;
 
 const INOTIFY: u64 = 1;
@@ -174,9 +174,12 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             .reader
             .drain(&self.inotify, |event| {
                 if event.flags.contains(EventFlags::QUEUE_OVERFLOW) {
-                    lost = Some("inotify queue overflowed; rescanning pod directories");
+                    lost = Some((LostEvents::Overflow, "inotify queue overflowed; rescanning pod directories"));
                 } else if events.len() >= MOST_QUEUED {
-                    lost = Some("inotify events come faster than they are read; rescanning pod directories");
+                    lost = Some((
+                        LostEvents::Backlog,
+                        "inotify events come faster than they are read; rescanning pod directories",
+                    ));
                 } else {
                     events.push(QueuedEvent::from(event));
                     return ControlFlow::Continue(());
@@ -185,8 +188,9 @@ impl<S: FnMut(PodChange)> Watcher<S> {
             })
             .map_err(PodWatchError::Read)?;
         match lost {
-            Some(why) => {
+            Some((reason, why)) => {
                 tracing::warn!(pods = %self.watches.pods_dir.display(), "{why}");
+                (self.sink)(PodChange::EventsLost(reason));
                 Ok(None)
             }
             None => Ok(Some(events)),
