@@ -147,7 +147,15 @@ impl Status {
             });
             if let Some(death) = s.daemon_died.filter(|death| death.dev == s.dev) {
                 let ago = death.at.elapsed().map_or(String::new(), |ago| format!(" {}s ago", ago.as_secs()));
-                let _ = write!(owner, "  DEGRADED: daemon pid {} died{ago}", death.pid);
+                match death.pid {
+                    // Dead before any search found it (see `died_unseen`).
+                    0 => {
+                        let _ = write!(owner, "  DEGRADED: daemon died{ago}, before it was found");
+                    }
+                    pid => {
+                        let _ = write!(owner, "  DEGRADED: daemon pid {pid} died{ago}");
+                    }
+                }
                 if s.layers == 0 {
                     owner.push_str(", its dead mount detached");
                 }

@@ -98,8 +98,24 @@ impl<E: Executor> Supervisor<E> {
                 for death in verdicts.confirmed {
                     self.death_confirmed(death);
                 }
+                for (source, dev) in verdicts.unheld {
+                    self.probe_unheld(source, dev);
+                }
             }
         }
+    }
+
+    /// The daemon of connection `dev` at `source` died before any search
+    /// found it (a crash right after the daemon, or the supervisor,
+    /// started): nobody holds the connection and its mount answers
+    /// ENOTCONN. Taken as its death now, as if it had been watched.
+    pub(super) fn died_unseen(&mut self, source: &Path, dev: Dev) {
+        if !self.daemons.as_mut().is_some_and(|daemons| daemons.unheld_died(dev)) {
+            return;
+        }
+        // No pid: the process was gone before it was looked for.
+        self.daemon_died(source, dev, 0, Instant::now(), "exited before it was found", "search");
+        self.death_confirmed(Death { source: source.to_path_buf(), dev });
     }
 
     /// Undoes [`Supervisor::daemon_died`] for a connection that another

@@ -178,6 +178,9 @@ struct Supervisor<E: Executor> {
     reported_overdue: BTreeSet<PathBuf>,
     /// Targets on an unrecorded connection whose probe is running.
     probing_targets: BTreeSet<PathBuf>,
+    /// Sources on a connection no process was found holding, whose probe
+    /// is running: ENOTCONN says its daemon died before it was found.
+    probing_unheld: BTreeMap<PathBuf, Dev>,
     /// Targets on an unrecorded connection that a probe found dead.
     dead_targets: BTreeSet<PathBuf>,
     /// Table reads so far; a batch planned at read N is current while no

@@ -130,7 +130,38 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
+    /// Probes `source`'s mount on connection `dev`, which no process was
+    /// found holding ([`Supervisor::died_unseen`] on ENOTCONN).
+    pub(super) fn probe_unheld(&mut self, source: PathBuf, dev: Dev) {
+        // A probe already under way (a new mount's) answers the same.
+        if self.probing_unheld.contains_key(&source) || self.prober.in_flight(&source) {
+            return;
+        }
+        let Some(classified) = self.read_table() else { return };
+        let Some(top) = classified.sources.get(&source).map(|stack| stack.top()).filter(|top| top.dev == dev) else {
+            return;
+        };
+        if self.launch_probe(&source, top.mount_id, BTreeSet::new()) {
+            self.probing_unheld.insert(source, dev);
+        }
+    }
+
     pub(super) fn on_probe(&mut self, report: ProbeReport) {
+        if let Some(dev) = self.probing_unheld.remove(&report.source) {
+            self.prober.finished(&report.source);
+            match report.outcome {
+                ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
+                    self.died_unseen(&report.source, dev);
+                }
+                // A descriptor that was on its way to the daemon, or a
+                // daemon this /proc does not show: not dead.
+                outcome => {
+                    let live = matches!(outcome, ProbeOutcome::Live(_));
+                    debug!(source = %report.source.display(), connection = %dev, live, "unheld connection is not dead");
+                }
+            }
+            return;
+        }
         if self.probing_targets.remove(&report.source) {
             self.prober.finished(&report.source);
             match report.outcome {

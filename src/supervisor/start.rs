@@ -260,6 +260,7 @@ impl<E: Executor> Supervisor<E> {
             sources_seen_at: HashMap::new(),
             reported_overdue: BTreeSet::new(),
             probing_targets: BTreeSet::new(),
+            probing_unheld: BTreeMap::new(),
             dead_targets: BTreeSet::new(),
             table_reads: 0,
             probed_batches: BTreeMap::new(),

@@ -59,6 +59,7 @@ pub struct SourceRecord {
 /// A FUSE daemon's death, as the process watcher saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DaemonDeath {
+    /// 0 when the daemon died before any search found it.
     pub pid: u32,
     pub at: SystemTime,
     /// The connection it served: the source's device when it died.

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use tracing::debug;
 
-use super::{DaemonEvent, Discovered};
+use super::{DaemonEvent, Daemons, Discovered, Known};
 use crate::heal::priority::HealActivity;
 use crate::model::table::Dev;
-use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
+use crate::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
 use crate::watch::processes::{ProcessId, ProcessWatcher};
 
 /// A process watched because it holds connections of sources.
@@ -68,7 +68,7 @@ pub(super) fn discover(
             let err = err.to_string();
             return wanted
                 .into_iter()
-                .map(|(source, dev)| Discovered { source, dev, result: Err(err.clone()), scanned_at })
+                .map(|(source, dev)| Discovered { source, dev, result: Err(err.clone()), scanned_at, exact: false })
                 .collect();
         }
     };
@@ -76,6 +76,7 @@ pub(super) fn discover(
         .into_iter()
         .map(|(source, dev)| {
             let serving = servers.serving(MountDevice { major: dev.major, minor: dev.minor });
+            let exact = serving.as_ref().is_ok_and(|serving| serving.matched_by == MatchedBy::Connection);
             let result = serving.map_err(|err| err.to_string()).map(|serving| {
                 serving
                     .processes
@@ -97,7 +98,7 @@ pub(super) fn discover(
                 let seen: Vec<u32> = servers.connections().map(|(id, _)| id).collect();
                 debug!(connection = %dev, ?seen, "connections held on the node");
             }
-            Discovered { source, dev, result, scanned_at }
+            Discovered { source, dev, result, scanned_at, exact }
         })
         .collect()
 }
@@ -121,5 +122,20 @@ pub(super) fn remove_holder(holders: &Mutex<HashMap<u32, Holder>>, process: Proc
         if holder.serves.is_empty() {
             holders.remove(&process.pid);
         }
+    }
+}
+
+impl Daemons {
+    /// A connection found unheld ([`super::Verdicts::unheld`]) whose mount
+    /// answered ENOTCONN: its daemon died before any search found it. True
+    /// when that is news: still unheld, and no holder found since.
+    pub fn unheld_died(&mut self, dev: Dev) -> bool {
+        let Some((_, known)) = self.known.get_mut(&dev) else { return false };
+        if !matches!(known, Known::Unserved { left, .. } if left.is_empty()) {
+            return false;
+        }
+        *known = Known::Dead;
+        self.update_exec_interest();
+        true
     }
 }

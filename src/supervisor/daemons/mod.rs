@@ -123,6 +123,9 @@ pub struct Discovered {
     pub result: Result<Vec<ProcessId>, String>,
     /// When the `/proc` scan began: it saw no exit after that.
     pub scanned_at: Instant,
+    /// Every descriptor names its connection (fdinfo): none found means
+    /// nobody holds it, rather than nobody the fallback could tell apart.
+    pub exact: bool,
 }
 
 /// A connection whose holders all exited: its daemon is dead.
@@ -149,6 +152,11 @@ pub struct Verdicts {
     /// Deaths that stand: nobody holds the connection, which the kernel
     /// has therefore aborted for good.
     pub confirmed: Vec<Death>,
+    /// Connections nobody holds that no holder was ever found for: dead
+    /// already (a daemon that exited before the search reached it) if
+    /// their mount answers ENOTCONN, or a descriptor in flight to its
+    /// daemon (from `fusermount`) if not.
+    pub unheld: Vec<(PathBuf, Dev)>,
 }
 
 /// A connection whose serving process exited while other processes hold
@@ -422,7 +430,7 @@ impl Daemons {
     pub fn discovered(&mut self, found: Vec<Discovered>) -> Verdicts {
         let now = Instant::now();
         let mut verdicts = Verdicts::default();
-        for Discovered { source, dev, result, scanned_at } in found {
+        for Discovered { source, dev, result, scanned_at, exact } in found {
             let Some((_, known)) = self.known.get_mut(&dev) else { continue };
             match known {
                 Known::Dead => continue,
@@ -461,7 +469,10 @@ impl Daemons {
                     continue;
                 }
                 Ok(_) if left.is_empty() => {
-                    debug!(source = %source.display(), connection = %dev, tries, "no process holds the connection yet")
+                    debug!(source = %source.display(), connection = %dev, tries, "no process holds the connection yet");
+                    if exact {
+                        verdicts.unheld.push((source.clone(), dev));
+                    }
                 }
                 Ok(_) => {
                     let holders: Vec<u32> = left.iter().map(|process| process.pid).collect();

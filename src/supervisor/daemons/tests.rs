@@ -40,7 +40,7 @@ fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
 
 fn found(dev: Dev, pids: &[u32], scanned_at: Instant) -> Vec<Discovered> {
     let processes = pids.iter().map(|&pid| ProcessId { pid, start_time: 1 }).collect();
-    vec![Discovered { source: "/runtime/g".into(), dev, result: Ok(processes), scanned_at }]
+    vec![Discovered { source: "/runtime/g".into(), dev, result: Ok(processes), scanned_at, exact: true }]
 }
 
 /// A connection served by pid 10, discovered.
@@ -74,7 +74,10 @@ fn a_death_stands_when_nobody_holds_the_connection() {
     let (mut daemons, _queue) = served(dev);
     assert_eq!(daemons.exited(10).0.len(), 1);
     let verdicts = daemons.discovered(found(dev, &[], Instant::now()));
-    assert_eq!(verdicts, Verdicts { retracted: vec![], confirmed: vec![Death { source: "/runtime/g".into(), dev }] });
+    assert_eq!(
+        verdicts,
+        Verdicts { confirmed: vec![Death { source: "/runtime/g".into(), dev }], ..Verdicts::default() }
+    );
     assert_eq!(daemons.discovered(found(dev, &[11], Instant::now())), Verdicts::default(), "dead for good");
 }
 
@@ -139,4 +142,28 @@ fn holders_left_reading_the_connection_serve_it() {
 #[test]
 fn this_process_does_not_read_a_fuse_device() {
     assert!(!reads_fuse_device(Path::new("/proc"), std::process::id()));
+}
+
+#[test]
+fn a_connection_nobody_held_at_its_first_search_is_checked_and_may_be_dead() {
+    let dev = Dev { major: 0, minor: 53 };
+    let (mut daemons, queue) = daemons();
+    daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
+    assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
+    let unheld = daemons.discovered(found(dev, &[], Instant::now())).unheld;
+    assert_eq!(unheld, vec![(PathBuf::from("/runtime/g"), dev)], "nobody holds it: its mount is probed");
+    assert!(daemons.unheld_died(dev), "its mount answered ENOTCONN: dead");
+    assert!(!daemons.unheld_died(dev), "one death");
+    assert_eq!(daemons.discovered(found(dev, &[11], Instant::now())), Verdicts::default(), "dead for good");
+
+    // Without fdinfo's connection, an empty answer may be the fallback's
+    // doubt rather than nobody: nothing to probe.
+    let other = Dev { major: 0, minor: 54 };
+    daemons.sources_seen([(Path::new("/runtime/h"), other)].into_iter());
+    let mut doubtful = found(other, &[], Instant::now());
+    doubtful[0].exact = false;
+    assert!(daemons.discovered(doubtful).unheld.is_empty());
+    // A holder found since: not dead, whatever a late probe says.
+    let (mut daemons, _queue) = served(Dev { major: 0, minor: 55 });
+    assert!(!daemons.unheld_died(Dev { major: 0, minor: 55 }));
 }
