@@ -237,16 +237,18 @@ impl Occurrence {
     }
 }
 
-/// `FUSE volume mounts from <source> healed inside 2 containers (app, sync),
-/// each in its own mount namespace: 1 replaced by the live mount, 1 live
-/// again with the new mount stacked on the dead one, which stays beneath
-/// until the container exits`: what `kubectl describe pod` shows a user who
-/// knows the pod's containers, not the supervisor.
+/// `FUSE volume mounts from <source> healed inside 2 containers, each in
+/// its own mount namespace: 1 replaced by the live mount, 1 live again with
+/// the new mount stacked on the dead one, which stays beneath until the
+/// container exits; containers app, sync`: what `kubectl describe pod`
+/// shows a user who knows the pod's containers, not the supervisor. The
+/// names come last: a note is cut at 1024 bytes, and a pod with many
+/// containers loses names, not the counts.
 fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
     let names = heals.containers.iter().map(String::as_str).collect::<Vec<_>>().join(", ");
-    let inside = match heals.containers.len() {
-        1 => format!("container {names}, in its own mount namespace"),
-        count => format!("{count} containers ({names}), each in its own mount namespace"),
+    let (inside, listed) = match heals.containers.len() {
+        1 => (format!("container {names}, in its own mount namespace"), String::new()),
+        count => (format!("{count} containers, each in its own mount namespace"), format!("; containers {names}")),
     };
     let mut hows = Vec::new();
     if heals.replaced > 0 {
@@ -258,7 +260,7 @@ fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
             heals.stacked
         ));
     }
-    format!("FUSE volume mounts from {} healed inside {inside}: {}", source.display(), hows.join(", "))
+    format!("FUSE volume mounts from {} healed inside {inside}: {}{listed}", source.display(), hows.join(", "))
 }
 
 /// The target's path within its pod directory (`volumes/…/mount`), which
@@ -415,9 +417,9 @@ mod tests {
         assert_eq!(occurrence.regarding, Regarding::Pod(pod));
         assert_eq!(
             occurrence.note,
-            "FUSE volume mounts from /mnt/juicefs healed inside 2 containers (app, sync), each in its own mount \
-             namespace: 1 replaced by the live mount, 1 live again with the new mount stacked on the dead one, which \
-             stays beneath until the container exits"
+            "FUSE volume mounts from /mnt/juicefs healed inside 2 containers, each in its own mount namespace: 1 \
+             replaced by the live mount, 1 live again with the new mount stacked on the dead one, which stays beneath \
+             until the container exits; containers app, sync"
         );
         let one = ContainersHealed { containers: ["app".to_owned()].into(), replaced: 2, stacked: 0, ..heals };
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &one };
@@ -426,5 +428,16 @@ mod tests {
             "FUSE volume mounts from /mnt/juicefs healed inside container app, in its own mount namespace: 2 \
              replaced by the live mount"
         );
+        // Many containers: the counts come before the names, which the
+        // 1024-byte cut of a note may take.
+        let many = ContainersHealed {
+            containers: (0..200).map(|n| format!("worker-with-a-long-name-{n:03}")).collect(),
+            replaced: 200,
+            stacked: 0,
+            ..one
+        };
+        let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &many };
+        let note = Occurrence::from_report(&report, SystemTime::now()).unwrap().note;
+        assert!(note.len() > 1024 && note[..1024].contains("200 replaced by the live mount"), "{note}");
     }
 }
