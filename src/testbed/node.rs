@@ -381,6 +381,17 @@ impl Node {
     }
 }
 
+impl Drop for Node {
+    /// Before the readers and the supervisor are killed and reaped: a
+    /// daemon still holding lookups would keep its callers (the
+    /// supervisor's probe) from ever exiting.
+    fn drop(&mut self) {
+        if let Err(err) = self.source.end_held_lookups() {
+            eprintln!("cannot end the lookups held by {}: {err}", self.source.path.display());
+        }
+    }
+}
+
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node").field("sandbox", &self.sandbox).field("targets", &self.targets).finish()

@@ -20,6 +20,10 @@ pub use super::observe::{fuse_mount_ids_at, http_get, layers_at, wait_for, wait_
 pub use super::supervisor_process::SupervisorProcess;
 use super::{Sandbox, SandboxChild};
 
+mod holding;
+
+use holding::Holding;
+
 /// The file every source serves at its root, and the subdirectory that
 /// subPath targets bind.
 pub const DATA_FILE: &str = "data.txt";
@@ -116,8 +120,11 @@ pub struct FuseSource {
     /// The process a hand-off left serving, or the watchdog's serving
     /// child: not a child of the sandbox, so killed here.
     successor: Option<u32>,
-    /// The next demofs launched answers nothing until `SIGUSR1`.
-    answer_on_signal: bool,
+    /// What the next demofs launched holds back until `SIGUSR1`.
+    next_holds: Option<Holding>,
+    /// The running daemon holds lookups it has read: their callers cannot
+    /// be killed until it answers or its connection ends.
+    holds_lookups: bool,
 }
 
 /// A demofs whose connection is served by a process other than the one that
@@ -206,7 +213,8 @@ impl FuseSource {
             generation: 0,
             delegation,
             successor: None,
-            answer_on_signal: false,
+            next_holds: None,
+            holds_lookups: false,
         };
         source.write_generation(sandbox)?;
         source.launch(sandbox, false)?;
@@ -351,8 +359,11 @@ impl FuseSource {
                 match &self.delegation {
                     Some((Delegation::HandOff, pid_file, _)) => command.arg("--hand-off-on-signal").arg(pid_file),
                     Some((Delegation::Watchdog, pid_file, _)) => command.arg("--watchdog").arg(pid_file),
-                    None if self.answer_on_signal => command.arg("--answer-on-signal"),
-                    None => &mut command,
+                    None => match self.next_holds {
+                        Some(Holding::Everything) => command.arg("--answer-on-signal"),
+                        Some(Holding::Lookups) => command.arg("--hold-lookups-until-signal"),
+                        None => &mut command,
+                    },
                 };
                 command
             }
@@ -390,6 +401,7 @@ impl FuseSource {
             return Err(ScenarioError::DaemonExited { daemon: self.daemon.name(), status });
         }
         self.process = Some(process);
+        self.holds_lookups = self.daemon == Daemon::DemoFs && self.next_holds == Some(Holding::Lookups);
         if watchdog_pid_file.is_some() {
             self.wait_for_serving_child(None)?;
         }
@@ -427,6 +439,7 @@ impl FuseSource {
 
     /// SIGKILL: the mount stays, every access answers ENOTCONN.
     pub fn crash(&mut self) -> Result<(), ScenarioError> {
+        self.holds_lookups = false;
         if let Some(process) = self.process.take() {
             process.kill().map_err(io_step(format!("kill {}", self.daemon.name())))?;
         }
@@ -476,27 +489,6 @@ impl FuseSource {
         self.generation += 1;
         self.write_generation(sandbox)?;
         self.launch(sandbox, style == Restart::MountOverStale && self.daemon == Daemon::Sshfs)
-    }
-
-    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
-    /// nothing until [`FuseSource::answer`]: its mount is in place, and every
-    /// request to it, the supervisor's probe first, waits.
-    pub fn restart_unanswered(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
-        if self.daemon != Daemon::DemoFs || self.delegation.is_some() {
-            return Err(ScenarioError::Io {
-                step: "restart unanswered".into(),
-                source: io::Error::other("only a plain demofs can hold its answers"),
-            });
-        }
-        self.answer_on_signal = true;
-        let restarted = self.restart(sandbox, style);
-        self.answer_on_signal = false;
-        restarted
-    }
-
-    /// Has a daemon started by [`FuseSource::restart_unanswered`] answer.
-    pub fn answer(&self) -> Result<(), ScenarioError> {
-        self.signal(Signal::Usr1)
     }
 
     /// Binds the source into a pod volume directory, as a CSI driver does.
