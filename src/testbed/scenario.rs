@@ -20,6 +20,7 @@ pub use super::observe::{fuse_mount_ids_at, http_get, layers_at, wait_for, wait_
 pub use super::supervisor_process::SupervisorProcess;
 use super::{Sandbox, SandboxChild};
 
+mod daemonized;
 mod holding;
 
 use holding::Holding;
@@ -60,6 +61,10 @@ pub enum Daemon {
     DemoFs,
     /// Debian's bindfs, a libfuse3 daemon.
     Bindfs,
+    /// bindfs without `-f`: it mounts, forks, and the process that mounted
+    /// exits once its child serves (libfuse's `fuse_daemonize`), leaving the
+    /// connection to a process that is nobody's child.
+    BindfsDaemonized,
     /// Debian's rclone, `rclone mount` of a local directory: a Go daemon
     /// (its own FUSE library) that mounts through `fusermount3`.
     Rclone,
@@ -76,6 +81,7 @@ impl Daemon {
         match self {
             Daemon::DemoFs => "demofs",
             Daemon::Bindfs => "bindfs",
+            Daemon::BindfsDaemonized => "bindfs-daemonized",
             Daemon::Rclone => "rclone",
             Daemon::Sshfs => "sshfs",
         }
@@ -117,8 +123,8 @@ pub struct FuseSource {
     /// where it writes that process's pid (as the sandbox sees it, and from
     /// outside); a hand-off's is gone once done.
     delegation: Option<(Delegation, PathBuf, PathBuf)>,
-    /// The process a hand-off left serving, or the watchdog's serving
-    /// child: not a child of the sandbox, so killed here.
+    /// The process a hand-off left serving, the watchdog's serving child,
+    /// or a daemonized daemon: not a child of the sandbox, so killed here.
     successor: Option<u32>,
     /// What the next demofs launched holds back until `SIGUSR1`.
     next_holds: Option<Holding>,
@@ -235,7 +241,8 @@ impl FuseSource {
     }
 
     /// The process serving the connection for the one that mounted it: a
-    /// hand-off's successor, or the watchdog's current child.
+    /// hand-off's successor, the watchdog's current child, or a daemonized
+    /// daemon's child.
     pub fn serving_child(&self) -> Option<u32> {
         self.successor
     }
@@ -367,9 +374,12 @@ impl FuseSource {
                 };
                 command
             }
-            Daemon::Bindfs => {
+            Daemon::Bindfs | Daemon::BindfsDaemonized => {
                 let mut command = Command::new(super::system::program("bindfs"));
-                command.args(["-f", "-o", "allow_other"]).arg(&self.backing).arg(&self.path);
+                if self.daemon == Daemon::Bindfs {
+                    command.arg("-f");
+                }
+                command.args(["-o", "allow_other"]).arg(&self.backing).arg(&self.path);
                 command
             }
             Daemon::Rclone => {
@@ -388,6 +398,7 @@ impl FuseSource {
             command.stdin(Stdio::null()).stdout(Stdio::null());
         }
         command.stderr(Stdio::inherit());
+        let command_line = daemonized::command_line(&command);
         let process = sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?;
         let path = self.path.clone();
         let exited = || process.try_wait().ok().flatten();
@@ -397,6 +408,10 @@ impl FuseSource {
             MOUNT_TIMEOUT,
             |table| fuse_connections_in(table, &path).difference(&before).next().is_some() || exited().is_some(),
         )?;
+        if self.daemon == Daemon::BindfsDaemonized {
+            self.successor = Some(daemonized::serving_child(&process, &command_line, self.daemon.name())?);
+            return Ok(());
+        }
         if let Some(status) = exited() {
             return Err(ScenarioError::DaemonExited { daemon: self.daemon.name(), status });
         }
@@ -489,6 +504,21 @@ impl FuseSource {
         self.generation += 1;
         self.write_generation(sandbox)?;
         self.launch(sandbox, style == Restart::MountOverStale && self.daemon == Daemon::Sshfs)
+    }
+
+    /// Like [`FuseSource::restart`], with `daemon` serving the same backing
+    /// directory at the same path from now on (a FUSE pod whose image
+    /// changed): a mix of daemons and restart styles on one node.
+    pub fn restart_as(&mut self, sandbox: &Sandbox, daemon: Daemon, style: Restart) -> Result<(), ScenarioError> {
+        if self.delegation.is_some() {
+            return Err(ScenarioError::Io {
+                step: format!("restart as {}", daemon.name()),
+                source: io::Error::other("a delegating demofs cannot change its daemon"),
+            });
+        }
+        self.crash()?;
+        self.daemon = daemon;
+        self.restart(sandbox, style)
     }
 
     /// Binds the source into a pod volume directory, as a CSI driver does.
