@@ -1,24 +1,28 @@
 //! A long soak of `fuse-supervisor run`: crash/restart cycles of a daemon
-//! serving whole-volume and subPath targets, each read in a container
-//! (bindfs restarting unmount-then-mount, or demofs alternating that and a
-//! mount over the stale mount); each cycle waits until the node converged (every target read
-//! again, one layer each, the mount count at its baseline, the state file
-//! current). A benchmark, not a test: it prints figures.
+//! serving whole-volume and subPath targets, each read in a container;
+//! each cycle waits until the node converged (every target read again, one
+//! layer each, the mount count at its baseline, the state file current),
+//! the supervisor saw the crashed process die, and it watches the new
+//! daemon. A benchmark, not a test: it prints figures.
 //!
 //! ```text
 //! SOAK_BENCH_CYCLES=1000 cargo bench --bench soak
 //! ```
 //!
 //! Prints the cycles healed, the time from the crash to convergence
-//! (p50/p99/max), and the supervisor's RSS, open descriptors and threads
-//! after the first, tenth and last cycles and their maximum. Every flag is
-//! also an environment variable (`SOAK_BENCH_CYCLES`, `SOAK_BENCH_VOLUMES`
-//! (9), `SOAK_BENCH_SUBPATHS` (1), `SOAK_BENCH_DAEMON`: bindfs or demofs).
+//! (p50/p99/max, and per daemon style when they are mixed), and the
+//! supervisor's RSS, open descriptors and threads after the first, tenth
+//! and last cycles and their maximum. Every flag is also an environment
+//! variable (`SOAK_BENCH_CYCLES`, `SOAK_BENCH_VOLUMES` (9),
+//! `SOAK_BENCH_SUBPATHS` (1), `SOAK_BENCH_DAEMON`: `mixed` (the default:
+//! bindfs unmount-then-mount, demofs mounting over the stale mount, bindfs
+//! daemonizing, in turn), `bindfs`, `bindfs-daemonized`, or `demofs`
+//! (unmount-then-mount and mount-over-stale in turn)).
 //! Needs root, /dev/fuse and bindfs.
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{Node, NodeOptions, Usage};
+use fuse_supervisor::testbed::node::{MIXED, Node, NodeOptions, Usage};
 use fuse_supervisor::testbed::scenario::{Daemon, Restart};
 
 #[allow(dead_code)]
@@ -38,15 +42,19 @@ fn main() {
     let cycles: usize = flags.number("cycles", "1000");
     let volumes: usize = flags.number("volumes", "9");
     let subpaths: usize = flags.number("subpaths", "1");
-    let (daemon, styles) = match flags.text("daemon", "bindfs").as_str() {
-        "demofs" => (Daemon::DemoFs, vec![Restart::UnmountThenMount, Restart::MountOverStale]),
-        "bindfs" => (Daemon::Bindfs, vec![Restart::UnmountThenMount]),
-        other => panic!("--daemon: demofs or bindfs, not {other}"),
+    let styles: Vec<(Daemon, Restart)> = match flags.text("daemon", "mixed").as_str() {
+        "mixed" => MIXED.to_vec(),
+        "demofs" => vec![(Daemon::DemoFs, Restart::UnmountThenMount), (Daemon::DemoFs, Restart::MountOverStale)],
+        "bindfs" => vec![(Daemon::Bindfs, Restart::UnmountThenMount)],
+        "bindfs-daemonized" => vec![(Daemon::BindfsDaemonized, Restart::UnmountThenMount)],
+        other => panic!("--daemon: mixed, demofs, bindfs or bindfs-daemonized, not {other}"),
     };
+    let named: Vec<String> = styles.iter().map(|(daemon, style)| format!("{} {style:?}", daemon.name())).collect();
     println!(
-        "{cycles} crash/restart cycles of {} ({styles:?} in turn), {volumes} volumes and {subpaths} subPath, each read",
-        daemon.name()
+        "{cycles} crash/restart cycles ({} in turn), {volumes} volumes and {subpaths} subPath, each read",
+        named.join(", ")
     );
+    let daemon = styles[0].0;
     let mut node = Node::new(Path::new(BINARY), NodeOptions { daemon, volumes, subpaths }).expect("node");
     node.converge(TIMEOUT).expect("readers read");
     node.start_supervisor(&[], &["--log", "info"]).expect("supervisor");
@@ -60,6 +68,12 @@ fn main() {
     }
     println!("cycles healed {} of {cycles} ({:.1} %)", soak.cycles, 100.0 * soak.cycles as f64 / cycles as f64);
     println!("crash → converged  {}", common::summary_ms(soak.converge_times.clone()));
+    if styles.len() > 1 {
+        for (index, name) in named.iter().enumerate() {
+            let times = soak.converge_times.iter().skip(index).step_by(styles.len()).copied().collect();
+            println!("  {name:<40} {}", common::summary_ms(times));
+        }
+    }
     let show = |label: &str, usage: Option<&Usage>| {
         if let Some(u) = usage {
             println!(

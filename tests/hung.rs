@@ -1,13 +1,17 @@
 //! Hung FUSE daemons under `fuse-supervisor run`: a daemon SIGSTOPped
-//! before it dies, and a new daemon SIGSTOPped before its first answer
-//! (a daemon that answers `statfs` but never a `lookup` is not tested
-//! yet: README, Limits). Each is bounded by
+//! before it dies, a new daemon SIGSTOPped before its first answer, and a
+//! new daemon that answers `statfs` but holds every `lookup` (the probe of
+//! a subPath's directory waits on it). Each is bounded by
 //! `--probe-timeout`: the loop stays responsive (`/healthz`, `status`),
 //! another source crashes and heals meanwhile, and the hung one heals once
 //! it answers or is replaced. Real daemons in private mount namespaces;
 //! needs root, /dev/fuse and bindfs.
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use fuse_supervisor_sys::{probe, resolve};
 
 use fuse_supervisor::testbed::node::{Frozen, Node, NodeOptions};
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, ScenarioError};
@@ -40,6 +44,13 @@ impl TwoSources {
         let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
         node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)).expect("both daemons watched");
         TwoSources { other_reader, other, node }
+    }
+
+    /// The supervisor's `healed` line for the node's first target.
+    fn healed_line(&self) -> String {
+        let target = self.node.targets[0].display().to_string();
+        let healed = |line: &str| line.contains("\"healed\"") && line.contains(&target);
+        self.check(self.node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, healed)))
     }
 
     fn check<T>(&self, result: Result<T, ScenarioError>) -> T {
@@ -100,4 +111,49 @@ fn a_new_daemon_stopped_before_its_first_answer_holds_up_nothing_else() {
     );
     world.node.source.resume().expect("resume the new daemon");
     world.check(world.node.converge(TIMEOUT));
+}
+
+/// The new daemon answers `statfs` but holds every lookup: the probe of the
+/// subPath's directory waits on it, gives up after `--probe-timeout` and
+/// says so, nothing is healed from the daemon, the loop and the other
+/// source go on, and the heal happens once the daemon answers lookups, its
+/// wait counted as the source's.
+#[test]
+fn a_new_daemon_that_holds_lookups_holds_up_nothing_else() {
+    let mut world = TwoSources::new(Daemon::DemoFs);
+    let from = world.check(world.node.supervisor()).log_len();
+    let restarted_at = Instant::now();
+    world.node.source.restart_holding_lookups(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
+    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    let held_for = restarted_at.elapsed();
+    assert!(held_for >= Duration::from_secs(1), "reported before --probe-timeout");
+    // The daemon is not stopped: its root answers.
+    let source = world.node.sandbox.outside_path(&world.node.source.path);
+    answers_statfs(&source).unwrap_or_else(|err| panic!("statfs of the held daemon: {err}"));
+    world.stays_responsive();
+    for reader in &world.node.readers {
+        assert!(reader.latest().is_some_and(|o| o.content().is_none()), "healed from a daemon holding lookups");
+    }
+    world.node.source.answer().expect("answer lookups");
+    world.check(world.node.converge(TIMEOUT));
+    let healed = world.healed_line();
+    let line: serde_json::Value = serde_json::from_str(&healed).expect("a JSON log line");
+    let waited = Duration::from_micros(line["fields"]["source_wait_us"].as_u64().expect("source_wait_us"));
+    assert!(waited >= Duration::from_secs(1), "the held lookups are the source's wait: {healed}");
+}
+
+/// `statfs` of the mount at `path`, on a thread of its own: an error if it
+/// fails or does not answer within a few seconds (the thread is left to
+/// the daemon's end then).
+fn answers_statfs(path: &Path) -> Result<(), String> {
+    let (done, answer) = mpsc::channel();
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = done.send(resolve::open_path(&path).and_then(|root| probe::statfs(root.as_fd())));
+    });
+    match answer.recv_timeout(Duration::from_secs(5)) {
+        Ok(result) => result.map_err(|err| err.to_string()),
+        Err(_) => Err("no answer within 5 s".into()),
+    }
 }

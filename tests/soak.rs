@@ -1,15 +1,19 @@
 //! A short soak of `fuse-supervisor run`: 50 crash/restart cycles of a
-//! bindfs daemon serving ten targets (one a subPath), each read in a
-//! container, each restart unmount-then-mount. Every cycle converges (every target read again, one layer each,
-//! the mount count at its baseline, the state file current), and the
-//! supervisor's descriptors and threads are where they were after the
-//! first cycles: nothing leaks per heal. `cargo bench --bench soak` runs a
-//! thousand and prints the figures. Needs root and /dev/fuse.
+//! daemon serving ten targets (one a subPath), each read in a container,
+//! mixing daemon styles in turn: bindfs restarting unmount-then-mount,
+//! demofs mounting over the stale mount, bindfs daemonizing (its child
+//! serves). Every cycle converges (every target read again, one layer
+//! each, the mount count at its baseline, the state file current), the
+//! supervisor sees each crashed process die and watches each new daemon's
+//! serving process (the daemonized child), and its descriptors and threads
+//! are where they were after the first cycles: nothing leaks per heal.
+//! `cargo bench --bench soak` runs a thousand and prints the figures.
+//! Needs root, /dev/fuse and bindfs.
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::{Daemon, Restart};
+use fuse_supervisor::testbed::node::{MIXED, Node, NodeOptions};
+use fuse_supervisor::testbed::scenario::Daemon;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -25,7 +29,7 @@ fn fifty_cycles_heal_every_time_and_leak_nothing() {
     node.start_supervisor(&[], &[]).expect("supervisor");
     node.converge(TIMEOUT).expect("the state saved");
     let soak = node
-        .soak(50, &[Restart::UnmountThenMount], TIMEOUT)
+        .soak(50, &MIXED, TIMEOUT)
         .unwrap_or_else(|(soak, err)| panic!("after {} cycles: {err:?}\n{}", soak.cycles, node.describe()));
     assert_eq!(soak.cycles, 50);
     let settled = soak.usage[WARM_UP - 1];

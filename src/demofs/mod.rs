@@ -31,6 +31,11 @@
 //! `SIGUSR1`, then serves as usual. A probe of its mount blocks meanwhile,
 //! so a test can act between a heal's plan and its stack.
 //!
+//! `--hold-lookups-until-signal` makes it a daemon that answers `statfs`
+//! and every other request but holds each `lookup` unanswered until
+//! `SIGUSR1` (see `lookup_gate`): a mount that looks alive to a `statfs`
+//! probe while any path resolved beneath its root hangs.
+//!
 //! `--watchdog PIDFILE` makes it a watchdog like JuiceFS's mount process: it
 //! mounts, takes the connection's INIT request and keeps the descriptor
 //! without reading it again, and a child it starts on a copy serves
@@ -44,7 +49,7 @@ use std::io::{self, BufRead, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 
 use fuse_supervisor_sys::fuse as sys_fuse;
 use fuse_supervisor_sys::mount as sys_mount;
@@ -52,9 +57,11 @@ use fuser::{Config, Session, SessionACL};
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
+mod lookup_gate;
 mod passthrough;
 mod relay;
 
+use lookup_gate::LookupGate;
 use passthrough::PassthroughFs;
 pub use relay::{ReplayedInit, from_hex as init_request_from_hex};
 
@@ -89,6 +96,8 @@ pub enum DemoFsRole {
     WatchdogChild { init: ReplayedInit, inode_journal: PathBuf },
     /// Mounts, answers nothing until `SIGUSR1`, then serves.
     AnswerOnSignal,
+    /// Mounts and serves, but holds every lookup's answer until `SIGUSR1`.
+    HoldLookupsUntilSignal,
     /// Mounts, keeps the connection, and has a child process serve it,
     /// writing its pid to the file; after the child dies, starts another
     /// on `SIGUSR1`.
@@ -189,7 +198,10 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
     // there is no mount to leave behind yet.
     let delegates = matches!(
         options.role,
-        DemoFsRole::HandOffOnSignal { .. } | DemoFsRole::Watchdog { .. } | DemoFsRole::AnswerOnSignal
+        DemoFsRole::HandOffOnSignal { .. }
+            | DemoFsRole::Watchdog { .. }
+            | DemoFsRole::AnswerOnSignal
+            | DemoFsRole::HoldLookupsUntilSignal
     );
     let signals = Signals::new(if delegates { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
         .map_err(DemoFsError::Signals)?;
@@ -227,9 +239,10 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
         DemoFsRole::HandOffOnSignal { pid_file } => hand_off_on_signal(options, pid_file, device, signals),
         DemoFsRole::Watchdog { pid_file } => watch_over_serving_children(options, pid_file, &device, signals),
         DemoFsRole::AnswerOnSignal => answer_on_signal(options, backing, device, signals),
-        DemoFsRole::Serve | DemoFsRole::DeviceOnStdin | DemoFsRole::WatchdogChild { .. } => {
-            serve_device(options, backing, device, signals)
-        }
+        DemoFsRole::Serve
+        | DemoFsRole::DeviceOnStdin
+        | DemoFsRole::WatchdogChild { .. }
+        | DemoFsRole::HoldLookupsUntilSignal => serve_device(options, backing, device, signals),
     }
 }
 
@@ -256,9 +269,13 @@ fn serve_device(
     // set both so they cannot disagree.
     let mut config = Config::default();
     config.acl = SessionACL::All;
-    let filesystem = match &options.role {
-        DemoFsRole::WatchdogChild { inode_journal, .. } => PassthroughFs::with_inode_journal(backing, inode_journal)
-            .map_err(|source| DemoFsError::InodeJournal { path: inode_journal.clone(), source })?,
+    let lookup_gate = (options.role == DemoFsRole::HoldLookupsUntilSignal).then(Arc::<LookupGate>::default);
+    let filesystem = match (&options.role, &lookup_gate) {
+        (DemoFsRole::WatchdogChild { inode_journal, .. }, _) => {
+            PassthroughFs::with_inode_journal(backing, inode_journal)
+                .map_err(|source| DemoFsError::InodeJournal { path: inode_journal.clone(), source })?
+        }
+        (_, Some(gate)) => PassthroughFs::new(backing).holding_lookups_at(Arc::clone(gate)),
         _ => PassthroughFs::new(backing),
     };
     let session = Session::from_fd(filesystem, device, SessionACL::All, config)
@@ -289,8 +306,17 @@ fn serve_device(
     std::thread::Builder::new()
         .name("demofs-signals".into())
         .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                let _ = stop_sender.send(Stop::Signal(signal));
+            for signal in signals.forever() {
+                match &lookup_gate {
+                    Some(gate) if signal == SIGUSR1 => {
+                        let held = gate.open();
+                        tracing::info!(held, "demofs answers lookups");
+                    }
+                    _ => {
+                        let _ = stop_sender.send(Stop::Signal(signal));
+                        break;
+                    }
+                }
             }
         })
         .map_err(|source| {

@@ -17,6 +17,8 @@ use fuser::{
     ReplyOpen, ReplyStatfs, Request, TimeOrNow,
 };
 
+use super::lookup_gate::{self, LookupGate};
+
 /// How long the kernel may trust an entry or attribute before asking again:
 /// short, so that changes in the backing directory show up quickly.
 const TTL: Duration = Duration::from_secs(1);
@@ -112,6 +114,8 @@ pub(crate) struct PassthroughFs {
     backing: PathBuf,
     inodes: Mutex<InodeTable>,
     handles: Mutex<Handles>,
+    /// Where lookups wait, for a daemon that holds them.
+    lookup_gate: Option<Arc<LookupGate>>,
 }
 
 /// Locks `mutex`, ignoring poisoning: every critical section here leaves the
@@ -173,7 +177,13 @@ impl PassthroughFs {
     }
 
     fn with_inodes(inodes: InodeTable, backing: PathBuf) -> Self {
-        Self { inodes: Mutex::new(inodes), backing, handles: Mutex::new(Handles::default()) }
+        Self { inodes: Mutex::new(inodes), backing, handles: Mutex::new(Handles::default()), lookup_gate: None }
+    }
+
+    /// Holds every lookup's answer at `gate` until it opens.
+    pub(crate) fn holding_lookups_at(mut self, gate: Arc<LookupGate>) -> Self {
+        self.lookup_gate = Some(gate);
+        self
     }
 
     fn path(&self, ino: INodeNo) -> Result<PathBuf, Errno> {
@@ -233,12 +243,12 @@ impl Filesystem for PassthroughFs {
             Ok(parent) => parent.join(name),
             Err(err) => return reply.error(err),
         };
-        match std::fs::symlink_metadata(&path) {
-            Ok(metadata) => {
-                let ino = lock(&self.inodes).number(&path);
-                reply.entry(&TTL, &attributes(ino, &metadata), GENERATION);
-            }
-            Err(err) => reply.error(errno(&err)),
+        let answer = std::fs::symlink_metadata(&path)
+            .map(|metadata| (TTL, attributes(lock(&self.inodes).number(&path), &metadata), GENERATION))
+            .map_err(|err| errno(&err));
+        match &self.lookup_gate {
+            Some(gate) => gate.answer_or_hold(reply, answer),
+            None => lookup_gate::send(reply, answer),
         }
     }
 

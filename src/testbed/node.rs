@@ -333,32 +333,44 @@ pub struct Soak {
     pub usage: Vec<Usage>,
 }
 
+/// The daemon styles a soak mixes, one per cycle in turn: bindfs
+/// restarting unmount-then-mount, demofs mounting over the stale mount,
+/// and bindfs daemonizing (the process that mounted exits, its child
+/// serves).
+pub const MIXED: [(Daemon, Restart); 3] = [
+    (Daemon::Bindfs, Restart::UnmountThenMount),
+    (Daemon::DemoFs, Restart::MountOverStale),
+    (Daemon::BindfsDaemonized, Restart::UnmountThenMount),
+];
+
 impl Node {
     /// `cycles` crash/restart cycles of the source (see [`Node::cycle`]),
-    /// each restart style of `styles` in turn; the
-    /// supervisor's usage sampled after each. Stops at the first cycle
-    /// that does not converge, with its error.
+    /// each daemon and restart style of `styles` in turn; the supervisor's
+    /// usage sampled after each. First the supervisor must watch the
+    /// running daemon. Stops at the first cycle that does not converge,
+    /// with its error.
     pub fn soak(
         &mut self,
         cycles: usize,
-        styles: &[Restart],
+        styles: &[(Daemon, Restart)],
         timeout: Duration,
     ) -> Result<Soak, (Soak, ScenarioError)> {
         let mut soak = Soak::default();
-        for cycle in 0..cycles {
-            let style = styles[cycle % styles.len().max(1)];
-            let started = Instant::now();
+        if let Err(err) = self.wait_until_watched(0, timeout) {
+            return Err((soak, err));
+        }
+        for (cycle, &(daemon, style)) in styles.iter().cycle().take(cycles).enumerate() {
             let result = self
-                .cycle(style, timeout)
-                .and_then(|()| self.supervisor().and_then(|supervisor| Usage::of(supervisor.pid())));
+                .cycle(daemon, style, timeout)
+                .and_then(|converged| Ok((converged, Usage::of(self.supervisor()?.pid())?)));
             match result {
-                Ok(usage) => {
+                Ok((converged, usage)) => {
                     soak.cycles += 1;
-                    soak.converge_times.push(started.elapsed());
+                    soak.converge_times.push(converged);
                     soak.usage.push(usage);
                 }
                 Err(err) => {
-                    let step = format!("cycle {cycle} ({style:?})");
+                    let step = format!("cycle {cycle} ({} {style:?})", daemon.name());
                     return Err((soak, ScenarioError::Io { step, source: std::io::Error::other(format!("{err:?}")) }));
                 }
             }
@@ -366,9 +378,19 @@ impl Node {
         Ok(soak)
     }
 
-    /// A crash, seen by a container (the outage has begun), the restart,
-    /// and the node converged.
-    pub fn cycle(&mut self, style: Restart, timeout: Duration) -> Result<(), ScenarioError> {
+    /// A crash, seen by a container (the outage has begun), the restart as
+    /// `daemon` in `style`, and the node converged; returns the time from
+    /// the crash until then. With a supervisor running, the restart waits
+    /// as a FUSE pod's restart takes (tens of milliseconds at least) until
+    /// the supervisor saw the crashed process die and, before a mount over
+    /// the stale mount, detached the dead mount (a restart within
+    /// milliseconds of the death is one the supervisor may never see as a
+    /// death, and one over the stale mount leaves it to the daemon: README,
+    /// Limits); after convergence it must watch the new daemon's serving
+    /// process, so that the next crash is of a watched daemon too.
+    pub fn cycle(&mut self, daemon: Daemon, style: Restart, timeout: Duration) -> Result<Duration, ScenarioError> {
+        let (crashed, from) = (self.source.pid(), self.supervisor.as_ref().map(SupervisorProcess::log_len));
+        let started = Instant::now();
         self.source.crash()?;
         if let Some(reader) = self.readers.first() {
             reader.wait_until(timeout, |o: &Observation| o.error().is_some()).map_err(|err| ScenarioError::Io {
@@ -376,8 +398,90 @@ impl Node {
                 source: std::io::Error::other(err.to_string()),
             })?;
         }
-        self.source.restart(&self.sandbox, style)?;
-        self.converge(timeout).map(|_| ())
+        let source = self.source.path.display().to_string();
+        if let (Some(from), Some(crashed)) = (from, crashed) {
+            let died = |line: &str| logged(line, DAEMON_DIED, &source, Some(("pid", crashed)));
+            self.wait_for_log(from, &format!("the death of {crashed}"), timeout, died)?;
+            if style == Restart::MountOverStale {
+                let detached = |line: &str| logged(line, DEAD_SOURCE_DETACHED, &source, None);
+                self.wait_for_log(from, "the dead source detached", timeout, detached)?;
+            }
+        }
+        self.source.restart_as(&self.sandbox, daemon, style)?;
+        self.converge(timeout)?;
+        let converged = started.elapsed();
+        if let Some(from) = from {
+            self.wait_until_watched(from, timeout)?;
+        }
+        Ok(converged)
+    }
+
+    /// Waits for a line of the supervisor's log from line `from` on that
+    /// `logged` accepts; the error names `what`.
+    fn wait_for_log(
+        &self,
+        from: usize,
+        what: &str,
+        timeout: Duration,
+        logged: impl Fn(&str) -> bool,
+    ) -> Result<(), ScenarioError> {
+        self.supervisor()?.wait_for_lines(timeout, from, 1, logged).map_err(|err| ScenarioError::Io {
+            step: format!("the supervisor logs {what}"),
+            source: std::io::Error::other(err.to_string()),
+        })
+    }
+
+    /// Waits until the supervisor's log, from line `from`, says it watches
+    /// the process serving the source: found at once, or left serving by
+    /// the process that mounted (a death retracted).
+    pub fn wait_until_watched(&self, from: usize, timeout: Duration) -> Result<(), ScenarioError> {
+        let pid = self.source.pid().ok_or_else(|| ScenarioError::Io {
+            step: "find the source's daemon".into(),
+            source: std::io::Error::other("none running"),
+        })?;
+        let source = self.source.path.display().to_string();
+        let watched = |line: &str| {
+            logged(line, WATCHING, &source, Some(("pids", pid)))
+                || logged(line, RETRACTED, &source, Some(("pids", pid)))
+        };
+        self.wait_for_log(from, &format!("it watches {} (pid {pid})", self.source.daemon().name()), timeout, watched)
+    }
+}
+
+/// Messages of the supervisor's log that a cycle waits for.
+const DAEMON_DIED: &str = "daemon died; its targets are degraded";
+const DEAD_SOURCE_DETACHED: &str =
+    "dead source detached: its daemon can mount there again; its targets' stale layers are let go";
+const WATCHING: &str = "watching the FUSE daemon";
+const RETRACTED: &str = "connection still served by another process; death retracted";
+
+/// Whether the JSON log line is `message` about `source`, naming the pid
+/// in the given field if one is given (a number, or a list such as
+/// `[12, 34]`).
+fn logged(line: &str, message: &str, source: &str, naming: Option<(&str, u32)>) -> bool {
+    if !line.contains(message) {
+        return false;
+    }
+    let Ok(line) = serde_json::from_str::<serde_json::Value>(line) else { return false };
+    let fields = &line["fields"];
+    let names = |(field, pid): (&str, u32)| match &fields[field] {
+        serde_json::Value::Number(number) => number.as_u64() == Some(u64::from(pid)),
+        serde_json::Value::String(list) => {
+            list.trim_matches(['[', ']']).split(", ").any(|listed| listed.parse() == Ok(pid))
+        }
+        _ => false,
+    };
+    fields["message"] == message && fields["source"] == source && naming.is_none_or(names)
+}
+
+impl Drop for Node {
+    /// Before the readers and the supervisor are killed and reaped: a
+    /// daemon still holding lookups would keep its callers (the
+    /// supervisor's probe) from ever exiting.
+    fn drop(&mut self) {
+        if let Err(err) = self.source.end_held_lookups() {
+            eprintln!("cannot end the lookups held by {}: {err}", self.source.path.display());
+        }
     }
 }
 

@@ -218,11 +218,16 @@ impl Sandbox {
 impl Drop for Sandbox {
     fn drop(&mut self) {
         let children = std::mem::take(&mut *self.children.lock().unwrap_or_else(PoisonError::into_inner));
-        for child in children {
-            let mut child = child.lock().unwrap_or_else(PoisonError::into_inner);
+        // Every child is killed before any is waited for: one waiting in the
+        // kernel for a FUSE daemon's answer (a request the daemon read and
+        // holds) exits only once that daemon is dead, whatever order they
+        // were started in.
+        for child in &children {
             // Already reaped or dead: nothing to do either way.
-            let _ = child.kill();
-            let _ = child.wait();
+            let _ = child.lock().unwrap_or_else(PoisonError::into_inner).kill();
+        }
+        for child in children {
+            let _ = child.lock().unwrap_or_else(PoisonError::into_inner).wait();
         }
         // Closing the queue ends the thread's loop; its namespace then dies
         // with its last member.

@@ -20,6 +20,11 @@ pub use super::observe::{fuse_mount_ids_at, http_get, layers_at, wait_for, wait_
 pub use super::supervisor_process::SupervisorProcess;
 use super::{Sandbox, SandboxChild};
 
+mod daemonized;
+mod holding;
+
+use holding::Holding;
+
 /// The file every source serves at its root, and the subdirectory that
 /// subPath targets bind.
 pub const DATA_FILE: &str = "data.txt";
@@ -56,6 +61,10 @@ pub enum Daemon {
     DemoFs,
     /// Debian's bindfs, a libfuse3 daemon.
     Bindfs,
+    /// bindfs without `-f`: it mounts, forks, and the process that mounted
+    /// exits once its child serves (libfuse's `fuse_daemonize`), leaving the
+    /// connection to a process that is nobody's child.
+    BindfsDaemonized,
     /// Debian's rclone, `rclone mount` of a local directory: a Go daemon
     /// (its own FUSE library) that mounts through `fusermount3`.
     Rclone,
@@ -72,6 +81,7 @@ impl Daemon {
         match self {
             Daemon::DemoFs => "demofs",
             Daemon::Bindfs => "bindfs",
+            Daemon::BindfsDaemonized => "bindfs-daemonized",
             Daemon::Rclone => "rclone",
             Daemon::Sshfs => "sshfs",
         }
@@ -113,11 +123,14 @@ pub struct FuseSource {
     /// where it writes that process's pid (as the sandbox sees it, and from
     /// outside); a hand-off's is gone once done.
     delegation: Option<(Delegation, PathBuf, PathBuf)>,
-    /// The process a hand-off left serving, or the watchdog's serving
-    /// child: not a child of the sandbox, so killed here.
+    /// The process a hand-off left serving, the watchdog's serving child,
+    /// or a daemonized daemon: not a child of the sandbox, so killed here.
     successor: Option<u32>,
-    /// The next demofs launched answers nothing until `SIGUSR1`.
-    answer_on_signal: bool,
+    /// What the next demofs launched holds back until `SIGUSR1`.
+    next_holds: Option<Holding>,
+    /// The running daemon holds lookups it has read: their callers cannot
+    /// be killed until it answers or its connection ends.
+    holds_lookups: bool,
 }
 
 /// A demofs whose connection is served by a process other than the one that
@@ -206,7 +219,8 @@ impl FuseSource {
             generation: 0,
             delegation,
             successor: None,
-            answer_on_signal: false,
+            next_holds: None,
+            holds_lookups: false,
         };
         source.write_generation(sandbox)?;
         source.launch(sandbox, false)?;
@@ -227,7 +241,8 @@ impl FuseSource {
     }
 
     /// The process serving the connection for the one that mounted it: a
-    /// hand-off's successor, or the watchdog's current child.
+    /// hand-off's successor, the watchdog's current child, or a daemonized
+    /// daemon's child.
     pub fn serving_child(&self) -> Option<u32> {
         self.successor
     }
@@ -351,14 +366,20 @@ impl FuseSource {
                 match &self.delegation {
                     Some((Delegation::HandOff, pid_file, _)) => command.arg("--hand-off-on-signal").arg(pid_file),
                     Some((Delegation::Watchdog, pid_file, _)) => command.arg("--watchdog").arg(pid_file),
-                    None if self.answer_on_signal => command.arg("--answer-on-signal"),
-                    None => &mut command,
+                    None => match self.next_holds {
+                        Some(Holding::Everything) => command.arg("--answer-on-signal"),
+                        Some(Holding::Lookups) => command.arg("--hold-lookups-until-signal"),
+                        None => &mut command,
+                    },
                 };
                 command
             }
-            Daemon::Bindfs => {
+            Daemon::Bindfs | Daemon::BindfsDaemonized => {
                 let mut command = Command::new(super::system::program("bindfs"));
-                command.args(["-f", "-o", "allow_other"]).arg(&self.backing).arg(&self.path);
+                if self.daemon == Daemon::Bindfs {
+                    command.arg("-f");
+                }
+                command.args(["-o", "allow_other"]).arg(&self.backing).arg(&self.path);
                 command
             }
             Daemon::Rclone => {
@@ -377,6 +398,7 @@ impl FuseSource {
             command.stdin(Stdio::null()).stdout(Stdio::null());
         }
         command.stderr(Stdio::inherit());
+        let command_line = daemonized::command_line(&command);
         let process = sandbox.spawn(command).map_err(io_step(format!("start {}", self.daemon.name())))?;
         let path = self.path.clone();
         let exited = || process.try_wait().ok().flatten();
@@ -386,10 +408,15 @@ impl FuseSource {
             MOUNT_TIMEOUT,
             |table| fuse_connections_in(table, &path).difference(&before).next().is_some() || exited().is_some(),
         )?;
+        if self.daemon == Daemon::BindfsDaemonized {
+            self.successor = Some(daemonized::serving_child(&process, &command_line, self.daemon.name())?);
+            return Ok(());
+        }
         if let Some(status) = exited() {
             return Err(ScenarioError::DaemonExited { daemon: self.daemon.name(), status });
         }
         self.process = Some(process);
+        self.holds_lookups = self.daemon == Daemon::DemoFs && self.next_holds == Some(Holding::Lookups);
         if watchdog_pid_file.is_some() {
             self.wait_for_serving_child(None)?;
         }
@@ -427,6 +454,7 @@ impl FuseSource {
 
     /// SIGKILL: the mount stays, every access answers ENOTCONN.
     pub fn crash(&mut self) -> Result<(), ScenarioError> {
+        self.holds_lookups = false;
         if let Some(process) = self.process.take() {
             process.kill().map_err(io_step(format!("kill {}", self.daemon.name())))?;
         }
@@ -478,25 +506,19 @@ impl FuseSource {
         self.launch(sandbox, style == Restart::MountOverStale && self.daemon == Daemon::Sshfs)
     }
 
-    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
-    /// nothing until [`FuseSource::answer`]: its mount is in place, and every
-    /// request to it, the supervisor's probe first, waits.
-    pub fn restart_unanswered(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
-        if self.daemon != Daemon::DemoFs || self.delegation.is_some() {
+    /// Like [`FuseSource::restart`], with `daemon` serving the same backing
+    /// directory at the same path from now on (a FUSE pod whose image
+    /// changed): a mix of daemons and restart styles on one node.
+    pub fn restart_as(&mut self, sandbox: &Sandbox, daemon: Daemon, style: Restart) -> Result<(), ScenarioError> {
+        if self.delegation.is_some() {
             return Err(ScenarioError::Io {
-                step: "restart unanswered".into(),
-                source: io::Error::other("only a plain demofs can hold its answers"),
+                step: format!("restart as {}", daemon.name()),
+                source: io::Error::other("a delegating demofs cannot change its daemon"),
             });
         }
-        self.answer_on_signal = true;
-        let restarted = self.restart(sandbox, style);
-        self.answer_on_signal = false;
-        restarted
-    }
-
-    /// Has a daemon started by [`FuseSource::restart_unanswered`] answer.
-    pub fn answer(&self) -> Result<(), ScenarioError> {
-        self.signal(Signal::Usr1)
+        self.crash()?;
+        self.daemon = daemon;
+        self.restart(sandbox, style)
     }
 
     /// Binds the source into a pod volume directory, as a CSI driver does.

@@ -60,6 +60,9 @@ pub(crate) enum Internal {
         /// Mount, and answer nothing (requests wait) until SIGUSR1, then serve.
         #[arg(long, conflicts_with_all = ["device_on_stdin", "hand_off_on_signal", "watchdog"])]
         answer_on_signal: bool,
+        /// Mount and serve, but hold every lookup unanswered until SIGUSR1.
+        #[arg(long, conflicts_with_all = ["device_on_stdin", "hand_off_on_signal", "watchdog", "answer_on_signal"])]
+        hold_lookups_until_signal: bool,
     },
     /// Run a container-model reader.
     Container {
@@ -186,6 +189,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
             inode_journal,
             watchdog,
             answer_on_signal,
+            hold_lookups_until_signal,
         } => {
             // Both or neither: clap requires the one with the other.
             let watchdog_child = init_request.zip(inode_journal);
@@ -198,6 +202,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                 },
                 (None, None, None) if device_on_stdin => DemoFsRole::DeviceOnStdin,
                 (None, None, None) if answer_on_signal => DemoFsRole::AnswerOnSignal,
+                (None, None, None) if hold_lookups_until_signal => DemoFsRole::HoldLookupsUntilSignal,
                 (None, None, None) => DemoFsRole::Serve,
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)

@@ -1,0 +1,64 @@
+//! Daemons that hold answers back: a demofs that answers nothing until
+//! told, or everything but lookups.
+use std::io;
+
+use fuse_supervisor_sys::process::Signal;
+
+use super::{Daemon, FuseSource, Restart, Sandbox, ScenarioError};
+
+/// What a demofs holds unanswered until `SIGUSR1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holding {
+    /// Every request, the kernel's INIT first (none is read).
+    Everything,
+    /// Lookups only, read and kept unanswered; `statfs` and the rest answer.
+    Lookups,
+}
+
+impl FuseSource {
+    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
+    /// nothing until [`FuseSource::answer`]: its mount is in place, and every
+    /// request to it, the supervisor's probe first, waits.
+    pub fn restart_unanswered(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
+        self.restart_holding(sandbox, style, Holding::Everything)
+    }
+
+    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
+    /// `statfs` and the rest while it holds every lookup until
+    /// [`FuseSource::answer`]: its root looks alive, and any path resolved
+    /// beneath it (a subPath's directory) hangs. Such a caller cannot be
+    /// killed meanwhile; [`FuseSource::end_held_lookups`] ends them.
+    pub fn restart_holding_lookups(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
+        self.restart_holding(sandbox, style, Holding::Lookups)
+    }
+
+    fn restart_holding(&mut self, sandbox: &Sandbox, style: Restart, holding: Holding) -> Result<(), ScenarioError> {
+        if self.daemon != Daemon::DemoFs || self.delegation.is_some() {
+            return Err(ScenarioError::Io {
+                step: format!("restart holding {holding:?}"),
+                source: io::Error::other("only a plain demofs can hold its answers"),
+            });
+        }
+        self.next_holds = Some(holding);
+        let restarted = self.restart(sandbox, style);
+        self.next_holds = None;
+        restarted
+    }
+
+    /// Has a daemon started by [`FuseSource::restart_unanswered`] or
+    /// [`FuseSource::restart_holding_lookups`] answer.
+    pub fn answer(&mut self) -> Result<(), ScenarioError> {
+        self.signal(Signal::Usr1)?;
+        self.holds_lookups = false;
+        Ok(())
+    }
+
+    /// Kills a daemon that may still hold lookups: its device closes, the
+    /// kernel aborts the connection and every held caller gets an error.
+    /// For cleanup before the processes that may be such callers (the
+    /// supervisor's probe, a reader) are killed and reaped, which would
+    /// otherwise wait for the daemon forever.
+    pub fn end_held_lookups(&mut self) -> Result<(), ScenarioError> {
+        if self.holds_lookups { self.crash() } else { Ok(()) }
+    }
+}
