@@ -1,6 +1,7 @@
 //! Faults of the node under `fuse-supervisor run`: a state directory that
 //! is full or read-only (healing goes on, one error), a staging directory
-//! it cannot use, an open-file limit too low for a heal, no CAP_SYS_ADMIN.
+//! it cannot use, an open-file limit too low for a heal, no CAP_SYS_ADMIN,
+//! a seccomp profile that refuses the new mount API or `setns`.
 //! Each ends in a clear error, at start or per heal; never a half-done
 //! heal, never a lost target. Real daemons in private mount namespaces;
 //! needs root, /dev/fuse, bindfs and util-linux's prlimit and setpriv.
@@ -139,29 +140,6 @@ fn an_unusable_staging_directory_stops_the_start_with_its_path() {
     or_describe(&node, node.converge(TIMEOUT));
 }
 
-/// Without CAP_SYS_ADMIN nothing can be mounted: `run` stops at start,
-/// saying what it could not do, and touches nothing.
-#[test]
-fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
-    let mut node = node(1);
-    start(&mut node, &[]);
-    or_describe(&node, node.converge(TIMEOUT));
-    node.kill_supervisor().expect("stop");
-    crash_and_restart(&mut node);
-    let before = node.sandbox.mountinfo();
-    let setpriv: Vec<OsString> = vec![
-        program("setpriv").into(),
-        "--inh-caps=-sys_admin".into(),
-        "--bounding-set=-sys_admin".into(),
-        "--".into(),
-    ];
-    let log = failed_start(&node, &setpriv, &[]);
-    assert!(log.contains("Operation not permitted"), "{log}");
-    assert_eq!(node.sandbox.mountinfo(), before, "{log}");
-    start(&mut node, &[]);
-    or_describe(&node, node.converge(TIMEOUT));
-}
-
 /// Every FUSE mount in each reader's namespace is on `dev` (the source's
 /// connection), one per mount point: no dead layer left in a container.
 fn containers_have_one_live_layer(node: &Node, dev: Option<Dev>) -> Result<(), String> {
@@ -200,6 +178,59 @@ fn every_target_one_live_layer(node: &Node) {
     assert_eq!(targets, node.targets.len(), "a target left the state: {status}");
     let supervisor = node.supervisor().expect("running");
     assert!(supervisor.try_wait().ok().flatten().is_none(), "the supervisor exited\n{}", node.describe());
+}
+
+/// `run` through `wrapper` stops at start, its log naming each of
+/// `expected`, with the mount table untouched though a crash waits to be
+/// healed; the next start without it heals that crash.
+fn a_refused_start_mounts_nothing(wrapper: &[OsString], expected: &[&str]) {
+    let mut node = node(1);
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+    node.kill_supervisor().expect("stop");
+    crash_and_restart(&mut node);
+    let before = node.sandbox.mountinfo();
+    let log = failed_start(&node, wrapper, &[]);
+    assert!(expected.iter().all(|text| log.contains(text)), "{expected:?}\n{log}");
+    assert_eq!(node.sandbox.mountinfo(), before, "{log}");
+    start(&mut node, &[]);
+    or_describe(&node, node.converge(TIMEOUT));
+}
+
+/// Without CAP_SYS_ADMIN nothing can be mounted: `run` stops at start,
+/// saying what it could not do, and touches nothing.
+#[test]
+fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
+    let setpriv = [program("setpriv"), "--inh-caps=-sys_admin".into(), "--bounding-set=-sys_admin".into(), "--".into()];
+    a_refused_start_mounts_nothing(&setpriv.map(OsString::from), &["Operation not permitted"]);
+}
+
+/// `run` under a seccomp filter that refuses `calls` with `errno` (the
+/// test build's `internal refuse-calls`) stops at start naming the call,
+/// the errno (`expected`) and what to change, and mounts nothing.
+fn a_refused_call_stops_the_start(calls: &str, errno: &str, expected: [&str; 2]) {
+    let filtered = [BINARY, "internal", "refuse-calls", "--calls", calls, "--errno", errno, "--"].map(OsString::from);
+    let [call, errno] = expected;
+    a_refused_start_mounts_nothing(&filtered, &[call, errno, "seccompProfile", "nothing was mounted"]);
+}
+
+/// A profile that forbids the new mount API (EPERM).
+#[test]
+fn the_new_mount_api_forbidden_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("new-mount-api", "eperm", ["open_tree is refused", "Operation not permitted"]);
+}
+
+/// A profile that does not list the new mount API, answered as the
+/// runtimes' default profiles answer calls they do not list (ENOSYS).
+#[test]
+fn the_new_mount_api_unlisted_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("new-mount-api", "enosys", ["open_tree is refused", "Function not implemented"]);
+}
+
+/// A profile that forbids `setns`.
+#[test]
+fn setns_forbidden_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("setns", "eperm", ["setns is refused", "Operation not permitted"]);
 }
 
 /// Sets the open-file soft limit of the running supervisor (its hard limit
