@@ -323,14 +323,9 @@ impl MountExecutor {
         };
         let Some(short) = short else { return Ok(reserve) };
         let errno = short.raw_os_error();
-        // Stale handles included: the batch needs them all at once.
+        // Stale handles included: the batch needs them all at once. Logged
+        // by the caller, per target.
         let needed = needed + targets;
-        warn!(
-            targets,
-            needed,
-            held = reserve.0.len(),
-            "not enough descriptors for a heal; nothing mounted, it is retried"
-        );
         Err(batch
             .targets
             .iter()
