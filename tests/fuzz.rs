@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use fuse_supervisor::kube::pods::PodList;
-use fuse_supervisor::model::mountinfo::{self, MountInfo, parse_line, parse_lines};
+use fuse_supervisor::model::mountinfo::{self, MountInfo, ParseErrorKind, parse_line, parse_lines};
 use fuse_supervisor::model::state::{Journal, StateError};
 use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::plan::layout::SourceLayouts;
@@ -71,10 +71,12 @@ fn fuzz_mountinfo() {
                     well_formed.push(mount);
                 }
                 Err(err) => {
-                    // Named by its line and field.
+                    // Named by its line, column and field.
                     assert_eq!(err.line, index + 1);
-                    let named = format!("mountinfo line {}: field `{}`: ", index + 1, err.field);
+                    let named = format!("mountinfo line {}, column {}: field `{}`: ", index + 1, err.column, err.field);
                     assert!(err.to_string().starts_with(&named), "{err}");
+                    let line = text.split(|&byte| byte == b'\n').nth(index).unwrap_or_default();
+                    column_names_the_field(&err, line);
                     malformed.push(err);
                 }
             }
@@ -103,6 +105,31 @@ fn fuzz_mountinfo() {
             assert_eq!(strict.fuse_mounts, snapshot.fuse_mounts);
         }
     });
+}
+
+/// The column of a malformed line's error is where its field starts in
+/// `line`: after a space, at the line's start, or one past its end for a
+/// field the line ends before; a quoted field is the text there.
+fn column_names_the_field(err: &mountinfo::ParseError, line: &[u8]) {
+    let at = err.column - 1;
+    assert!(err.column >= 1 && at <= line.len(), "{err}: outside the line's {} bytes", line.len());
+    let starts_a_field = at == 0 || line.get(at - 1) == Some(&b' ');
+    match &err.kind {
+        ParseErrorKind::Missing => assert!(starts_a_field || at == line.len(), "{err}"),
+        ParseErrorKind::EmbeddedNewline => {}
+        ParseErrorKind::InvalidNumber(quoted)
+        | ParseErrorKind::InvalidDevice(quoted)
+        | ParseErrorKind::InvalidEscape(quoted)
+        | ParseErrorKind::EscapedNul(quoted)
+        | ParseErrorKind::RelativePath(quoted) => {
+            assert!(starts_a_field, "{err}");
+            // A quote cut inside a character ends in a replacement.
+            let quoted = quoted.trim_end_matches('\u{fffd}');
+            let here = String::from_utf8_lossy(&line[at..]);
+            assert!(here.starts_with(quoted), "{err}: the line has {here:?} there");
+        }
+        _ => assert!(starts_a_field, "{err}"),
+    }
 }
 
 /// A table's mounts as deduplication leaves them: the last line of each

@@ -221,7 +221,7 @@ fn a_dropped_connection_is_a_retryable_protocol_error() {
     node.kubelet.set_fault(Some(Fault::Close));
     let err = node.client().pods().unwrap_err();
     assert!(matches!(err, KubeletError::Protocol { .. }), "{err:?}");
-    assert!(chain(&err).contains("closed before the response headers"), "{}", chain(&err));
+    assert!(chain(&err).contains("closed at byte 0, before the response headers"), "{}", chain(&err));
     assert!(err.is_retryable());
     assert_eq!(node.kubelet.requests(), 1);
 }

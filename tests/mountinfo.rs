@@ -468,16 +468,16 @@ fn parse_lines_goes_on_after_an_error() {
 fn embedded_newline_in_parse_line() {
     let text = format!("{VALID}\n{VALID}");
     let err = parse_line(text.as_bytes(), 4).unwrap_err();
-    assert_eq!((err.line, err.kind), (4, ParseErrorKind::EmbeddedNewline));
+    assert_eq!((err.line, err.column, err.kind), (4, VALID.len() + 1, ParseErrorKind::EmbeddedNewline));
 }
 
 #[test]
-fn error_message_names_line_and_field() {
+fn error_message_names_line_column_and_field() {
     let text = format!("{VALID}\n{}", VALID.replace("master:1", "shared:x"));
     let err = parse_table(text.as_bytes()).unwrap_err();
-    assert_eq!(err.to_string(), "mountinfo line 2: field `peer group`: invalid number in `shared:x`");
+    assert_eq!(err.to_string(), "mountinfo line 2, column 35: field `peer group`: invalid number in `shared:x`");
     let err = parse_table(b"1 2 3:4 / /a rw").unwrap_err();
-    assert_eq!(err.to_string(), "mountinfo line 1: field `separator`: missing, the line ends before it");
+    assert_eq!(err.to_string(), "mountinfo line 1, column 16: field `separator`: missing, the line ends before it");
 }
 
 // ---- the reader ---------------------------------------------------------------

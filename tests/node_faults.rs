@@ -1,15 +1,19 @@
 //! Faults of the node under `fuse-supervisor run`: a state directory that
 //! is full or read-only (healing goes on, one error), a staging directory
-//! it cannot use, an open-file limit too low for a heal, no CAP_SYS_ADMIN.
+//! it cannot use, an open-file limit too low for a heal, no CAP_SYS_ADMIN,
+//! a seccomp profile that refuses the new mount API or `setns`.
 //! Each ends in a clear error, at start or per heal; never a half-done
 //! heal, never a lost target. Real daemons in private mount namespaces;
 //! needs root, /dev/fuse, bindfs and util-linux's prlimit and setpriv.
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::node::{Node, NodeOptions, top_dev};
-use fuse_supervisor::testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, wait_for};
+
+use fuse_supervisor::testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, layers_at, wait_for};
 use fuse_supervisor::testbed::system::program;
 use fuse_supervisor_sys::mount;
 
@@ -136,49 +140,122 @@ fn an_unusable_staging_directory_stops_the_start_with_its_path() {
     or_describe(&node, node.converge(TIMEOUT));
 }
 
-/// Without CAP_SYS_ADMIN nothing can be mounted: `run` stops at start,
-/// saying what it could not do, and touches nothing.
-#[test]
-fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
+/// Every FUSE mount in each reader's namespace is on `dev` (the source's
+/// connection), one per mount point: no dead layer left in a container.
+fn containers_have_one_live_layer(node: &Node, dev: Option<Dev>) -> Result<(), String> {
+    for reader in &node.readers {
+        let pid = reader.child().pid();
+        let table = std::fs::read(format!("/proc/{pid}/mountinfo")).map_err(|err| format!("{pid}: {err}"))?;
+        let snapshot = Snapshot::parse(&table).map_err(|err| format!("{pid}: {err}"))?;
+        let mut points = BTreeSet::new();
+        for mount in &snapshot.fuse_mounts {
+            if Some(mount.dev) != dev || !points.insert(&mount.mount_point) {
+                return Err(format!("reader {} (pid {pid}): {mount:?} besides {points:?}", reader.name()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After a heal at an open-file limit of `limit`: every target is read
+/// again with one layer on the new connection (its stale layer gone,
+/// subPath included), the node's mount count back at its baseline, every
+/// container's copy one live layer, the supervisor still up and every
+/// target still in its state.
+fn every_target_one_live_layer(node: &Node) {
+    or_describe(node, node.healed(TIMEOUT));
+    let source_dev = top_dev(&node.sandbox, &node.source.path);
+    let mut last = Ok(());
+    let containers = wait_for("every container one live layer", TIMEOUT, || {
+        last = containers_have_one_live_layer(node, source_dev);
+        last.is_ok()
+    });
+    if containers.is_err() {
+        panic!("{last:?}\n{}", node.describe());
+    }
+    let status = or_describe(node, node.status());
+    let targets = status["targets"].as_array().map_or(0, Vec::len);
+    assert_eq!(targets, node.targets.len(), "a target left the state: {status}");
+    let supervisor = node.supervisor().expect("running");
+    assert!(supervisor.try_wait().ok().flatten().is_none(), "the supervisor exited\n{}", node.describe());
+}
+
+/// `run` through `wrapper` stops at start, its log naming each of
+/// `expected`, with the mount table untouched though a crash waits to be
+/// healed; the next start without it heals that crash.
+fn a_refused_start_mounts_nothing(wrapper: &[OsString], expected: &[&str]) {
     let mut node = node(1);
     start(&mut node, &[]);
     or_describe(&node, node.converge(TIMEOUT));
     node.kill_supervisor().expect("stop");
     crash_and_restart(&mut node);
     let before = node.sandbox.mountinfo();
-    let setpriv: Vec<OsString> = vec![
-        program("setpriv").into(),
-        "--inh-caps=-sys_admin".into(),
-        "--bounding-set=-sys_admin".into(),
-        "--".into(),
-    ];
-    let log = failed_start(&node, &setpriv, &[]);
-    assert!(log.contains("Operation not permitted"), "{log}");
+    let log = failed_start(&node, wrapper, &[]);
+    assert!(expected.iter().all(|text| log.contains(text)), "{expected:?}\n{log}");
     assert_eq!(node.sandbox.mountinfo(), before, "{log}");
     start(&mut node, &[]);
     or_describe(&node, node.converge(TIMEOUT));
 }
 
-/// `prlimit --nofile=<limit>:<limit> --`.
-fn prlimit(limit: u32) -> Vec<OsString> {
-    vec![program("prlimit").into(), format!("--nofile={limit}:{limit}").into(), "--".into()]
+/// Without CAP_SYS_ADMIN nothing can be mounted: `run` stops at start,
+/// saying what it could not do, and touches nothing.
+#[test]
+fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
+    let setpriv = [program("setpriv"), "--inh-caps=-sys_admin".into(), "--bounding-set=-sys_admin".into(), "--".into()];
+    a_refused_start_mounts_nothing(&setpriv.map(OsString::from), &["Operation not permitted"]);
 }
 
-/// An open-file limit that lets it start but not hold a heal's handles:
-/// the heals that run out fail with EMFILE, each logged with the target
-/// and retried, the supervisor stays up, and no target is lost: every one
-/// ends on the new connection. What is not clean yet (README, Limits): a
-/// target whose handle could not be taken is reached by a peer's stack
-/// while its stale layer is still shared, which keeps that layer (and a
-/// subPath stack's copy on it) beyond the flatten's reach, and container
-/// heals that ran out are not retried.
+/// `run` under a seccomp filter that refuses `calls` with `errno` (the
+/// test build's `internal refuse-calls`) stops at start naming the call,
+/// the errno (`expected`) and what to change, and mounts nothing.
+fn a_refused_call_stops_the_start(calls: &str, errno: &str, expected: [&str; 2]) {
+    let filtered = [BINARY, "internal", "refuse-calls", "--calls", calls, "--errno", errno, "--"].map(OsString::from);
+    let [call, errno] = expected;
+    a_refused_start_mounts_nothing(&filtered, &[call, errno, "seccompProfile", "nothing was mounted"]);
+}
+
+/// A profile that forbids the new mount API (EPERM).
 #[test]
-fn an_open_file_limit_too_low_for_a_heal_fails_heals_clearly_and_loses_none() {
+fn the_new_mount_api_forbidden_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("new-mount-api", "eperm", ["open_tree is refused", "Operation not permitted"]);
+}
+
+/// A profile that does not list the new mount API, answered as the
+/// runtimes' default profiles answer calls they do not list (ENOSYS).
+#[test]
+fn the_new_mount_api_unlisted_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("new-mount-api", "enosys", ["open_tree is refused", "Function not implemented"]);
+}
+
+/// A profile that forbids `setns`.
+#[test]
+fn setns_forbidden_stops_the_start_clearly_and_mounts_nothing() {
+    a_refused_call_stops_the_start("setns", "eperm", ["setns is refused", "Operation not permitted"]);
+}
+
+/// Sets the open-file soft limit of the running supervisor (its hard limit
+/// stays: raising it back needs no CAP_SYS_RESOURCE).
+fn set_soft_nofile(node: &Node, soft: u32) {
+    let pid = node.supervisor().expect("running").pid().to_string();
+    let set = std::process::Command::new(program("prlimit"))
+        .args([format!("--nofile={soft}:").as_str(), "--pid", &pid])
+        .status()
+        .expect("run prlimit");
+    assert!(set.success(), "prlimit --nofile={soft}: --pid {pid}: {set}");
+}
+
+/// An open-file limit too low for a heal (set on the running supervisor
+/// alone): the heal fails as a whole before it changes any mount, logged
+/// with each target and `Too many open files`, and is retried; the
+/// supervisor stays up. Once the limit is raised again the retry heals
+/// every target, and nothing was left half-done meanwhile: each ends with
+/// one layer, subPath included, and so does every container.
+#[test]
+fn an_open_file_limit_too_low_for_a_heal_fails_it_whole_and_its_retry_heals_all() {
     let mut node = node(12);
     start(&mut node, &[]);
     or_describe(&node, node.converge(TIMEOUT));
-    node.kill_supervisor().expect("stop");
-    start(&mut node, &prlimit(LOW_NOFILE));
+    set_soft_nofile(&node, LOW_NOFILE);
     crash_and_restart(&mut node);
 
     let supervisor = node.supervisor().expect("running");
@@ -186,18 +263,16 @@ fn an_open_file_limit_too_low_for_a_heal_fails_heals_clearly_and_loses_none() {
         line.contains("\"heal failed\"") && line.contains("Too many open files") && line.contains("\"target\"")
     };
     or_describe(&node, supervisor.wait_for_log(TIMEOUT, failed));
-    let source_dev = || top_dev(&node.sandbox, &node.source.path);
+    // Nothing was mounted on any target: each still has its one stale layer.
     for target in &node.targets {
-        let healed =
-            wait_for("the target on the new connection", TIMEOUT, || top_dev(&node.sandbox, target) == source_dev());
-        or_describe(&node, healed);
+        assert_eq!(layers_at(&node.sandbox, target), 1, "{} stacked\n{}", target.display(), node.describe());
     }
-    let status = or_describe(&node, node.status());
-    let targets = status["targets"].as_array().map_or(0, Vec::len);
-    assert_eq!(targets, node.targets.len(), "a target left the state: {status}");
-    assert!(supervisor.try_wait().ok().flatten().is_none(), "the supervisor exited\n{}", node.describe());
+    assert!(lines_with(&node, "\"healed\"").is_empty(), "a target healed short of descriptors\n{}", node.describe());
+
+    set_soft_nofile(&node, 4096);
+    every_target_one_live_layer(&node);
 }
 
-/// Descriptors the supervisor starts with, and a few more: not enough for
-/// a heal of the node's 13 targets (several handles each).
+/// Descriptors the supervisor runs with, and a few more: not enough for a
+/// heal of the node's 13 targets (several handles each).
 const LOW_NOFILE: u32 = 48;

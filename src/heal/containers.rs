@@ -36,7 +36,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
-use fuse_supervisor_sys::ns;
+use fuse_supervisor_sys::{fds, ns};
 
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
 use crate::model::table::{Dev, FuseMount, Snapshot, root_within};
@@ -137,7 +137,12 @@ pub fn find(
         // that exits before its mountinfo is read, and the namespace must
         // then be read through the next one. And still in that namespace
         // after the read: the pid was not reused meanwhile.
-        let Ok(table) = fs::read(dir.join("mountinfo")) else { continue };
+        let table = match fs::read(dir.join("mountinfo")) {
+            Ok(table) => table,
+            // Not a process gone: the walk fails, and is made again.
+            Err(err) if fds::out_of_descriptors(&err) => return Err(walk_error(err)),
+            Err(_) => continue,
+        };
         let Ok(snapshot) = Snapshot::parse(&table) else { continue };
         if namespace_of() != Some(namespace) {
             continue;

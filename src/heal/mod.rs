@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use fuse_supervisor_sys::{mount, ns, resolve};
+use fuse_supervisor_sys::{fds, mount, ns, resolve};
 use tracing::{debug, info, warn};
 
 use crate::heal::priority::HealPriority;
@@ -64,6 +64,16 @@ pub enum HealError {
         #[source]
         source: Arc<std::io::Error>,
     },
+    #[error(
+        "not enough descriptors to heal target {path}: its batch of {targets} targets needs {needed} at once, and nothing was mounted; retried"
+    )]
+    Descriptors {
+        path: PathBuf,
+        targets: usize,
+        needed: usize,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{step} failed for target {path}")]
     Mount {
         step: &'static str,
@@ -74,6 +84,18 @@ pub enum HealError {
 }
 
 impl HealError {
+    /// Whether it failed for want of a descriptor (the process's open-file
+    /// limit, or the system's): a heal that meets one anywhere is put off
+    /// whole, before any mount change.
+    pub fn lacks_descriptors(&self) -> bool {
+        let source = match self {
+            HealError::Descriptors { .. } => return true,
+            HealError::Resolve { source, .. } | HealError::Mount { source, .. } => source,
+            _ => return false,
+        };
+        fds::out_of_descriptors(source)
+    }
+
     /// The error of mount step `step` on `path`, for `map_err` (the path is
     /// copied only when the step fails).
     fn mount<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> HealError + 'a {
@@ -182,6 +204,26 @@ pub trait Executor {
     }
 }
 
+/// Descriptors a stack opens at once: the target resolved, the source's
+/// clone. Each is kept to the flatten, and a copy of the stale layer's
+/// handle too (the pin).
+const DESCRIPTORS_PER_STACK: usize = 2;
+/// Held at once by each flattening thread (the target resolved again, the
+/// layer under the parked top), and a few for the loop's own.
+const DESCRIPTORS_PER_FLATTEN_THREAD: usize = 2;
+const DESCRIPTORS_SPARE: usize = 4;
+
+/// Descriptors set aside for a heal, given back a few at a time as it opens
+/// its own, so that no other thread of the process takes them meanwhile.
+#[derive(Debug)]
+struct Reserve(Vec<OwnedFd>);
+
+impl Reserve {
+    fn release(&mut self, count: usize) {
+        self.0.truncate(self.0.len().saturating_sub(count));
+    }
+}
+
 /// What [`Executor::isolate_containers`] did.
 #[derive(Debug, Default)]
 pub struct Isolated {
@@ -251,6 +293,54 @@ impl MountExecutor {
     pub fn without_mount_beneath(mut self) -> Self {
         self.mount_beneath = false;
         self
+    }
+}
+
+impl MountExecutor {
+    /// Sets aside the descriptors a heal of `batch` opens once its handles
+    /// on the stale layers (`prepared`) are taken: copies of one of the
+    /// executor's own, let go as the heal opens its own. Where a stale
+    /// handle or a copy could not be had for want of descriptors, nothing
+    /// is mounted and every target of the batch fails with
+    /// [`HealError::Descriptors`], retried with the usual back-off.
+    fn reserve_descriptors(&self, batch: &HealBatch, prepared: &Prepared) -> Result<Reserve, Vec<TargetOutcome>> {
+        let targets = batch.targets.len();
+        let needed = targets * (DESCRIPTORS_PER_STACK + 1)
+            + FLATTEN_THREADS * DESCRIPTORS_PER_FLATTEN_THREAD
+            + DESCRIPTORS_SPARE;
+        let mut reserve = Reserve(Vec::with_capacity(needed));
+        let stale_short = prepared.stale.iter().any(|stale| stale.as_ref().is_err_and(HealError::lacks_descriptors));
+        let short = if stale_short {
+            Some(fds::too_many_open_files())
+        } else {
+            (0..needed).find_map(|_| match self.mounter.root_fd.try_clone() {
+                Ok(copy) => {
+                    reserve.0.push(copy);
+                    None
+                }
+                Err(err) => Some(err),
+            })
+        };
+        let Some(short) = short else { return Ok(reserve) };
+        let errno = short.raw_os_error();
+        // Stale handles included: the batch needs them all at once. Logged
+        // by the caller, per target.
+        let needed = needed + targets;
+        Err(batch
+            .targets
+            .iter()
+            .map(|target| TargetOutcome {
+                path: target.path.clone(),
+                result: Err(HealError::Descriptors {
+                    path: target.path.clone(),
+                    targets,
+                    needed,
+                    source: errno.map_or_else(fds::too_many_open_files, std::io::Error::from_raw_os_error),
+                }),
+                layers_removed: 0,
+                flatten_error: None,
+            })
+            .collect())
     }
 }
 
@@ -350,6 +440,14 @@ impl Executor for MountExecutor {
         let source_dev = batch.source.top().dev;
         // Handles on every stale top, taken before the first stack covers them.
         let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
+        // And every descriptor the stacks will open, before the first: a
+        // stack that ran out half-way would leave the targets after it
+        // reached by the first ones' propagation while their stale layers
+        // are still shared, beyond any flatten's reach.
+        let mut reserve = match self.reserve_descriptors(batch, &prepared) {
+            Ok(reserve) => reserve,
+            Err(shortage) => return shortage,
+        };
         let mut outcomes = Vec::with_capacity(batch.targets.len());
         let mut flattens = Vec::with_capacity(batch.targets.len());
         // Placed beneath their stale layer: only that layer's detach is left
@@ -371,6 +469,8 @@ impl Executor for MountExecutor {
                 outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed, flatten_error: None });
                 continue;
             }
+            // The stack's own: the target resolved, and the source's clone.
+            reserve.release(DESCRIPTORS_PER_STACK);
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
             let mut flatten_error = None;
             let result = match stacked {
@@ -394,6 +494,9 @@ impl Executor for MountExecutor {
         }
         // Containers read again from here on; the heal ends with the flatten.
         debug!(targets = outcomes.len(), "stacks in place");
+        // The flatten's: a flatten that runs short leaves the stale layer,
+        // private by now, for the next heal's flatten to reach.
+        drop(reserve);
         // A copy per stale layer (a dup each): any of them may be the only
         // one of its dead connection.
         self.pinned = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect();

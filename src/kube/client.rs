@@ -349,10 +349,10 @@ impl KubeletClient {
         let head = http::read_head(&mut reader).map_err(|err| self.http_error(err))?;
         if head.status != 200 {
             // The body only explains the status; a broken one does not matter.
-            let body = http::read_body(&mut reader, head.framing, 64 * 1024).unwrap_or_default();
+            let body = http::read_body(&mut reader, &head, 64 * 1024).unwrap_or_default();
             return Err(self.status_error(head.status, &body));
         }
-        let body = http::read_body(&mut reader, head.framing, MAX_BODY).map_err(|err| self.http_error(err))?;
+        let body = http::read_body(&mut reader, &head, MAX_BODY).map_err(|err| self.http_error(err))?;
         let list =
             PodList::from_slice(&body).map_err(|source| KubeletError::Body { addr: self.addr.clone(), source })?;
         self.report_skipped(&list.skipped);

@@ -111,6 +111,6 @@ mod tests {
         }
         let text = logs.text();
         assert_eq!(text.matches("malformed mount table line left out").count(), 1, "{text}");
-        assert!(text.contains("mountinfo line 2: field `mount point`: invalid escape"), "{text}");
+        assert!(text.contains("mountinfo line 2, column 14: field `mount point`: invalid escape"), "{text}");
     }
 }

@@ -386,7 +386,7 @@ mod tests {
         let err = Snapshot::parse(table).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "mountinfo line 3: field `mount point`: relative path `pods/b/mount`, the kernel prints mount points from `/`"
+            "mountinfo line 3, column 14: field `mount point`: relative path `pods/b/mount`, the kernel prints mount points from `/`"
         );
         let (snapshot, malformed) = Snapshot::parse_lenient(table);
         let kept: Vec<u32> = snapshot.fuse_mounts.iter().map(|mount| mount.mount_id).collect();

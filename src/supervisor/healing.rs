@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
-use crate::heal::{Executor, Healed, Prepared};
+use crate::heal::{Executor, HealError, Healed, Prepared};
 use crate::model::state::{Mapping, TargetState, retry_delay};
 use crate::model::table::Dev;
 use crate::plan::HealBatch;
@@ -82,6 +82,10 @@ impl<E: Executor> Supervisor<E> {
         // wake-up the latency runs from.
         let source_wait = source_wait.min(latency);
         let mut healed_any = false;
+        // Put off whole for want of descriptors: nothing was mounted, and
+        // the containers' isolated dead mounts wait for the retry too.
+        let put_off = !outcomes.is_empty()
+            && outcomes.iter().all(|outcome| matches!(outcome.result, Err(HealError::Descriptors { .. })));
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
             let record =
                 self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
@@ -157,6 +161,8 @@ impl<E: Executor> Supervisor<E> {
         if healed_any {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
-        self.heal_containers(&dead, &batch.source.path, batch.source.top());
+        if !put_off {
+            self.heal_containers(&dead, &batch.source.path, batch.source.top());
+        }
     }
 }

@@ -110,6 +110,14 @@ pub enum SupervisorError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "{call} is refused: healing needs setns and the new mount API (open_tree, move_mount, mount_setattr; Linux 5.12); run the supervisor with CAP_SYS_ADMIN and a seccomp profile that allows them (securityContext.seccompProfile type Unconfined, as deploy/daemonset.yaml has); nothing was mounted"
+    )]
+    Refused {
+        call: &'static str,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot open {what}")]
     Open {
         what: String,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::Instant;
 
-use fuse_supervisor_sys::ns;
+use fuse_supervisor_sys::{mount, ns};
 use tracing::{error, info, warn};
 
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
@@ -33,6 +33,9 @@ use crate::shutdown::Shutdown;
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
 /// moves that thread into the watched namespace.
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> {
+    // Before any thread or mount: a seccomp profile that filters these
+    // would otherwise let it start and fail every heal.
+    refused_calls()?;
     let (events, inbox) = mpsc::channel();
     // Pings queue up until the loop serves, so a slow start reads as not alive.
     let pings = events.clone();
@@ -208,6 +211,18 @@ fn spawn_watcher(
             }
         }
     })?)
+}
+
+/// Whether `setns` and the new mount API reach the kernel (see
+/// [`mount::new_mount_api_refusal`]).
+fn refused_calls() -> Result<(), SupervisorError> {
+    if let Some(source) = ns::setns_refusal() {
+        return Err(SupervisorError::Refused { call: "setns", source });
+    }
+    match mount::new_mount_api_refusal() {
+        Some((call, source)) => Err(SupervisorError::Refused { call, source }),
+        None => Ok(()),
+    }
 }
 
 impl Supervisor<MountExecutor> {

@@ -41,6 +41,19 @@ pub fn reserve_descriptors(count: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether `err` is the want of a descriptor: the process's open-file
+/// limit reached (EMFILE) or the system's (ENFILE).
+pub fn out_of_descriptors(err: &io::Error) -> bool {
+    let raw = err.raw_os_error();
+    raw == Some(rustix::io::Errno::MFILE.raw_os_error()) || raw == Some(rustix::io::Errno::NFILE.raw_os_error())
+}
+
+/// EMFILE: what a call that needed a descriptor past the open-file limit
+/// fails with.
+pub fn too_many_open_files() -> io::Error {
+    io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error())
+}
+
 /// The size of the descriptor table (`FDSize` in /proc/self/status).
 pub fn descriptor_table_size() -> io::Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")?;

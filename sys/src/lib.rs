@@ -22,4 +22,5 @@ pub mod probe;
 pub mod proc_connector;
 pub mod process;
 pub mod resolve;
+pub mod seccomp;
 pub mod statmount;

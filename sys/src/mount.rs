@@ -80,6 +80,51 @@ pub fn move_mount_beneath_supported() -> bool {
     !matches!(refused, Err(rustix::io::Errno::INVAL))
 }
 
+/// A flag bit no kernel gives a meaning in `open_tree`, `move_mount` or
+/// `mount_setattr`: each refuses it (EINVAL) before doing anything else.
+const UNKNOWN_FLAG: u32 = 1 << 30;
+
+/// The first of the new mount API's calls a heal makes (`open_tree`,
+/// `move_mount`, `mount_setattr`) that does not reach the kernel, with its
+/// error: ENOSYS from a kernel without it (before 5.2; `mount_setattr`
+/// 5.12) or a seccomp profile that does not list it, EPERM from one (or an
+/// LSM) that forbids it. Each is made with a flag no kernel knows, which
+/// the kernel refuses with EINVAL before it looks at anything: nothing is
+/// opened, moved or changed. None when all three reach it.
+pub fn new_mount_api_refusal() -> Option<(&'static str, io::Error)> {
+    let refused = |call: &'static str, result: io::Result<()>| match result {
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => None,
+        Err(err) => Some((call, err)),
+        // A kernel that took the flag: the call reaches it all the same.
+        Ok(()) => None,
+    };
+    let open_tree = rustix::mount::open_tree(rustix::fs::CWD, c"", OpenTreeFlags::from_bits_retain(UNKNOWN_FLAG));
+    let move_mount = rustix::mount::move_mount(
+        rustix::fs::CWD,
+        c"",
+        rustix::fs::CWD,
+        c"",
+        MoveMountFlags::from_bits_retain(UNKNOWN_FLAG),
+    );
+    // SAFETY: integers, a NUL-terminated empty path and a null attribute
+    // pointer of size 0: the kernel refuses the flag before it reads either,
+    // and would answer EFAULT, not write, for the null pointer.
+    let set_attributes = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            c"".as_ptr(),
+            UNKNOWN_FLAG,
+            std::ptr::null::<libc::mount_attr>(),
+            0_usize,
+        )
+    };
+    let set_attributes = if set_attributes == -1 { Err(io::Error::last_os_error()) } else { Ok(()) };
+    refused("open_tree", open_tree.map(drop).map_err(io::Error::from))
+        .or_else(|| refused("move_mount", move_mount.map_err(io::Error::from)))
+        .or_else(|| refused("mount_setattr", set_attributes))
+}
+
 /// `mount_setattr(mount, "", AT_EMPTY_PATH, {propagation})`, non-recursive.
 ///
 /// Acts on exactly the mount the fd is on, even when other mounts are stacked

@@ -23,6 +23,17 @@ pub fn join_mount_namespace(ns_file: &Path) -> io::Result<()> {
     enter_mount_namespace(namespace.as_fd())
 }
 
+/// `setns`'s error where it does not reach the kernel (EPERM or ENOSYS
+/// from a seccomp profile): it is asked to join the namespace of no
+/// descriptor (-1), which the kernel refuses with EBADF and nothing else.
+/// None when it reaches the kernel.
+pub fn setns_refusal() -> Option<io::Error> {
+    // SAFETY: integers only; with fd -1 the kernel returns EBADF at once.
+    let joined = unsafe { libc::setns(-1, 0) };
+    let err = io::Error::last_os_error();
+    (joined == -1 && err.raw_os_error() != Some(libc::EBADF)).then_some(err)
+}
+
 /// [`join_mount_namespace`] with an open namespace fd, e.g. one from
 /// [`open_thread_mount_namespace`] on another thread.
 pub fn enter_mount_namespace(namespace: BorrowedFd<'_>) -> io::Result<()> {

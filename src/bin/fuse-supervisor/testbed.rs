@@ -77,6 +77,17 @@ pub(crate) enum Internal {
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
     },
+    /// Run PROGRAM under a seccomp filter that refuses CALLS with ERRNO
+    /// and allows every other call, as a container runtime's profile
+    /// would (tests/node_faults.rs).
+    RefuseCalls {
+        #[arg(long, value_enum)]
+        calls: RefusedCalls,
+        #[arg(long, value_enum)]
+        errno: RefusedWith,
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        program: Vec<std::ffi::OsString>,
+    },
     /// Parse `fuse-supervisor ARGS...` with this process's environment,
     /// check it as that command's start would, print what it would run as
     /// JSON, and exit without running it: tests/manifests.rs runs each
@@ -85,6 +96,43 @@ pub(crate) enum Internal {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+/// Which calls `internal refuse-calls` refuses.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum RefusedCalls {
+    /// open_tree, move_mount, fsopen, fsconfig, fsmount, fspick,
+    /// mount_setattr, open_tree_attr.
+    NewMountApi,
+    Setns,
+}
+
+/// What `internal refuse-calls` answers them with.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum RefusedWith {
+    /// EPERM: a profile that forbids them.
+    Eperm,
+    /// ENOSYS: what the runtimes' default profiles answer calls they do not list.
+    Enosys,
+}
+
+/// Installs the filter on this process and executes `program` under it.
+fn refuse_calls(calls: RefusedCalls, errno: RefusedWith, program: &[std::ffi::OsString]) -> anyhow::Result<()> {
+    use fuse_supervisor_sys::seccomp;
+    use std::os::unix::process::CommandExt as _;
+
+    let numbers: Vec<u32> = match calls {
+        RefusedCalls::NewMountApi => seccomp::NEW_MOUNT_API.iter().map(|(_, number)| *number).collect(),
+        RefusedCalls::Setns => vec![seccomp::SETNS.1],
+    };
+    let errno = match errno {
+        RefusedWith::Eperm => seccomp::EPERM,
+        RefusedWith::Enosys => seccomp::ENOSYS,
+    };
+    let (name, args) = program.split_first().context("no program to run")?;
+    seccomp::refuse(&numbers, errno).context("install the seccomp filter")?;
+    let err = std::process::Command::new(name).args(args).exec();
+    Err(err).with_context(|| format!("execute {}", name.to_string_lossy()))
 }
 
 /// A FUSE request's bytes, given in hex: how a demofs watchdog hands its
@@ -215,6 +263,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
             interval: Duration::from_millis(interval_ms),
         })
         .map_err(Into::into),
+        Internal::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Internal::CheckArgs { args } => check_args(args),
     }
 }

@@ -1,5 +1,5 @@
-//! What a malformed mountinfo line is refused with: the line, the field
-//! and what was wrong, with the offending text quoted.
+//! What a malformed mountinfo line is refused with: the line, the column
+//! and name of the field, and what was wrong, with the offending text quoted.
 use std::fmt;
 
 /// A field of a mountinfo line, named in parse errors.
@@ -40,10 +40,14 @@ impl fmt::Display for Field {
 
 /// A malformed mountinfo line.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("mountinfo line {line}: field `{field}`: {kind}")]
+#[error("mountinfo line {line}, column {column}: field `{field}`: {kind}")]
 pub struct ParseError {
     /// 1-based line number.
     pub line: usize,
+    /// 1-based byte column in the line where the field starts (one past the
+    /// line's last byte for a missing field; the newline's for a newline
+    /// inside a line).
+    pub column: usize,
     pub field: Field,
     pub kind: ParseErrorKind,
 }

@@ -27,7 +27,17 @@ pub(super) fn parse_at<'a>(
         }
         found => (found.map_or(text.len(), |at| start + at), false),
     };
-    let mut fields = Fields { text, text_utf8, pos: start, end, escapes, ended: false, line_number };
+    let mut fields = Fields {
+        text,
+        text_utf8,
+        pos: start,
+        end,
+        escapes,
+        ended: false,
+        line_number,
+        line_start: start,
+        field_start: start,
+    };
     let mount = fields.mount_info().map_err(|failure| *failure);
     (mount, end + 1)
 }
@@ -49,6 +59,10 @@ struct Fields<'a> {
     /// The last field taken ran to the end of the line.
     ended: bool,
     line_number: usize,
+    /// Where the line starts in the text, and where the field being read
+    /// does: an error names the field's 1-based byte column.
+    line_start: usize,
+    field_start: usize,
 }
 
 impl<'a> Fields<'a> {
@@ -90,7 +104,8 @@ impl<'a> Fields<'a> {
     #[cold]
     #[inline(never)]
     fn error(&self, field: Field, kind: ParseErrorKind) -> Failure {
-        Box::new(ParseError { line: self.line_number, field, kind })
+        let column = self.field_start - self.line_start + 1;
+        Box::new(ParseError { line: self.line_number, column, field, kind })
     }
 
     #[cold]
@@ -129,6 +144,7 @@ impl<'a> Fields<'a> {
     /// The next field, up to the next space or the end of the line.
     #[inline(always)]
     fn plain(&mut self, field: Field) -> Result<&'a [u8], Failure> {
+        self.field_start = self.pos;
         if self.ended {
             return Err(self.missing(field));
         }
@@ -193,6 +209,7 @@ impl<'a> Fields<'a> {
     /// empty.
     #[inline(always)]
     fn escaped(&mut self, field: Field) -> Result<Escaped<'a>, Failure> {
+        self.field_start = self.pos;
         if self.ended {
             return Err(self.missing(field));
         }
@@ -239,6 +256,7 @@ impl<'a> Fields<'a> {
     /// the line.
     #[inline(always)]
     fn rest(&mut self, field: Field) -> Result<&'a str, Failure> {
+        self.field_start = self.pos;
         if self.ended {
             return Err(self.missing(field));
         }

@@ -261,6 +261,7 @@ pub fn parse_line(line: &[u8], line_number: usize) -> Result<MountInfo<'_>, Pars
     if next_start < line.len() {
         return Err(ParseError {
             line: line_number,
+            column: next_start,
             field: Field::SuperOptions,
             kind: ParseErrorKind::EmbeddedNewline,
         });
