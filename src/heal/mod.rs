@@ -258,12 +258,15 @@ pub struct MountExecutor {
     /// their device numbers are nobody else's while containers are searched
     /// by number for mounts made during the outage.
     pinned: Vec<OwnedFd>,
+    /// The flatten helpers' and the container heals' priority.
+    priority: HealPriority,
 }
 
 impl MountExecutor {
     /// Must be called from the thread that mounts, once it is in the
     /// watched namespace.
-    /// The flatten helpers run at `priority` (see [`crate::heal::priority`]).
+    /// The flatten helpers and the heals in containers run at `priority`
+    /// (see [`crate::heal::priority`]).
     pub fn new(kubelet_root: &Path, staging_dir: &Path, priority: HealPriority) -> std::io::Result<Self> {
         let mounter = Arc::new(Mounter {
             kubelet_root: kubelet_root.to_path_buf(),
@@ -286,6 +289,7 @@ impl MountExecutor {
             watched_inode,
             isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
             pinned: Vec::new(),
+            priority,
         })
     }
 
@@ -388,7 +392,7 @@ impl Executor for MountExecutor {
                 return Some(Isolated::default());
             }
         };
-        let failed = containers::isolate(&found);
+        let failed = containers::isolate(&found, self.priority);
         let namespaces = found.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
         let isolated = Isolated { namespaces, mounts: found.len(), failed };
         let kept = found.into_iter().filter(|foreign| !isolated.failed.iter().any(|(failed, _)| failed == foreign));
@@ -402,7 +406,7 @@ impl Executor for MountExecutor {
         let mut outcomes = if isolated.is_empty() {
             Vec::new()
         } else {
-            containers::replace(&self.watched, source, &source.root, &isolated)
+            containers::replace(&self.watched, source, &source.root, &isolated, self.priority)
         };
         // Then the namespaces that got a copy of a dead mount during the
         // outage (a process that unshared its own meanwhile; runc refuses
@@ -422,7 +426,7 @@ impl Executor for MountExecutor {
         debug!(took_us = searched.elapsed().as_micros() as u64, "searched for dead mounts made during the outage");
         match found {
             Ok(found) if !found.is_empty() => {
-                outcomes.extend(containers::replace(&self.watched, source, &source.root, &found));
+                outcomes.extend(containers::replace(&self.watched, source, &source.root, &found, self.priority));
             }
             Ok(_) => {}
             Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
@@ -432,7 +436,7 @@ impl Executor for MountExecutor {
     }
 
     fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
-        containers::replace(&self.watched, source, &source.root, mounts)
+        containers::replace(&self.watched, source, &source.root, mounts, self.priority)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
