@@ -306,10 +306,10 @@ impl<E: Executor> Supervisor<E> {
             return;
         }
         self.degrade(source, &targets, at);
-        // Its dead mount at the source is gone or covered already, so no
-        // hold is needed; healed targets (a quick restart's) leave nothing
-        // to isolate.
+        // As for a death seen at once; healed targets (a quick restart's)
+        // leave nothing to hold or isolate.
         if !targets.is_empty() {
+            self.hold_stale_layers(&targets, *dev);
             self.isolate_containers(*dev);
         }
         let status = format!("{status:?}");
