@@ -43,9 +43,11 @@ use crate::watch::processes::{
 };
 
 mod discovery;
+mod gone;
 mod orphans;
 
 use discovery::{Holders, discovery_loop, lock};
+pub use gone::ExitedUnmounted;
 use orphans::{Orphan, reads_fuse_device};
 pub use orphans::{connection_dir, read_waiting};
 
@@ -333,8 +335,9 @@ impl Daemons {
     }
 
     /// After a scan: asks who serves each connection not seen before, and
-    /// stops watching the holders of connections no longer at any source.
-    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) {
+    /// stops watching the holders of connections no longer at any source;
+    /// returns those whose holders had all exited unseen.
+    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) -> Vec<ExitedUnmounted> {
         let current: BTreeMap<Dev, &Path> = sources.map(|(path, dev)| (dev, path)).collect();
         let new: Vec<(PathBuf, Dev)> = current
             .iter()
@@ -342,21 +345,10 @@ impl Daemons {
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
         let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
-        for dev in gone {
-            self.known.remove(&dev);
-            self.orphans.remove(&dev);
-            let mut holders = lock(&self.holders);
-            holders.retain(|&pid, holder| {
-                holder.serves.retain(|(_, served)| *served != dev);
-                let keep = !holder.serves.is_empty();
-                if !keep {
-                    self.watcher.unwatch(pid);
-                }
-                keep
-            });
-        }
+        let exited = gone.into_iter().filter_map(|dev| self.forget_gone(dev)).collect();
         self.request(new);
         self.update_exec_interest();
+        exited
     }
 
     /// After lost process events: every connection is asked about again.
