@@ -15,10 +15,10 @@ use tracing::{debug, error, info, warn};
 use super::{Supervisor, TargetRecord};
 use crate::heal::{Executor, Prepared};
 use crate::model::state::{DaemonDeath, TargetState};
-use crate::model::table::{Classified, Dev, Stack};
+use crate::model::table::{Classified, Dev};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
 use crate::report::{Report, TargetEvent, error_chain};
-use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, ExitedUnmounted, Retraction};
+use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
 use crate::watch::processes::{Detection, ProcessEvent};
 
 /// How long the stale layers of a dead daemon's targets are held. A held
@@ -34,22 +34,6 @@ pub(super) struct Held {
     fd: OwnedFd,
     mount_id: u32,
     until: Instant,
-}
-
-/// A death as reported.
-#[derive(Clone, Copy)]
-struct Died<'a> {
-    source: &'a Path,
-    dev: Dev,
-    pid: u32,
-    at: Instant,
-    status: &'a str,
-    detection: &'a str,
-}
-
-/// Whether a layer of `stack` is a mount of connection `dev`.
-fn holds(stack: Option<&Stack>, dev: Dev) -> bool {
-    stack.is_some_and(|stack| stack.layers.iter().any(|layer| layer.dev == dev))
 }
 
 /// `at` (a monotonic instant in the past) on the wall clock.
@@ -89,18 +73,8 @@ impl<E: Executor> Supervisor<E> {
                     Detection::Event => "event",
                     Detection::Resync => "resync",
                 };
-                for Death { source, dev } in deaths {
-                    let exit = ExitedUnmounted { source, dev, pid, status };
-                    // An exit that may be a clean unmount's end is checked
-                    // against the table: the mount may be gone already.
-                    if !exit.crashed()
-                        && let Some(classified) = self.read_table()
-                        && !holds(classified.sources.get(&exit.source), dev)
-                    {
-                        self.exited_unmounted(&exit, &classified, at, detection);
-                        continue;
-                    }
-                    self.daemon_died(&exit.source, dev, pid, at, &format!("{status:?}"), detection);
+                for death in deaths {
+                    self.daemon_died(&death.source, death.dev, pid, at, &format!("{status:?}"), detection);
                 }
                 if !partial.is_empty() {
                     self.on_degraded_deadline();
@@ -233,21 +207,9 @@ impl<E: Executor> Supervisor<E> {
     /// Every target on the dead connection becomes Degraded, with the
     /// death as the start of its outage.
     fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
-        let targets = self.targets_on(source, dev);
-        self.degrade(source, &targets, at);
-        // First, before a new mount can cover them.
-        self.hold_stale_layers(&targets, dev);
-        // Then the containers' copies, before the host heal can propagate onto them.
-        self.isolate_containers(dev);
-        let death = Died { source, dev, pid, at, status, detection };
-        self.report_death(&death, &targets);
-        self.state_dirty |= self.journal.daemon_died(source, DaemonDeath { pid, at: wall_clock(at), dev });
-    }
-
-    /// Marks `targets` Degraded from `at`, unless already in an outage.
-    fn degrade(&mut self, source: &Path, targets: &[PathBuf], at: Instant) {
         let since = wall_clock(at);
-        for path in targets {
+        let targets = self.targets_on(source, dev);
+        for path in &targets {
             let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
             // A target already broken, healing or failing is in an outage
             // that began earlier: it keeps its start.
@@ -265,10 +227,10 @@ impl<E: Executor> Supervisor<E> {
                 broken_since: Some(since),
             }));
         }
-    }
-
-    fn report_death(&mut self, death: &Died<'_>, targets: &[PathBuf]) {
-        let Died { source, dev, pid, at, status, detection } = *death;
+        // First, before a new mount can cover them.
+        self.hold_stale_layers(&targets, dev);
+        // Then the containers' copies, before the host heal can propagate onto them.
+        self.isolate_containers(dev);
         info!(
             source = %source.display(),
             connection = %dev,
@@ -279,47 +241,8 @@ impl<E: Executor> Supervisor<E> {
             marked_after_us = at.elapsed().as_micros() as u64,
             "daemon died; its targets are degraded"
         );
-        self.reporters.report(&Report::DaemonDied { source, pid, at: wall_clock(at), targets });
-    }
-
-    /// A daemon that exited around the time its mount was removed: found
-    /// exited by the scan that no longer saw its connection at any source
-    /// (`detection` "unmount"), or its exit handled after that mount was
-    /// gone. Its mount was removed within milliseconds of a crash (a
-    /// restart script's `umount`), or it ended after a clean unmount. A
-    /// death if it crashed (a signal, a failure) or left its connection
-    /// mounted (on a target, or under a mount made over it): a status
-    /// unknown (reaped at once) is a death only then. A clean end that
-    /// leaves no mount behind is the connection's normal end.
-    fn exited_unmounted(&mut self, exit: &ExitedUnmounted, classified: &Classified, at: Instant, detection: &str) {
-        let ExitedUnmounted { source, dev, pid, status } = exit;
-        let recorded = self.targets_on(source, *dev);
-        let on_dead_connection =
-            |path: &&PathBuf| classified.targets.get(*path).is_some_and(|target| target.stack.top().dev == *dev);
-        let targets: Vec<PathBuf> = recorded.iter().filter(on_dead_connection).cloned().collect();
-        // Under a mount made over it, or under a target's heal, the dead
-        // connection is still in use: the daemon did not end with it.
-        let left_behind = holds(classified.sources.get(source), *dev)
-            || recorded.iter().any(|path| holds(classified.targets.get(path).map(|target| &target.stack), *dev));
-        if !exit.crashed() && !left_behind {
-            info!(source = %source.display(), connection = %dev, pid, ?status, "the FUSE daemon exited after its mount was removed");
-            return;
-        }
-        self.degrade(source, &targets, at);
-        // As for a death seen at once; healed targets (a quick restart's)
-        // leave nothing to hold or isolate.
-        if !targets.is_empty() {
-            self.hold_stale_layers(&targets, *dev);
-            self.isolate_containers(*dev);
-        }
-        let status = format!("{status:?}");
-        self.report_death(&Died { source, dev: *dev, pid: *pid, at, status: &status, detection }, &targets);
-        // Recorded only while nothing else is mounted at the source: a new
-        // connection there would settle it at once.
-        if !classified.sources.contains_key(source) {
-            let death = DaemonDeath { pid: *pid, at: wall_clock(at), dev: *dev };
-            self.state_dirty |= self.journal.daemon_died(source, death);
-        }
+        self.reporters.report(&Report::DaemonDied { source, pid, at: since, targets: &targets });
+        self.state_dirty |= self.journal.daemon_died(source, DaemonDeath { pid, at: since, dev });
     }
 
     /// Asks who serves each new source connection, once its targets are
@@ -329,16 +252,13 @@ impl<E: Executor> Supervisor<E> {
     pub(super) fn discover_daemons(&mut self, classified: &Classified, batches: &[HealBatch]) {
         let Some(daemons) = &mut self.daemons else { return };
         let healing = |path: &Path| batches.iter().any(|batch| batch.source.path == path);
-        let exited = daemons.sources_seen(
+        daemons.sources_seen(
             classified
                 .sources
                 .iter()
                 .filter(|(path, _)| !healing(path))
                 .map(|(path, stack)| (path.as_path(), stack.top().dev)),
         );
-        for exit in &exited {
-            self.exited_unmounted(exit, classified, Instant::now(), "unmount");
-        }
     }
 
     /// What the executor can do for `batch` before its source answers, given

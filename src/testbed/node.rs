@@ -416,28 +416,6 @@ impl Node {
         Ok(converged)
     }
 
-    /// A crash whose dead mount is unmounted at once and the daemon started
-    /// again, as a restart script does (`kill -9; umount -l; start`), with
-    /// no wait between: the node must converge, and the supervisor log the
-    /// crashed process's death however soon its mount went, and watch the
-    /// new daemon. Needs a running supervisor.
-    pub fn cycle_unmounting_at_once(&mut self, timeout: Duration) -> Result<Duration, ScenarioError> {
-        let from = self.supervisor()?.log_len();
-        let crashed = self.source.pid().ok_or_else(|| ScenarioError::Io {
-            step: "find the source's daemon".into(),
-            source: std::io::Error::other("none running"),
-        })?;
-        let started = Instant::now();
-        self.source.restart(&self.sandbox, Restart::UnmountThenMount)?;
-        self.converge(timeout)?;
-        let converged = started.elapsed();
-        let source = self.source.path.display().to_string();
-        let died = |line: &str| logged(line, DAEMON_DIED, &source, Some(("pid", crashed)));
-        self.wait_for_log(from, &format!("the death of {crashed}"), timeout, died)?;
-        self.wait_until_watched(from, timeout)?;
-        Ok(converged)
-    }
-
     /// Waits for a line of the supervisor's log from line `from` on that
     /// `logged` accepts; the error names `what`.
     fn wait_for_log(

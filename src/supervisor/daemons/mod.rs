@@ -43,11 +43,9 @@ use crate::watch::processes::{
 };
 
 mod discovery;
-mod gone;
 mod orphans;
 
 use discovery::{Holders, discovery_loop, lock};
-pub use gone::ExitedUnmounted;
 use orphans::{Orphan, reads_fuse_device};
 pub use orphans::{connection_dir, read_waiting};
 
@@ -335,9 +333,8 @@ impl Daemons {
     }
 
     /// After a scan: asks who serves each connection not seen before, and
-    /// stops watching the holders of connections no longer at any source;
-    /// returns those whose holders had all exited unseen.
-    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) -> Vec<ExitedUnmounted> {
+    /// stops watching the holders of connections no longer at any source.
+    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) {
         let current: BTreeMap<Dev, &Path> = sources.map(|(path, dev)| (dev, path)).collect();
         let new: Vec<(PathBuf, Dev)> = current
             .iter()
@@ -345,10 +342,21 @@ impl Daemons {
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
         let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
-        let exited = gone.into_iter().filter_map(|dev| self.forget_gone(dev)).collect();
+        for dev in gone {
+            self.known.remove(&dev);
+            self.orphans.remove(&dev);
+            let mut holders = lock(&self.holders);
+            holders.retain(|&pid, holder| {
+                holder.serves.retain(|(_, served)| *served != dev);
+                let keep = !holder.serves.is_empty();
+                if !keep {
+                    self.watcher.unwatch(pid);
+                }
+                keep
+            });
+        }
         self.request(new);
         self.update_exec_interest();
-        exited
     }
 
     /// After lost process events: every connection is asked about again.

@@ -1,9 +1,8 @@
 use std::fs;
 use std::sync::mpsc::Receiver;
 
-use super::discovery::{add_holder, lock};
+use super::discovery::add_holder;
 use super::*;
-use crate::watch::processes::ExitStatus;
 
 struct NoWatcher;
 
@@ -167,70 +166,4 @@ fn a_connection_nobody_held_at_its_first_search_is_checked_and_may_be_dead() {
     // A holder found since: not dead, whatever a late probe says.
     let (mut daemons, _queue) = served(Dev { major: 0, minor: 55 });
     assert!(!daemons.unheld_died(Dev { major: 0, minor: 55 }));
-}
-
-/// `/proc` as a stand-in where pid 10, started at tick 1, is in `state`
-/// with the wait status `exit_code` (absent: no such process).
-fn proc_with(daemons: &mut Daemons, state: Option<(char, u32)>) -> tempfile::TempDir {
-    let proc_root = tempfile::tempdir().unwrap();
-    if let Some((state, exit_code)) = state {
-        let fields: Vec<String> = (4..=52)
-            .map(|field| match field {
-                22 => "1".to_string(),
-                52 => exit_code.to_string(),
-                _ => "0".to_string(),
-            })
-            .collect();
-        fs::create_dir_all(proc_root.path().join("10")).unwrap();
-        fs::write(proc_root.path().join("10/stat"), format!("10 (bindfs) {state} {}\n", fields.join(" "))).unwrap();
-    }
-    daemons.options.proc_root = proc_root.path().to_path_buf();
-    proc_root
-}
-
-#[test]
-fn a_daemon_found_exited_when_its_mount_is_gone_is_handed_back_once() {
-    let dev = Dev { major: 0, minor: 52 };
-    let (mut daemons, _queue) = served(dev);
-    let _proc_root = proc_with(&mut daemons, None);
-    let exited = daemons.sources_seen(std::iter::empty());
-    assert_eq!(exited, vec![ExitedUnmounted { source: "/runtime/g".into(), dev, pid: 10, status: None }]);
-    assert!(daemons.known.is_empty() && lock(&daemons.holders).is_empty(), "forgotten");
-    assert_eq!(daemons.exited(10), (Vec::new(), Vec::new()), "its queued exit names nobody: no second report");
-    assert!(daemons.sources_seen(std::iter::empty()).is_empty());
-}
-
-#[test]
-fn a_zombies_status_tells_a_crash_from_a_clean_end() {
-    let dev = Dev { major: 0, minor: 52 };
-    let (mut daemons, _queue) = served(dev);
-    let _proc_root = proc_with(&mut daemons, Some(('Z', 9)));
-    let exited = daemons.sources_seen(std::iter::empty());
-    assert_eq!(exited[0].status, Some(ExitStatus::Signaled { signal: 9, core_dumped: false }));
-    assert!(exited[0].crashed());
-    let (mut daemons, _queue) = served(dev);
-    let _proc_root = proc_with(&mut daemons, Some(('Z', 0)));
-    let exited = daemons.sources_seen(std::iter::empty());
-    assert_eq!(exited[0].status, Some(ExitStatus::Exited(0)));
-    assert!(!exited[0].crashed(), "exit 0: a daemon ending after its unmount");
-}
-
-#[test]
-fn a_daemon_still_running_when_its_mount_is_gone_is_let_go() {
-    let dev = Dev { major: 0, minor: 52 };
-    let (mut daemons, _queue) = served(dev);
-    let _proc_root = proc_with(&mut daemons, Some(('S', 0)));
-    assert!(daemons.sources_seen(std::iter::empty()).is_empty());
-    assert!(daemons.known.is_empty() && lock(&daemons.holders).is_empty(), "forgotten");
-    assert_eq!(daemons.exited(10), (Vec::new(), Vec::new()), "its exit later is no death");
-}
-
-#[test]
-fn a_death_already_seen_is_not_handed_back_when_its_mount_goes() {
-    let dev = Dev { major: 0, minor: 52 };
-    let (mut daemons, _queue) = served_beside_a_watchdog(dev, false);
-    assert_eq!(daemons.exited(11).1.len(), 1, "the watchdog's exit leaves the daemon");
-    assert_eq!(daemons.exited(10).0.len(), 1, "the daemon's exit is the death");
-    let _proc_root = proc_with(&mut daemons, None);
-    assert!(daemons.sources_seen(std::iter::empty()).is_empty());
 }

@@ -181,8 +181,6 @@ pub(crate) struct Stat {
     /// `R`, `S`, `D`, `Z` (zombie: exited, not reaped), `X` (dead)...
     pub state: char,
     pub start_time: u64,
-    /// A zombie's wait status (field 52, since Linux 3.5); 0 while it runs.
-    pub exit_code: Option<u32>,
 }
 
 impl Stat {
@@ -194,8 +192,7 @@ impl Stat {
         // Field 3 is the state; start time is field 22, 19 further on.
         let state = fields.next()?.chars().next()?;
         let start_time = fields.nth(18)?.parse().ok()?;
-        let exit_code = fields.nth(29).and_then(|code| code.parse().ok());
-        Some(Stat { state, start_time, exit_code })
+        Some(Stat { state, start_time })
     }
 
     pub(crate) fn exited(&self) -> bool {
@@ -212,29 +209,6 @@ pub(crate) fn read_stat(proc_root: &Path, pid: u32) -> Result<Option<Stat>, Proc
         Err(err) if err.kind() == io::ErrorKind::NotFound || err.raw_os_error() == Some(ESRCH) => Ok(None),
         Err(source) => Err(ProcessWatchError::Proc { path, source }),
     }
-}
-
-/// Whether an identified process still runs, as `/proc` says now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lifecycle {
-    Running,
-    /// With its status while it is a zombie; `None` once reaped (or its
-    /// pid taken by another process since).
-    Exited {
-        status: Option<ExitStatus>,
-    },
-}
-
-/// Where `process` is in its life: a process in the middle of its exit
-/// (descriptors closed, not yet a zombie) still counts as running.
-pub fn lifecycle(proc_root: &Path, process: ProcessId) -> Result<Lifecycle, ProcessWatchError> {
-    Ok(match read_stat(proc_root, process.pid)? {
-        Some(stat) if stat.start_time == process.start_time && stat.exited() => {
-            Lifecycle::Exited { status: stat.exit_code.map(ExitStatus::from_wait_status) }
-        }
-        Some(stat) if stat.start_time == process.start_time => Lifecycle::Running,
-        _ => Lifecycle::Exited { status: None },
-    })
 }
 
 /// `ESRCH` ("no such process"), the same number on every Linux architecture.
@@ -257,43 +231,14 @@ pub(crate) fn check_running(proc_root: &Path, process: ProcessId, zombie_ok: boo
 
 #[cfg(test)]
 mod tests {
-    use std::fs;
-
     use super::*;
 
     #[test]
     fn stat_line_with_awkward_command_name() {
         let line = "4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 200 \
                     18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0\n";
-        assert_eq!(Stat::parse(line), Some(Stat { state: 'S', start_time: 987654, exit_code: None }));
+        assert_eq!(Stat::parse(line), Some(Stat { state: 'S', start_time: 987654 }));
         assert_eq!(Stat::parse("4242 (x) Z 1 2"), None);
-    }
-
-    /// A zombie killed by SIGKILL: its wait status is the last field.
-    #[test]
-    fn a_zombies_exit_status_is_read_from_its_stat_line() {
-        let proc_root = tempfile::tempdir().unwrap();
-        fs::create_dir_all(proc_root.path().join("77")).unwrap();
-        let stat = |state: &str| {
-            let fields: Vec<String> = (4..=52)
-                .map(|field| match field {
-                    22 => "500".to_string(),
-                    52 => "9".to_string(),
-                    _ => "0".to_string(),
-                })
-                .collect();
-            format!("77 (bindfs) {state} {}\n", fields.join(" "))
-        };
-        fs::write(proc_root.path().join("77/stat"), stat("Z")).unwrap();
-        let process = ProcessId { pid: 77, start_time: 500 };
-        let signaled = ExitStatus::Signaled { signal: 9, core_dumped: false };
-        assert_eq!(lifecycle(proc_root.path(), process).unwrap(), Lifecycle::Exited { status: Some(signaled) });
-        fs::write(proc_root.path().join("77/stat"), stat("S")).unwrap();
-        assert_eq!(lifecycle(proc_root.path(), process).unwrap(), Lifecycle::Running);
-        let reused = ProcessId { start_time: 499, ..process };
-        assert_eq!(lifecycle(proc_root.path(), reused).unwrap(), Lifecycle::Exited { status: None });
-        fs::remove_file(proc_root.path().join("77/stat")).unwrap();
-        assert_eq!(lifecycle(proc_root.path(), process).unwrap(), Lifecycle::Exited { status: None });
     }
 
     #[test]
