@@ -15,7 +15,7 @@ const MAX_HEADERS: usize = 64;
 #[derive(Debug, thiserror::Error)]
 pub(super) enum HttpError {
     #[error("i/o error")]
-    Io(#[source] io::Error),
+    Io(#[from] io::Error),
     #[error("the connection closed at byte {at}, before the response headers were complete")]
     ClosedEarly { at: u64 },
     #[error("the connection closed at byte {at}, before the body was complete")]
@@ -24,12 +24,6 @@ pub(super) enum HttpError {
     Malformed { at: u64, problem: String },
     #[error("the body is larger than {limit} bytes (at byte {at})")]
     TooLarge { at: u64, limit: usize },
-}
-
-impl From<io::Error> for HttpError {
-    fn from(err: io::Error) -> Self {
-        Self::Io(err)
-    }
 }
 
 fn malformed(at: impl TryInto<u64>, problem: impl Into<String>) -> HttpError {
