@@ -363,10 +363,9 @@ fn a_healed_host_to_container_volume_still_receives_host_mounts() {
 /// find. (Not a runc container: runc stats a volume's source before binding
 /// it, so a container bound to a dead target fails to start, ENOTCONN, and
 /// its kubelet starts it again after the heal.) Here a process that
-/// unshares its own, private namespace (as `unshare -m` does): found after
-/// the host heal, healed with one layer, and pinning no dead connection.
-#[test]
-fn a_namespace_made_during_the_outage_is_healed_with_one_layer() {
+/// unshares its own namespace (as `unshare -m` does) and execs: learnt at
+/// its exec, healed with one layer, and pinning no dead connection.
+fn a_namespace_made_during_the_outage_is_healed_with_one_layer(propagation: &str) {
     let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
     node.add_volume_container("before", VolumePropagation::None);
     node.all_read(0);
@@ -377,7 +376,7 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer() {
     node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
 
     let mut command = std::process::Command::new(fuse_supervisor::testbed::system::program("unshare"));
-    command.args(["--mount", "--propagation", "private", "sleep", "600"]);
+    command.args(["--mount", "--propagation", propagation, "sleep", "600"]);
     let process = node.sandbox.spawn(command).expect("unshare");
     let sandbox_namespace = std::fs::metadata(node.sandbox.namespace_path()).expect("sandbox namespace").ino();
     let namespace = || std::fs::metadata(format!("/proc/{}/ns/mnt", process.pid())).map(|meta| meta.ino()).ok();
@@ -396,6 +395,12 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer() {
             .collect::<Vec<_>>()
     };
     assert_eq!(layers(), [format!("0:{dead_minor}")], "its copy of the target is the dead mount");
+    // Known before the new mount, from its exec's event: a copy that
+    // receives the host's mounts is isolated before the host heal, or that
+    // heal would stack the live mount over its dead one.
+    let pid = format!("\"pid\":{},", process.pid());
+    let learnt = |line: &str| line.contains("\"mount namespace learnt\"") && line.contains(&pid);
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, learnt).unwrap();
 
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
     node.all_read(1);
@@ -406,10 +411,81 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer() {
         std::fs::read_to_string(data.join(DATA_FILE)).is_ok_and(|read| read == expected)
     })
     .unwrap_or_else(|err| panic!("{err}: layers {:?}", layers()));
-    let live = layers();
-    assert_eq!(live.len(), 1, "one layer: {live:?}");
-    assert_ne!(live[0], format!("0:{dead_minor}"), "{live:?}");
+    scenario::wait_for("one layer in the process's namespace", HEAL_TIMEOUT, || layers().len() == 1)
+        .unwrap_or_else(|err| panic!("{err}: {:?}", layers()));
+    assert_ne!(layers()[0], format!("0:{dead_minor}"), "{:?}", layers());
     node.settled(1, host_baseline, dead_minor);
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let walked = supervisor.log().iter().filter(|line| line.contains("\"walked\":true")).cloned().collect::<Vec<_>>();
+    assert!(walked.is_empty(), "found by the namespaces kept by events, not by walks of /proc: {walked:?}");
+}
+
+#[test]
+fn a_private_namespace_made_during_the_outage_is_healed_with_one_layer() {
+    a_namespace_made_during_the_outage_is_healed_with_one_layer("private");
+}
+
+/// Its copy is a slave of the target, as a HostToContainer volume is: it
+/// would get the host heal's mount by propagation, over its dead copy.
+#[test]
+fn a_slave_namespace_made_during_the_outage_is_healed_with_one_layer() {
+    a_namespace_made_during_the_outage_is_healed_with_one_layer("slave");
+}
+
+/// The containers' namespaces are kept by events: one walk of `/proc` at
+/// start, then each container started after it is learnt when its first
+/// process execs, and forgotten when it exits. No death and no heal walks
+/// `/proc`, and every container still heals with one layer.
+#[test]
+fn containers_started_after_the_supervisor_are_known_by_events_and_no_heal_walks_proc() {
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.start_supervisor();
+    let walked = |line: &str| line.contains("\"mount namespaces walked\"");
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, walked).unwrap();
+    node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
+    node.add_volume_container("none", VolumePropagation::None);
+    node.add_subpath_container("subpath-none", VolumePropagation::None);
+    node.all_read(0);
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    for watched in &node.containers {
+        let pid = format!("\"pid\":{},", watched.container.pid());
+        let learnt = |line: &str| line.contains("\"mount namespace learnt\"") && line.contains(&pid);
+        supervisor.wait_for_log(HEAL_TIMEOUT, learnt).unwrap();
+    }
+    let host_baseline = node.host_mounts();
+    let cycles = 3;
+    for cycle in 1..=cycles {
+        let dead_minor = node.crash(cycle);
+        let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+        let supervisor = node.supervisor.as_ref().expect("supervisor running");
+        scenario::wait_for("the containers isolated at the death", HEAL_TIMEOUT, || {
+            supervisor.log().iter().filter(|line| isolated(line)).count() >= cycle
+        })
+        .unwrap();
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+        node.all_read(cycle);
+        node.settled(cycle, host_baseline, dead_minor);
+    }
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let log = supervisor.log();
+    let isolations: Vec<&String> =
+        log.iter().filter(|line| line.contains("\"containers' dead mounts isolated\"")).collect();
+    assert_eq!(isolations.len(), cycles, "{isolations:#?}");
+    for line in &isolations {
+        assert!(line.contains("\"walked\":false") && line.contains("\"mounts\":3"), "{line}");
+    }
+    assert_eq!(log.iter().filter(|line| walked(line)).count(), 1, "one walk, at start");
+    assert!(!log.iter().any(|line| line.contains("\"walked\":true")), "a heal walked /proc");
+
+    // A container that exits is forgotten.
+    let gone = node.containers.pop().expect("a container");
+    let pid = gone.container.pid();
+    drop(gone);
+    let pid_field = [format!("\"pid\":{pid},"), format!("\"pid\":{pid}}}")];
+    let forgotten = |line: &str| {
+        line.contains("\"mount namespace forgotten") && pid_field.iter().any(|field| line.contains(field.as_str()))
+    };
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, forgotten).unwrap();
 }
 
 /// The test bed itself: a container reads its volume through runc, `runc

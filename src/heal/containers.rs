@@ -36,11 +36,12 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
-use fuse_supervisor_sys::{fds, ns};
+use fuse_supervisor_sys::ns;
 
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
+use super::namespaces::{self, NamespaceRead};
 use super::priority::HealPriority;
-use crate::model::table::{Dev, FuseMount, Snapshot, root_within};
+use crate::model::table::{Dev, FuseMount, root_within};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerHealError {
@@ -102,84 +103,34 @@ pub enum ForeignHealed {
 
 /// Every mount of a connection in `dead` in the namespaces of `proc_root`'s
 /// processes, but those of `skip` (inodes: the watched namespace's, those
-/// already known): one read of each namespace's mountinfo, through the
-/// first process found in it that is still there after the read. Each
-/// mount is entered later through the oldest process of its namespace.
+/// already known): a walk of `/proc` ([`super::namespaces::walk`]), each
+/// mount entered later through the oldest process of its namespace.
 pub fn find(
     proc_root: &Path,
     skip: &BTreeSet<u64>,
     dead: &BTreeSet<Dev>,
 ) -> Result<Vec<ForeignMount>, ContainerHealError> {
-    let walk_error = |source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source };
-    let mut read = skip.clone();
-    let mut found = Vec::new();
-    let mut members: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-    // In pid order, as /proc lists them (a test's tree does not).
-    let mut pids: Vec<u32> = fs::read_dir(proc_root)
-        .map_err(walk_error)?
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok()))
-        .collect();
-    pids.sort_unstable();
-    for pid in pids {
-        let dir = proc_root.join(pid.to_string());
-        let namespace_of = || fs::metadata(dir.join("ns/mnt")).map(|meta| meta.ino()).ok();
-        let Some(namespace) = namespace_of() else { continue };
-        if skip.contains(&namespace) {
-            continue;
-        }
-        members.entry(namespace).or_default().push(pid);
-        if read.contains(&namespace) {
-            continue;
-        }
-        // Read only once its table is read: the first process of a
-        // namespace in the walk may be a short-lived one (a container's
-        // `usleep`: pids wrap, so it can come before the container's init)
-        // that exits before its mountinfo is read, and the namespace must
-        // then be read through the next one. And still in that namespace
-        // after the read: the pid was not reused meanwhile.
-        let table = match fs::read(dir.join("mountinfo")) {
-            Ok(table) => table,
-            // Not a process gone: the walk fails, and is made again.
-            Err(err) if fds::out_of_descriptors(&err) => return Err(walk_error(err)),
-            Err(_) => continue,
-        };
-        let Ok(snapshot) = Snapshot::parse(&table) else { continue };
-        if namespace_of() != Some(namespace) {
-            continue;
-        }
-        read.insert(namespace);
-        found.extend(dead_tops(&snapshot, dead).into_iter().map(|mount| ForeignMount {
-            namespace,
-            pid,
-            propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
-            mount,
-        }));
-    }
-    // The process a namespace is entered through later must still be there
-    // then: its oldest (a container's init), not one that read its table.
-    for foreign in &mut found {
-        let oldest = members.get(&foreign.namespace).and_then(|pids| {
-            pids.iter().filter_map(|pid| Some((start_time(proc_root, *pid)?, *pid))).min().map(|(_, pid)| pid)
-        });
-        foreign.pid = oldest.unwrap_or(foreign.pid);
-    }
-    Ok(found)
+    let walked = namespaces::walk(proc_root, skip, || {})?;
+    Ok(walked.iter().flat_map(|read| foreign_mounts(read, dead)).collect())
 }
 
-/// When process `pid` started, in clock ticks since boot (`stat`'s 22nd
-/// field, counted after the command name, which may hold anything).
-fn start_time(proc_root: &Path, pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    let (_, after_name) = stat.rsplit_once(')')?;
-    after_name.split_whitespace().nth(19)?.parse().ok()
+/// The mounts of a connection in `dead` that `read` holds, to heal.
+pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<ForeignMount> {
+    dead_tops(&read.fuse_mounts, dead)
+        .into_iter()
+        .map(|mount| ForeignMount {
+            namespace: read.namespace,
+            pid: read.anchor.pid,
+            propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
+            mount,
+        })
+        .collect()
 }
 
 /// The mounts of `dead` connections on top at their mount point (a mount
 /// under another one at the same point is out of reach), and not inside
 /// another dead one (its parent's replacement takes it along).
-fn dead_tops(snapshot: &Snapshot, dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
-    let mounts = &snapshot.fuse_mounts;
+fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
     let covered = |mount: &FuseMount| {
         mounts.iter().any(|other| other.parent_id == mount.mount_id && other.mount_point == mount.mount_point)
     };
@@ -380,6 +331,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::table::Snapshot;
 
     fn fuse(mount_id: u32, parent_id: u32, minor: u32, point: &str, root: &str) -> FuseMount {
         FuseMount {
@@ -413,7 +365,7 @@ mod tests {
             ],
             total_mounts: 20,
         };
-        let ids: Vec<u32> = dead_tops(&snapshot, &dead).iter().map(|mount| mount.mount_id).collect();
+        let ids: Vec<u32> = dead_tops(&snapshot.fuse_mounts, &dead).iter().map(|mount| mount.mount_id).collect();
         assert_eq!(ids, [10, 15]);
     }
 

@@ -9,7 +9,7 @@
 //! (`/sys/fs/fuse/connections/<dev>`), which the kernel numbers afresh for
 //! every connection and removes with its superblock: an entry whose
 //! directory is gone or is another one is of an earlier connection.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -31,6 +31,9 @@ struct Isolation {
     /// where `fusectl` is not mounted (then the number alone tells).
     connection: Option<u64>,
     mounts: Vec<ForeignMount>,
+    /// The generation of the namespaces known when they were last searched
+    /// (see [`crate::heal::namespaces::Namespaces::generation`]).
+    searched_at: u64,
 }
 
 impl Isolations {
@@ -47,17 +50,39 @@ impl Isolations {
         self.by_dev.contains_key(&dev)
     }
 
-    /// Records the isolated `mounts` of the connection now numbered `dev`.
-    pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>) {
+    /// Records the isolated `mounts` of the connection now numbered `dev`,
+    /// found by a search of the namespaces known at `searched_at`; added to
+    /// those isolated before, if any.
+    pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>, searched_at: u64) {
         let connection = connection_inode(&self.connections, dev);
-        self.by_dev.insert(dev, Isolation { connection, mounts });
+        match self.by_dev.get_mut(&dev).filter(|isolation| isolation.connection == connection) {
+            Some(isolation) => {
+                isolation.mounts.extend(mounts);
+                isolation.searched_at = searched_at;
+            }
+            None => {
+                self.by_dev.insert(dev, Isolation { connection, mounts, searched_at });
+            }
+        }
     }
 
-    /// Takes the isolated mounts of the connection numbered `dev`, if they
-    /// are still of the connection that now has that number.
-    pub fn remove(&mut self, dev: Dev) -> Option<Vec<ForeignMount>> {
+    /// When the connection numbered `dev` was last searched for, and the
+    /// namespaces of its isolated mounts; None if it was not.
+    pub fn searched(&mut self, dev: Dev) -> Option<(u64, BTreeSet<u64>)> {
+        if !self.contains(dev) {
+            return None;
+        }
+        let isolation = self.by_dev.get(&dev)?;
+        Some((isolation.searched_at, isolation.mounts.iter().map(|foreign| foreign.namespace).collect()))
+    }
+
+    /// Takes the isolated mounts of the connection numbered `dev`, and when
+    /// they were last searched for, if they are still of the connection
+    /// that now has that number.
+    pub fn remove(&mut self, dev: Dev) -> Option<(u64, Vec<ForeignMount>)> {
         let isolation = self.by_dev.remove(&dev)?;
-        (isolation.connection == connection_inode(&self.connections, dev)).then_some(isolation.mounts)
+        (isolation.connection == connection_inode(&self.connections, dev))
+            .then_some((isolation.searched_at, isolation.mounts))
     }
 }
 
@@ -80,7 +105,7 @@ mod tests {
         let dev = Dev { major: 0, minor: 57 };
         let mut isolations = Isolations::new(connections.path());
         assert!(!isolations.contains(dev));
-        isolations.insert(dev, Vec::new());
+        isolations.insert(dev, Vec::new(), 1);
         assert!(isolations.contains(dev), "the same connection is isolated already");
 
         // The connection goes and another gets its number: the old
@@ -88,11 +113,11 @@ mod tests {
         std::fs::rename(&dir, connections.path().join("old")).unwrap();
         std::fs::create_dir(&dir).unwrap();
         assert!(!isolations.contains(dev), "a new connection with the number is searched again");
-        isolations.insert(dev, Vec::new());
-        assert_eq!(isolations.remove(dev), Some(Vec::new()));
+        isolations.insert(dev, Vec::new(), 2);
+        assert_eq!(isolations.remove(dev), Some((2, Vec::new())));
 
         // Gone before its heal: nothing is handed to the heal.
-        isolations.insert(dev, Vec::new());
+        isolations.insert(dev, Vec::new(), 3);
         std::fs::remove_dir(&dir).unwrap();
         assert_eq!(isolations.remove(dev), None);
     }
@@ -102,9 +127,10 @@ mod tests {
         let connections = tempfile::tempdir().unwrap();
         let mut isolations = Isolations::new(&connections.path().join("not-mounted"));
         let dev = Dev { major: 0, minor: 3 };
-        isolations.insert(dev, Vec::new());
+        isolations.insert(dev, Vec::new(), 1);
         assert!(isolations.contains(dev));
-        assert_eq!(isolations.remove(dev), Some(Vec::new()));
+        assert_eq!(isolations.searched(dev), Some((1, BTreeSet::new())));
+        assert_eq!(isolations.remove(dev), Some((1, Vec::new())));
         assert!(!isolations.contains(dev));
     }
 

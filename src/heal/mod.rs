@@ -31,6 +31,7 @@ mod dead_source;
 pub mod in_namespace;
 mod isolations;
 mod mounter;
+pub mod namespaces;
 mod pool;
 
 use mounter::{Mounter, Placed, Staging};
@@ -230,6 +231,11 @@ pub struct Isolated {
     pub namespaces: usize,
     pub mounts: usize,
     pub failed: Vec<(containers::ForeignMount, containers::ContainerHealError)>,
+    /// Namespaces whose tables were read to find them.
+    pub read: usize,
+    /// Whether `/proc` was walked for them (the known namespaces are not
+    /// kept by events).
+    pub walked: bool,
 }
 
 /// How one mount in another namespace came out of a heal.
@@ -253,6 +259,8 @@ pub struct MountExecutor {
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
     isolated: isolations::Isolations,
+    /// The other mount namespaces of the node, where they are looked for.
+    namespaces: Arc<namespaces::Namespaces>,
     /// Handles on the stale layers of the last batch, kept from its flatten
     /// to its heal in containers: they keep the dead connections alive, so
     /// their device numbers are nobody else's while containers are searched
@@ -288,9 +296,16 @@ impl MountExecutor {
             watched,
             watched_inode,
             isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
+            namespaces: namespaces::Namespaces::new(Path::new("/proc")),
             pinned: Vec::new(),
             priority,
         })
+    }
+
+    /// Looks for containers' mounts in `namespaces` (kept by events) rather
+    /// than by walks of `/proc`.
+    pub fn use_namespaces(&mut self, namespaces: Arc<namespaces::Namespaces>) {
+        self.namespaces = namespaces;
     }
 
     /// Flattens as on a kernel that cannot slide a mount beneath another.
@@ -381,54 +396,99 @@ impl Executor for MountExecutor {
     }
 
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
-        if self.isolated.contains(dev) {
-            return None;
-        }
-        let own = BTreeSet::from([self.watched_inode]);
-        let found = match containers::find(Path::new("/proc"), &own, &BTreeSet::from([dev])) {
+        let generation = self.namespaces.generation();
+        let mut skip = BTreeSet::from([self.watched_inode]);
+        // Searched at the death: only a namespace learnt since (a process
+        // that unshared a copy of the dead mount during the outage) can
+        // hold one it did not see, and none is read when none was learnt.
+        // Without namespaces kept by events that would take a walk of
+        // `/proc` before the host heal: the heal after it looks instead.
+        let learnt_after = match self.isolated.searched(dev) {
+            Some(_) if !self.namespaces.is_kept() => return None,
+            Some((searched_at, _)) if searched_at == generation => return None,
+            Some((searched_at, isolated)) => {
+                skip.extend(isolated);
+                Some(searched_at)
+            }
+            None => None,
+        };
+        let found = match self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after) {
             Ok(found) => found,
             Err(err) => {
                 warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
                 return Some(Isolated::default());
             }
         };
-        let failed = containers::isolate(&found, self.priority);
-        let namespaces = found.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
-        let isolated = Isolated { namespaces, mounts: found.len(), failed };
-        let kept = found.into_iter().filter(|foreign| !isolated.failed.iter().any(|(failed, _)| failed == foreign));
-        self.isolated.insert(dev, kept.collect());
+        if learnt_after.is_some() && found.mounts.is_empty() {
+            self.isolated.insert(dev, Vec::new(), generation);
+            return None;
+        }
+        let failed = containers::isolate(&found.mounts, self.priority);
+        let namespaces = found.mounts.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
+        let isolated =
+            Isolated { namespaces, mounts: found.mounts.len(), failed, read: found.read, walked: found.walked };
+        let kept =
+            found.mounts.into_iter().filter(|foreign| !isolated.failed.iter().any(|(failed, _)| failed == foreign));
+        self.isolated.insert(dev, kept.collect(), generation);
         Some(isolated)
     }
 
     fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
-        let isolated: Vec<_> = dead.iter().filter_map(|dev| self.isolated.remove(*dev)).flatten().collect();
+        let generation = self.namespaces.generation();
+        let mut isolated = Vec::new();
+        // The oldest search among the dead connections'.
+        let mut searched_at: Option<u64> = None;
+        for (at, mounts) in dead.iter().filter_map(|dev| self.isolated.remove(*dev)) {
+            searched_at = Some(searched_at.map_or(at, |oldest| oldest.min(at)));
+            isolated.extend(mounts);
+        }
         let mut outcomes = if isolated.is_empty() {
             Vec::new()
         } else {
             containers::replace(&self.watched, source, &source.root, &isolated, self.priority)
         };
         // Then the namespaces that got a copy of a dead mount during the
-        // outage (a process that unshared its own meanwhile; runc refuses
-        // to start a container on a dead volume): found by device number,
-        // which only the pins make safe. Without them (a heal by the
-        // kernel's propagation) the host heal let go of the dead
-        // connection's last mounts here, and a freed number is soon another
-        // connection's (another pod's, live), whose mounts a walk would
-        // find and replace.
+        // outage and were not isolated (a process that unshared its own
+        // meanwhile; runc refuses to start a container on a dead volume):
+        // with namespaces kept by events, only those learnt since the last
+        // search, and nothing is read when none was; else by a walk of
+        // `/proc`. Found by device number, which only the pins make safe.
+        // Without them (a heal by the kernel's propagation) the host heal
+        // let go of the dead connection's last mounts here, and a freed
+        // number is soon another connection's (another pod's, live), whose
+        // mounts a search would find and replace.
         if pinned.is_empty() || dead.is_empty() {
+            return outcomes;
+        }
+        let learnt_after = if self.namespaces.is_kept() { searched_at } else { None };
+        if learnt_after == Some(generation) {
             return outcomes;
         }
         let mut skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
         skip.insert(self.watched_inode);
         let searched = std::time::Instant::now();
-        let found = containers::find(Path::new("/proc"), &skip, dead);
-        debug!(took_us = searched.elapsed().as_micros() as u64, "searched for dead mounts made during the outage");
+        let found = self.namespaces.holding(&skip, dead, learnt_after);
         match found {
-            Ok(found) if !found.is_empty() => {
-                outcomes.extend(containers::replace(&self.watched, source, &source.root, &found, self.priority));
+            Ok(found) => {
+                let took_us = searched.elapsed().as_micros() as u64;
+                debug!(
+                    took_us,
+                    read = found.read,
+                    walked = found.walked,
+                    mounts = found.mounts.len(),
+                    "searched for dead mounts made during the outage"
+                );
+                if !found.mounts.is_empty() {
+                    outcomes.extend(containers::replace(
+                        &self.watched,
+                        source,
+                        &source.root,
+                        &found.mounts,
+                        self.priority,
+                    ));
+                }
             }
-            Ok(_) => {}
             Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
         }
         drop(pinned);

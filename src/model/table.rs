@@ -70,6 +70,20 @@ impl Snapshot {
         Ok(Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts })
     }
 
+    /// [`Snapshot::parse`], and whether any mount of the table, FUSE or not,
+    /// receives mounts by propagation (a peer, `shared:`, or a slave,
+    /// `master:`): only such a namespace can be given a mount it did not
+    /// make itself.
+    pub fn parse_receiving(table: &[u8]) -> Result<(Self, bool), ParseError> {
+        let mut receives = false;
+        let mut fuse_mount = fuse_mount_of();
+        let kept = mountinfo::parse_table_with(table, |entry| {
+            receives |= entry.propagation.shared.is_some() || entry.propagation.master.is_some();
+            fuse_mount(entry)
+        })?;
+        Ok((Snapshot { fuse_mounts: kept.items, total_mounts: kept.total_mounts }, receives))
+    }
+
     /// Parses a mountinfo table, keeping the FUSE mounts of every
     /// well-formed line; the malformed lines' errors come with it.
     pub fn parse_lenient(table: &[u8]) -> (Self, Vec<ParseError>) {

@@ -289,6 +289,8 @@ impl<E: Executor> Supervisor<E> {
             namespaces = isolated.namespaces,
             mounts = isolated.mounts,
             failed = isolated.failed.len(),
+            namespaces_read = isolated.read,
+            walked = isolated.walked,
             "containers' dead mounts isolated"
         );
     }

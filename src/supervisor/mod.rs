@@ -91,6 +91,20 @@ pub struct Config {
     pub health: Arc<Health>,
     /// Of the heal path's threads (see [`crate::heal::priority`]).
     pub heal_priority: HealPriority,
+    /// How the containers holding a dead connection's mounts are found.
+    pub container_namespaces: ContainerNamespaces,
+}
+
+/// How the mount namespaces of containers are known (see
+/// [`crate::heal::namespaces`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerNamespaces {
+    /// Kept by the process connector's exec and exit events after one walk
+    /// at start; walks of `/proc` where the connector cannot be had.
+    Events,
+    /// A walk of `/proc` whenever they are needed: at a daemon's death and
+    /// after each heal.
+    Walk,
 }
 
 /// How restarts are confirmed with the kubelet.

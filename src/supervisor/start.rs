@@ -2,6 +2,7 @@
 //! loop's own construction.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::Instant;
@@ -9,6 +10,7 @@ use std::time::Instant;
 use fuse_supervisor_sys::{mount, ns};
 use tracing::{error, info, warn};
 
+use crate::heal::namespaces::{NamespaceKeeper, Namespaces, host_network_namespace};
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
@@ -27,7 +29,7 @@ use crate::watch::pods::PodWatcher;
 use crate::watch::thread::Watching;
 
 use super::tables::{KeptTable, SettleError, SharedTable};
-use super::{Config, Confirmer, Event, Supervisor, SupervisorError};
+use super::{Config, Confirmer, ContainerNamespaces, Event, Supervisor, SupervisorError};
 use crate::shutdown::Shutdown;
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
@@ -78,6 +80,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let daemons = Daemons::start(&config.daemons, Arc::clone(&heal_activity), move |event| {
         daemon_events.send(Event::Daemon(event)).is_ok()
     })?;
+    // Like the discovery thread, it reads this process's /proc.
+    let (namespaces, _namespace_keeper) = keep_namespaces(config, &heal_activity);
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
     let open_mountinfo = || {
@@ -119,6 +123,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     let table_watch = watcher.rearm_handle();
     let watching = spawn_watcher(watcher, shared, events.clone(), config.heal_priority, shutdown)?;
     let mut supervisor = Supervisor::new(config, table, events.clone(), heal_activity)?;
+    supervisor.executor.use_namespaces(namespaces);
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
@@ -162,6 +167,24 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         error!(err = %crate::report::error_chain(&err), "mount-table watcher failed");
     }
     Ok(())
+}
+
+/// The node's mount namespaces, where heals look for containers' mounts,
+/// and what keeps them by events (None: they are walked for).
+fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<Namespaces>, Option<NamespaceKeeper>) {
+    let proc_root = Path::new("/proc");
+    let namespaces = Namespaces::new(proc_root);
+    if config.container_namespaces == ContainerNamespaces::Walk {
+        info!("containers' mount namespaces are walked for at each death and heal");
+        return (namespaces, None);
+    }
+    match namespaces.keep(host_network_namespace(proc_root), Arc::clone(heal_activity)) {
+        Ok(keeper) => (namespaces, Some(keeper)),
+        Err(err) => {
+            warn!(err = %crate::report::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
+            (namespaces, None)
+        }
+    }
 }
 
 /// Starts the Job lifecycle when configured; the supervisor stops once it

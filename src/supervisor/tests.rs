@@ -191,6 +191,7 @@ impl Harness {
             watch: WatchMode::Events(TableEvents::Auto),
             health: Arc::default(),
             heal_priority: HealPriority::OFF,
+            container_namespaces: super::ContainerNamespaces::Walk,
         };
         let table = SetTable::default();
         let calls = Arc::default();

@@ -1,4 +1,5 @@
-//! Moving the calling thread between mount namespaces.
+//! Moving the calling thread between mount namespaces (and, for one
+//! socket, into another network namespace).
 //!
 //! Mount namespaces are per thread once `CLONE_FS` is unshared: only the
 //! calling thread moves, the rest of the process stays where it was. A
@@ -42,6 +43,18 @@ pub fn enter_mount_namespace(namespace: BorrowedFd<'_>) -> io::Result<()> {
     // its own cwd/root/umask, which no other thread relies on.
     unsafe { rustix::thread::unshare_unsafe(UnshareFlags::FS)? };
     rustix::thread::move_into_link_name_space(namespace, Some(LinkNameSpaceType::Mount))?;
+    Ok(())
+}
+
+/// `setns(open(ns_file), CLONE_NEWNET)` on the calling thread only: a socket
+/// it creates afterwards belongs to that network namespace wherever it is
+/// used from (the netlink process connector answers only in the host's,
+/// `/proc/1/ns/net` with hostPID). Needs CAP_SYS_ADMIN. Call it on a thread
+/// of its own that ends once its sockets are made: the rest of the process
+/// keeps its own network namespace.
+pub fn join_network_namespace(ns_file: &Path) -> io::Result<()> {
+    let namespace = rustix::fs::open(ns_file, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    rustix::thread::move_into_link_name_space(namespace.as_fd(), Some(LinkNameSpaceType::Network))?;
     Ok(())
 }
 

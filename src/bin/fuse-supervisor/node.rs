@@ -7,8 +7,8 @@ use clap::Args;
 use fuse_supervisor::heal::priority::HealPriority;
 use fuse_supervisor::plan::layout::{self, SourceLayouts};
 use fuse_supervisor::report::Reporters;
-use fuse_supervisor::supervisor::Config;
 use fuse_supervisor::supervisor::daemons::DaemonWatch;
+use fuse_supervisor::supervisor::{Config, ContainerNamespaces};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::parse_duration;
@@ -79,6 +79,7 @@ impl NodeArgs {
             watch: WatchMode::Events(TableEvents::Auto),
             health: Arc::default(),
             heal_priority: HealPriority::realtime(self.realtime_priority),
+            container_namespaces: ContainerNamespaces::Events,
         })
     }
 }

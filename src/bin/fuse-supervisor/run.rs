@@ -14,7 +14,7 @@ use fuse_supervisor::report::Reporters;
 use fuse_supervisor::shutdown::Shutdown;
 use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
-use fuse_supervisor::supervisor::{self, Config, KubeletConfirmation};
+use fuse_supervisor::supervisor::{self, Config, ContainerNamespaces, KubeletConfirmation};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::cli::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
@@ -196,6 +196,20 @@ pub(crate) struct WatchArgs {
     /// namespace, else mountinfo.
     #[arg(long, value_enum, default_value = "auto", env = "FUSE_SUPERVISOR_TABLE_EVENTS")]
     pub(crate) table_events: TableEventsArg,
+    /// How the containers holding a dead FUSE connection's mounts are
+    /// found: `events` keeps the node's mount namespaces by the process
+    /// connector's exec and exit events after one walk of /proc at start
+    /// (through the host's network namespace: hostPID, CAP_SYS_ADMIN;
+    /// walks where it cannot be had); `walk` walks /proc at each daemon
+    /// death and after each heal.
+    #[arg(long, value_enum, default_value = "events", env = "FUSE_SUPERVISOR_CONTAINER_NAMESPACES")]
+    pub(crate) container_namespaces: ContainerNamespacesArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum ContainerNamespacesArg {
+    Events,
+    Walk,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -220,6 +234,13 @@ impl WatchArgs {
                 TableEventsArg::Auto => TableEvents::Auto,
             }),
             Mode::Poll => WatchMode::Poll { period: self.poll_period },
+        }
+    }
+
+    pub(crate) fn container_namespaces(&self) -> ContainerNamespaces {
+        match self.container_namespaces {
+            ContainerNamespacesArg::Events => ContainerNamespaces::Events,
+            ContainerNamespacesArg::Walk => ContainerNamespaces::Walk,
         }
     }
 }
@@ -330,6 +351,7 @@ pub(crate) fn command(
                 job,
                 daemons: daemons.watch(),
                 watch: watch.mode(),
+                container_namespaces: watch.container_namespaces(),
                 ..config
             })
         })

@@ -12,7 +12,7 @@ use fuse_supervisor_sys::proc_connector::{
 };
 use tracing::warn;
 
-use crate::watch::thread::Watching;
+use crate::watch::thread::{ThreadError, Watching};
 
 use super::{
     Backend, Detection, EventSink, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, check_running, sorted,
@@ -45,6 +45,11 @@ pub struct ConnectorOptions {
     /// Where the pids of the events are processes: the host's `/proc`
     /// (hostPID), since the connector speaks in host pids.
     pub proc_root: PathBuf,
+    /// The network namespace to subscribe from, when it is not this
+    /// process's: the connector answers only in the host's, so a pod
+    /// without hostNetwork subscribes through `/proc/1/ns/net` (hostPID and
+    /// CAP_SYS_ADMIN), on a thread that joins it for the subscription alone.
+    pub network_namespace: Option<PathBuf>,
 }
 
 impl Default for ConnectorOptions {
@@ -57,6 +62,7 @@ impl Default for ConnectorOptions {
             exec: ExecReports::Watched,
             ack_timeout: Duration::from_secs(2),
             proc_root: PathBuf::from("/proc"),
+            network_namespace: None,
         }
     }
 }
@@ -151,12 +157,30 @@ impl ProcConnectorWatcher {
     /// privilege fails here) and starts the watcher thread.
     pub fn start(options: ConnectorOptions, sink: EventSink) -> Result<Self, ProcessWatchError> {
         let types = EventTypes { exit: true, exec: options.exec != ExecReports::Off, fork: false };
-        let connector = ProcConnector::subscribe(sys::Options {
-            receive_buffer: options.receive_buffer,
-            filter: options.kernel_filter.then_some(types),
-            ack_timeout: options.ack_timeout,
-        })
-        .map_err(|err| subscribe_error(err, options.receive_buffer.unwrap_or(0)))?;
+        let subscribe = || {
+            ProcConnector::subscribe(sys::Options {
+                receive_buffer: options.receive_buffer,
+                filter: options.kernel_filter.then_some(types),
+                ack_timeout: options.ack_timeout,
+            })
+            .map_err(|err| subscribe_error(err, options.receive_buffer.unwrap_or(0)))
+        };
+        let connector = match &options.network_namespace {
+            None => subscribe()?,
+            Some(namespace) => std::thread::scope(|scope| {
+                let subscribed = std::thread::Builder::new().name("procwatch-net".into()).spawn_scoped(scope, || {
+                    fuse_supervisor_sys::ns::join_network_namespace(namespace)
+                        .map_err(|source| ProcessWatchError::NetworkNamespace { path: namespace.clone(), source })?;
+                    subscribe()
+                });
+                let thread_error =
+                    |source| ProcessWatchError::Thread(ThreadError::Spawn { name: "procwatch-net", source });
+                subscribed
+                    .map_err(thread_error)?
+                    .join()
+                    .unwrap_or_else(|_| Err(thread_error(std::io::Error::other("the subscribing thread panicked"))))
+            })?,
+        };
         let kernel_filter = connector.kernel_filter();
         let receive_buffer = connector.receive_buffer().map_err(ProcessWatchError::Receive)?;
         let poller = Poller::new().map_err(ProcessWatchError::Poll)?;

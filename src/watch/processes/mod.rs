@@ -130,6 +130,14 @@ pub enum ProcessWatchError {
         "the process connector is not reachable: it exists only in the host's network namespace (set hostNetwork: true)"
     )]
     NotHostNetwork(#[source] io::Error),
+    #[error(
+        "cannot join the network namespace {path} to subscribe to the process connector (needs hostPID and CAP_SYS_ADMIN)"
+    )]
+    NetworkNamespace {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot send the subscription to the process connector")]
     Send(#[source] io::Error),
     #[error(
@@ -180,6 +188,9 @@ fn sorted(processes: impl Iterator<Item = ProcessId>) -> Vec<ProcessId> {
 pub(crate) struct Stat {
     /// `R`, `S`, `D`, `Z` (zombie: exited, not reaped), `X` (dead)...
     pub state: char,
+    /// The parent's pid (0 for the first process of a pid namespace's
+    /// parent, as seen from its own).
+    pub ppid: u32,
     pub start_time: u64,
 }
 
@@ -189,10 +200,12 @@ impl Stat {
     pub(crate) fn parse(line: &str) -> Option<Stat> {
         let after_name = &line[line.rfind(')')? + 1..];
         let mut fields = after_name.split_ascii_whitespace();
-        // Field 3 is the state; start time is field 22, 19 further on.
+        // Field 3 is the state, 4 the parent; start time is field 22, 18
+        // further on.
         let state = fields.next()?.chars().next()?;
-        let start_time = fields.nth(18)?.parse().ok()?;
-        Some(Stat { state, start_time })
+        let ppid = fields.next()?.parse().ok()?;
+        let start_time = fields.nth(17)?.parse().ok()?;
+        Some(Stat { state, ppid, start_time })
     }
 
     pub(crate) fn exited(&self) -> bool {
@@ -237,7 +250,7 @@ mod tests {
     fn stat_line_with_awkward_command_name() {
         let line = "4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 200 \
                     18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0\n";
-        assert_eq!(Stat::parse(line), Some(Stat { state: 'S', start_time: 987654 }));
+        assert_eq!(Stat::parse(line), Some(Stat { state: 'S', ppid: 1, start_time: 987654 }));
         assert_eq!(Stat::parse("4242 (x) Z 1 2"), None);
     }
 

@@ -1,0 +1,468 @@
+//! The node's other mount namespaces, kept by events, so that neither a
+//! daemon's death nor a heal walks `/proc` to find the containers holding
+//! mounts of a dead connection (see [`super::containers`]).
+//!
+//! - One walk at start learns every namespace, through its oldest process
+//!   (its *anchor*: a container's first process), and reads its table.
+//! - The process connector's exec events learn the namespaces made since.
+//!   A container's first process execs its entrypoint in its new namespace
+//!   once its mounts are in place; each exec costs one `stat` of
+//!   `/proc/<pid>/ns/mnt`, and only an unknown namespace is read.
+//! - The anchor's exit forgets its namespace: a container ends with its
+//!   first process (its pid namespace's init, or, in a pod that shares one,
+//!   the process whose exit ends the container). Another process still in
+//!   such a namespace has it learnt again at its next exec.
+//! - Events the kernel dropped are made good by another walk.
+//!
+//! A query reads again only the namespaces that can hold a mount of a
+//! connection: those that held a FUSE mount at their last read, and those
+//! that receive mounts by propagation (a `HostToContainer` volume, a CSI
+//! plugin's `Bidirectional` kubelet directory, a copy made with
+//! propagation unchanged). Any other one can gain a FUSE mount only by
+//! mounting one itself, a connection of its own that no source of the
+//! supervisor shares.
+//!
+//! Until the first walk is done, and where the connector cannot be had
+//! (`--container-namespaces walk`, or a pod without hostPID), a query walks
+//! `/proc` as it is asked.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use fuse_supervisor_sys::fds;
+use tracing::{debug, info, warn};
+
+use super::containers::{ContainerHealError, ForeignMount, foreign_mounts};
+use super::priority::{HealActivity, HealPriority};
+use crate::model::table::{Dev, FuseMount, Snapshot};
+use crate::watch::processes::{
+    ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
+    read_stat,
+};
+
+/// One namespace's mounts, as read through one of its processes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceRead {
+    /// The namespace's inode: its identity.
+    pub namespace: u64,
+    /// The process it is entered and read through: its oldest known one.
+    pub anchor: ProcessId,
+    pub fuse_mounts: Vec<FuseMount>,
+    /// Whether any of its mounts receives mounts by propagation.
+    pub receives: bool,
+}
+
+impl NamespaceRead {
+    /// Whether a mount of a host connection can be in it now.
+    fn may_hold(&self) -> bool {
+        !self.fuse_mounts.is_empty() || self.receives
+    }
+}
+
+/// The known namespaces, shared by the thread that keeps them and the heals
+/// that ask.
+#[derive(Debug)]
+pub struct Namespaces {
+    proc_root: PathBuf,
+    known: Mutex<Known>,
+}
+
+#[derive(Debug, Default)]
+struct Known {
+    /// Whether events keep the set: false before the first walk and after
+    /// the events stopped; queries then walk `/proc`.
+    kept: bool,
+    by_inode: HashMap<u64, Learnt>,
+    /// Anchor pid → namespace inode.
+    anchors: HashMap<u32, u64>,
+    /// Bumped by every namespace learnt, which records it.
+    generation: u64,
+}
+
+#[derive(Debug)]
+struct Learnt {
+    read: NamespaceRead,
+    generation: u64,
+}
+
+/// What a query found: the mounts of the dead connections, and how.
+#[derive(Debug, Default)]
+pub struct Holding {
+    pub mounts: Vec<ForeignMount>,
+    /// Namespaces read again (or, walked, read at all).
+    pub read: usize,
+    /// Whether `/proc` was walked for it (the set is not kept).
+    pub walked: bool,
+}
+
+impl Namespaces {
+    /// Not kept yet: queries walk until [`Namespaces::keep`] has walked once.
+    pub fn new(proc_root: &Path) -> Arc<Namespaces> {
+        Arc::new(Namespaces { proc_root: proc_root.to_path_buf(), known: Mutex::default() })
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether events keep the set (no query walks `/proc`).
+    pub fn is_kept(&self) -> bool {
+        self.known().kept
+    }
+
+    /// How many namespaces are known.
+    pub fn len(&self) -> usize {
+        self.known().by_inode.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The stamp of the namespace learnt last: [`Namespaces::holding`]
+    /// with it as `learnt_after` reads only the namespaces learnt since.
+    pub fn generation(&self) -> u64 {
+        self.known().generation
+    }
+
+    /// Every mount of a connection in `dead` in the known namespaces but
+    /// `skip`'s (inodes), each read again now through its anchor; with
+    /// `learnt_after`, only in those learnt after that generation. Walks
+    /// `/proc` instead while the set is not kept.
+    pub fn holding(
+        &self,
+        skip: &BTreeSet<u64>,
+        dead: &BTreeSet<Dev>,
+        learnt_after: Option<u64>,
+    ) -> Result<Holding, ContainerHealError> {
+        let candidates: Vec<(u64, ProcessId)> = {
+            let known = self.known();
+            if !known.kept {
+                drop(known);
+                let walked = walk(&self.proc_root, skip, || {})?;
+                let read = walked.len();
+                let mounts = walked.iter().flat_map(|read| foreign_mounts(read, dead)).collect();
+                return Ok(Holding { mounts, read, walked: true });
+            }
+            known
+                .by_inode
+                .iter()
+                .filter(|(inode, learnt)| {
+                    !skip.contains(inode)
+                        && learnt.read.may_hold()
+                        && learnt_after.is_none_or(|after| learnt.generation > after)
+                })
+                .map(|(inode, learnt)| (*inode, learnt.read.anchor))
+                .collect()
+        };
+        let mut holding = Holding::default();
+        for (namespace, anchor) in candidates {
+            let read = read_namespace(&self.proc_root, anchor.pid, Some(namespace))
+                .map_err(|source| ContainerHealError::Walk { proc_root: self.proc_root.clone(), source })?;
+            holding.read += 1;
+            let mut known = self.known();
+            match read.filter(|read| read.anchor == anchor) {
+                Some(read) => {
+                    holding.mounts.extend(foreign_mounts(&read, dead));
+                    if let Some(learnt) = known.by_inode.get_mut(&namespace) {
+                        learnt.read = read;
+                    }
+                }
+                // The anchor is gone (its exit event is on its way) or was
+                // never there: forgotten, as at its exit.
+                None => {
+                    known.forget(anchor.pid);
+                }
+            }
+        }
+        Ok(holding)
+    }
+
+    /// Keeps the set by the process connector's events from now on: a
+    /// thread walks `/proc` once, then learns and forgets namespaces as
+    /// processes exec and exit. It waits for any heal under way before it
+    /// reads a table (`heal_activity`), at the lowest CPU priority. The
+    /// subscription is made from `network_namespace` when given (the
+    /// host's, for a pod without hostNetwork).
+    pub fn keep(
+        self: &Arc<Self>,
+        network_namespace: Option<PathBuf>,
+        heal_activity: Arc<HealActivity>,
+    ) -> Result<NamespaceKeeper, ProcessWatchError> {
+        let (send, events) = mpsc::channel();
+        let sink_send = send.clone();
+        let options = ConnectorOptions {
+            exec: ExecReports::All,
+            proc_root: self.proc_root.clone(),
+            network_namespace,
+            ..ConnectorOptions::default()
+        };
+        let watcher = ProcConnectorWatcher::start(
+            options,
+            Box::new(move |event| sink_send.send(Message::Process(event)).is_ok()),
+        )?;
+        let namespaces = Arc::clone(self);
+        let thread = std::thread::Builder::new()
+            .name("namespaces".into())
+            .spawn(move || {
+                if let Err(err) = HealPriority::lower_this_thread() {
+                    debug!(%err, "the namespace keeper keeps the normal CPU priority");
+                }
+                namespaces.keep_by(&watcher, &events, &heal_activity);
+            })
+            .map_err(|source| {
+                ProcessWatchError::Thread(crate::watch::thread::ThreadError::Spawn { name: "namespaces", source })
+            })?;
+        Ok(NamespaceKeeper { stop: send, thread: Some(thread) })
+    }
+
+    fn keep_by(&self, watcher: &ProcConnectorWatcher, events: &Receiver<Message>, heal_activity: &HealActivity) {
+        self.walk_again(watcher, heal_activity, "start");
+        for message in events {
+            match message {
+                Message::Process(ProcessEvent::Exec { pid, .. }) => self.exec_seen(pid, watcher, heal_activity),
+                Message::Process(ProcessEvent::Exited { pid, .. }) => {
+                    let forgotten = self.known().forget(pid);
+                    if let Some(namespace) = forgotten {
+                        debug!(namespace, pid, "mount namespace forgotten: its first process exited");
+                    }
+                }
+                Message::Process(ProcessEvent::Lost) => self.walk_again(watcher, heal_activity, "lost events"),
+                Message::Process(ProcessEvent::Failed(err)) => {
+                    warn!(%err, "the namespace keeper's process events stopped; heals in containers walk /proc again");
+                    self.known().kept = false;
+                    return;
+                }
+                Message::Stop => return,
+            }
+        }
+    }
+
+    /// A process exec'd: its namespace is read if it is not known.
+    fn exec_seen(&self, pid: u32, watcher: &ProcConnectorWatcher, heal_activity: &HealActivity) {
+        let Some(namespace) = namespace_of(&self.proc_root, pid) else { return };
+        if self.known().by_inode.contains_key(&namespace) {
+            return;
+        }
+        heal_activity.wait_until_quiet();
+        let anchor = oldest_ancestor_within(&self.proc_root, pid, namespace);
+        let read = match read_namespace(&self.proc_root, anchor, Some(namespace)) {
+            Ok(Some(read)) => read,
+            // Exited already (its namespace is learnt at the next exec in
+            // it), or out of descriptors for a moment.
+            Ok(None) => return,
+            Err(err) => {
+                warn!(pid, namespace, %err, "cannot read a new mount namespace");
+                return;
+            }
+        };
+        if watcher.watch(read.anchor).is_err() {
+            return;
+        }
+        let fuse_mounts = read.fuse_mounts.len();
+        let receives = read.receives;
+        self.known().learn(read);
+        debug!(namespace, pid, fuse_mounts, receives, "mount namespace learnt");
+    }
+
+    /// Learns every namespace afresh by a walk of `/proc`.
+    fn walk_again(&self, watcher: &ProcConnectorWatcher, heal_activity: &HealActivity, reason: &str) {
+        let started = Instant::now();
+        let walked = match walk(&self.proc_root, &BTreeSet::new(), || heal_activity.wait_until_quiet()) {
+            Ok(walked) => walked,
+            Err(err) => {
+                // Kept as it was: queries walk until a walk succeeds.
+                warn!(%err, reason, "cannot walk the mount namespaces; heals in containers walk /proc");
+                self.known().kept = false;
+                return;
+            }
+        };
+        let watched: Vec<NamespaceRead> =
+            walked.into_iter().filter(|read| watcher.watch(read.anchor).is_ok()).collect();
+        let mut known = self.known();
+        let old_anchors: Vec<u32> = known.anchors.keys().copied().collect();
+        known.by_inode.clear();
+        known.anchors.clear();
+        for read in watched {
+            known.learn(read);
+        }
+        for pid in old_anchors.into_iter().filter(|pid| !known.anchors.contains_key(pid)) {
+            watcher.unwatch(pid);
+        }
+        known.kept = true;
+        let holding = known.by_inode.values().filter(|learnt| learnt.read.may_hold()).count();
+        let namespaces = known.by_inode.len();
+        drop(known);
+        let took_us = started.elapsed().as_micros() as u64;
+        info!(reason, namespaces, holding, took_us, "mount namespaces walked");
+    }
+}
+
+impl Known {
+    fn learn(&mut self, read: NamespaceRead) {
+        self.generation += 1;
+        self.anchors.insert(read.anchor.pid, read.namespace);
+        self.by_inode.insert(read.namespace, Learnt { read, generation: self.generation });
+    }
+
+    /// Forgets the namespace `pid` anchors, if any.
+    fn forget(&mut self, pid: u32) -> Option<u64> {
+        let namespace = self.anchors.remove(&pid)?;
+        self.by_inode.remove(&namespace);
+        Some(namespace)
+    }
+}
+
+enum Message {
+    Process(ProcessEvent),
+    Stop,
+}
+
+/// The thread that keeps a [`Namespaces`]; dropping it stops the thread and
+/// its process connector.
+#[derive(Debug)]
+pub struct NamespaceKeeper {
+    stop: Sender<Message>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for NamespaceKeeper {
+    fn drop(&mut self) {
+        let _ = self.stop.send(Message::Stop);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The network namespace to subscribe to the process connector from: the
+/// host's (`<proc_root>/1/ns/net`) when this process is elsewhere (a pod
+/// without hostNetwork), else none.
+pub fn host_network_namespace(proc_root: &Path) -> Option<PathBuf> {
+    let host = proc_root.join("1/ns/net");
+    let inode = |path: &Path| fs::metadata(path).map(|meta| meta.ino()).ok();
+    let (own, host_inode) = (inode(Path::new("/proc/self/ns/net")), inode(&host));
+    (host_inode.is_some() && own != host_inode).then_some(host)
+}
+
+/// The eldest of `pid` and its ancestors that are in `namespace` without a
+/// break: the process that made or entered it (a container's first
+/// process), which outlives the short-lived ones that exec in it (a
+/// probe, a shell's commands), so that the namespace is not forgotten and
+/// read again each time one of those exits.
+fn oldest_ancestor_within(proc_root: &Path, pid: u32, namespace: u64) -> u32 {
+    /// Far deeper than any process tree within one namespace.
+    const MAX_DEPTH: usize = 64;
+    let mut anchor = pid;
+    for _ in 0..MAX_DEPTH {
+        let parent = match read_stat(proc_root, anchor) {
+            Ok(Some(stat)) if stat.ppid > 1 => stat.ppid,
+            _ => break,
+        };
+        if namespace_of(proc_root, parent) != Some(namespace) {
+            break;
+        }
+        anchor = parent;
+    }
+    anchor
+}
+
+/// The mount namespace inode of process `pid`, if it is there.
+fn namespace_of(proc_root: &Path, pid: u32) -> Option<u64> {
+    fs::metadata(proc_root.join(pid.to_string()).join("ns/mnt")).map(|meta| meta.ino()).ok()
+}
+
+/// The namespace of `pid` (which must be `expected` when given), read
+/// through it: None if the process is gone, was replaced by another with
+/// its pid, or left the namespace while it was read. Fails only for want
+/// of descriptors, which a caller must not take for a process gone.
+pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::Result<Option<NamespaceRead>> {
+    let dir = proc_root.join(pid.to_string());
+    let Some(namespace) = namespace_of(proc_root, pid) else { return Ok(None) };
+    if expected.is_some_and(|expected| expected != namespace) {
+        return Ok(None);
+    }
+    let Ok(Some(before)) = read_stat(proc_root, pid) else { return Ok(None) };
+    let table = match fs::read(dir.join("mountinfo")) {
+        Ok(table) => table,
+        Err(err) if fds::out_of_descriptors(&err) => return Err(err),
+        Err(_) => return Ok(None),
+    };
+    let Ok((snapshot, receives)) = Snapshot::parse_receiving(&table) else { return Ok(None) };
+    // Still the same process, still there: the table was its namespace's.
+    let after = read_stat(proc_root, pid).ok().flatten();
+    if namespace_of(proc_root, pid) != Some(namespace)
+        || after.is_none_or(|after| after.start_time != before.start_time || after.exited())
+    {
+        return Ok(None);
+    }
+    Ok(Some(NamespaceRead {
+        namespace,
+        anchor: ProcessId { pid, start_time: before.start_time },
+        fuse_mounts: snapshot.fuse_mounts,
+        receives,
+    }))
+}
+
+/// Every mount namespace of `proc_root`'s processes but `skip`'s (inodes),
+/// each read once, through the first of its processes in pid order whose
+/// table could be read, and anchored at its oldest process. `pause` is
+/// called before each table is read.
+pub fn walk(
+    proc_root: &Path,
+    skip: &BTreeSet<u64>,
+    mut pause: impl FnMut(),
+) -> Result<Vec<NamespaceRead>, ContainerHealError> {
+    let walk_error = |source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source };
+    let mut pids: Vec<u32> = fs::read_dir(proc_root)
+        .map_err(walk_error)?
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok()))
+        .collect();
+    // In pid order, as /proc lists them (a test's tree does not).
+    pids.sort_unstable();
+    let mut reads: BTreeMap<u64, NamespaceRead> = BTreeMap::new();
+    let mut members: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for pid in pids {
+        let Some(namespace) = namespace_of(proc_root, pid) else { continue };
+        if skip.contains(&namespace) {
+            continue;
+        }
+        members.entry(namespace).or_default().push(pid);
+        if reads.contains_key(&namespace) {
+            continue;
+        }
+        // The first process of a namespace in the walk may be a short-lived
+        // one (a container's `usleep`: pids wrap, so it can come before the
+        // container's init) that exits before its table is read: the
+        // namespace is then read through the next one.
+        pause();
+        if let Some(read) = read_namespace(proc_root, pid, Some(namespace)).map_err(walk_error)? {
+            reads.insert(namespace, read);
+        }
+    }
+    // Entered later through its oldest process (a container's init), the
+    // one most likely to be still there then.
+    for (namespace, read) in &mut reads {
+        let oldest = members.get(namespace).and_then(|pids| {
+            pids.iter()
+                .filter_map(|pid| {
+                    Some(ProcessId { pid: *pid, start_time: read_stat(proc_root, *pid).ok()??.start_time })
+                })
+                .min_by_key(|process| (process.start_time, process.pid))
+        });
+        if let Some(oldest) = oldest {
+            read.anchor = oldest;
+        }
+    }
+    Ok(reads.into_values().collect())
+}
+
+#[cfg(test)]
+mod tests;

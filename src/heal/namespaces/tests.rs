@@ -1,0 +1,183 @@
+use std::fs;
+use std::path::Path;
+
+use fuse_supervisor_sys::mount::Propagation;
+
+use super::*;
+
+/// A fake `/proc`: each process a directory with its namespace (a file
+/// whose inode is the namespace's; processes of one namespace share it by
+/// hard links), its start time, and its mount table.
+struct FakeProc {
+    root: tempfile::TempDir,
+}
+
+impl FakeProc {
+    fn new() -> FakeProc {
+        FakeProc { root: tempfile::tempdir().unwrap() }
+    }
+
+    fn path(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// A process in `namespace` (a new one if None), returning its
+    /// namespace's file.
+    fn process(&self, pid: u32, namespace: Option<&Path>, started: u64, table: &str) -> PathBuf {
+        let dir = self.path().join(pid.to_string());
+        fs::create_dir_all(dir.join("ns")).unwrap();
+        match namespace {
+            Some(first) => fs::hard_link(first, dir.join("ns/mnt")).unwrap(),
+            None => fs::write(dir.join("ns/mnt"), "").unwrap(),
+        }
+        let stat = format!("{pid} (sh) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {started} 0 0");
+        fs::write(dir.join("stat"), stat).unwrap();
+        fs::write(dir.join("mountinfo"), table).unwrap();
+        dir.join("ns/mnt")
+    }
+
+    fn exits(&self, pid: u32) {
+        fs::remove_dir_all(self.path().join(pid.to_string())).unwrap();
+    }
+
+    fn rewrite(&self, pid: u32, table: &str) {
+        fs::write(self.path().join(pid.to_string()).join("mountinfo"), table).unwrap();
+    }
+}
+
+fn inode(path: &Path) -> u64 {
+    fs::metadata(path).unwrap().ino()
+}
+
+const ROOT: &str = "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n";
+const DEAD: Dev = Dev { major: 0, minor: 50 };
+
+fn private_volume(minor: u32) -> String {
+    format!("{ROOT}20 1 0:{minor} / /volume rw - fuse.bindfs bindfs rw\n")
+}
+
+/// Known as a walk leaves them: every namespace of `proc`.
+fn kept(proc: &FakeProc) -> Namespaces {
+    let namespaces = Namespaces { proc_root: proc.path().to_path_buf(), known: Mutex::default() };
+    let walked = walk(proc.path(), &BTreeSet::new(), || {}).unwrap();
+    let mut known = namespaces.known();
+    for read in walked {
+        known.learn(read);
+    }
+    known.kept = true;
+    drop(known);
+    namespaces
+}
+
+#[test]
+fn a_query_reads_again_only_namespaces_that_can_hold_a_connections_mount() {
+    let proc = FakeProc::new();
+    let with_volume = proc.process(10, None, 100, &private_volume(50));
+    let slave = format!("{ROOT}30 1 8:1 /data /data rw master:7 - ext4 /dev/sda1 rw\n");
+    let receiving = proc.process(20, None, 200, &slave);
+    let plain = proc.process(30, None, 300, ROOT);
+    let namespaces = kept(&proc);
+    assert_eq!(namespaces.len(), 3);
+
+    // Meanwhile the plain one bound a FUSE mount of its own: it is not
+    // read (it could only have made it itself), the slave one is, and
+    // there a mount of the dead connection arrived by propagation.
+    proc.rewrite(30, &private_volume(50));
+    proc.rewrite(20, &format!("{slave}40 30 0:50 / /data/v rw master:9 - fuse.bindfs bindfs rw\n"));
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert!(!found.walked);
+    assert_eq!(found.read, 2);
+    let mut seen: Vec<(u64, u32, &str)> = found
+        .mounts
+        .iter()
+        .map(|foreign| (foreign.namespace, foreign.pid, foreign.mount.mount_point.to_str().unwrap()))
+        .collect();
+    seen.sort();
+    let mut expected = vec![(inode(&with_volume), 10, "/volume"), (inode(&receiving), 20, "/data/v")];
+    expected.sort();
+    assert_eq!(seen, expected);
+    let slave_mount = found.mounts.iter().find(|foreign| foreign.pid == 20).unwrap();
+    assert_eq!(slave_mount.propagation, Propagation::Slave);
+    assert!(!found.mounts.iter().any(|foreign| foreign.namespace == inode(&plain)));
+
+    // Skipped namespaces are not read.
+    let found = namespaces.holding(&BTreeSet::from([inode(&with_volume)]), &BTreeSet::from([DEAD]), None).unwrap();
+    assert_eq!(found.read, 1);
+}
+
+#[test]
+fn only_namespaces_learnt_after_a_generation_are_read_for_it() {
+    let proc = FakeProc::new();
+    proc.process(10, None, 100, &private_volume(50));
+    let namespaces = kept(&proc);
+    let searched_at = namespaces.generation();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), Some(searched_at)).unwrap();
+    assert_eq!((found.read, found.mounts.len()), (0, 0), "nothing learnt since");
+
+    // A process unshared a copy of the dead mount and exec'd: learnt.
+    proc.process(40, None, 400, &private_volume(50));
+    let read = read_namespace(proc.path(), 40, None).unwrap().expect("readable");
+    namespaces.known().learn(read);
+    assert!(namespaces.generation() > searched_at);
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), Some(searched_at)).unwrap();
+    assert_eq!(found.read, 1);
+    assert_eq!(found.mounts.len(), 1);
+    assert_eq!(found.mounts[0].pid, 40);
+}
+
+#[test]
+fn a_namespace_is_forgotten_when_its_anchor_exits_or_is_found_gone() {
+    let proc = FakeProc::new();
+    let first = proc.process(10, None, 100, &private_volume(50));
+    // A later process of the same namespace (an exec'd probe): the
+    // namespace is anchored at the oldest.
+    proc.process(11, Some(&first), 150, &private_volume(50));
+    proc.process(20, None, 200, &private_volume(50));
+    let namespaces = kept(&proc);
+    assert_eq!(namespaces.len(), 2);
+    assert_eq!(namespaces.known().anchors.get(&10), Some(&inode(&first)));
+    assert!(!namespaces.known().anchors.contains_key(&11));
+
+    assert_eq!(namespaces.known().forget(11), None, "not an anchor");
+    assert_eq!(namespaces.known().forget(10), Some(inode(&first)));
+    assert_eq!(namespaces.len(), 1);
+
+    // Gone before its exit was handled: found gone by the query, which
+    // forgets it and finds nothing there.
+    proc.exits(20);
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert!(found.mounts.is_empty());
+    assert!(namespaces.is_empty());
+}
+
+#[test]
+fn a_pid_taken_by_another_process_does_not_read_as_the_anchor() {
+    let proc = FakeProc::new();
+    proc.process(10, None, 100, &private_volume(50));
+    let namespaces = kept(&proc);
+    // The anchor exited and its pid went to a process of another namespace
+    // (a hard link keeps the same inode, so this is a new namespace file).
+    proc.exits(10);
+    proc.process(10, None, 900, &private_volume(50));
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert!(found.mounts.is_empty(), "{:?}", found.mounts);
+    assert!(namespaces.is_empty());
+}
+
+#[test]
+fn until_kept_a_query_walks() {
+    let proc = FakeProc::new();
+    proc.process(10, None, 100, &private_volume(50));
+    let namespaces = Namespaces::new(proc.path());
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert!(found.walked);
+    assert_eq!(found.mounts.len(), 1);
+}
+
+#[test]
+fn a_table_that_receives_propagation_is_told_apart() {
+    let receives = |table: &str| Snapshot::parse_receiving(table.as_bytes()).unwrap().1;
+    assert!(!receives(ROOT));
+    assert!(receives(&format!("{ROOT}30 1 8:1 / /a rw shared:4 - ext4 /dev/sda1 rw\n")));
+    assert!(receives(&format!("{ROOT}30 1 8:1 / /a rw master:4 - ext4 /dev/sda1 rw\n")));
+}
