@@ -15,12 +15,16 @@
 //! - the host heal's `latency_us` (its slowest target) with the containers,
 //!   and in a second run with the same targets and as many containers
 //!   reading a tmpfs instead (the same load, nothing of the connection in
-//!   them): what healing the containers adds to the host heal.
+//!   them): what healing the containers adds to the host heal;
+//! - the daemon's death → its mounts in containers isolated (the search
+//!   for them and making them private, `took_us` of the `containers' dead
+//!   mounts isolated` line), with the namespaces kept by events and, in a
+//!   third run, with `--container-namespaces walk` (a walk of `/proc`).
 //!
 //! A benchmark, not a test: it prints numbers.
 //!
 //! ```text
-//! cargo bench --bench containers [-- --sizes 10,100 --cycles 20 --interval-ms 10]
+//! cargo bench --bench containers [-- --sizes 10,100 --cycles 20 --interval-ms 10 --walk on]
 //! ```
 //!
 //! Every flag is also an environment variable (`CONTAINERS_BENCH_SIZES`…).
@@ -50,15 +54,22 @@ fn main() {
     let sizes = flags.list("sizes", "10,100", |size| size.parse::<usize>().ok());
     let cycles: usize = flags.number("cycles", "20");
     let interval = Duration::from_millis(flags.number("interval-ms", "10"));
+    let compare_walk = flags.text("walk", "on") == "on";
     println!("heals in runc containers (None propagation), {cycles} restarts of demofs, reads every {interval:?}");
     for size in sizes {
-        let with = measure(size, cycles, interval, true);
-        let without = measure(size, cycles, interval, false);
+        let with = measure(size, cycles, interval, true, "events");
+        let without = measure(size, cycles, interval, false, "events");
         println!("{size} containers");
         println!("  new mount → last container healed        {}", summary(with.containers_healed));
         println!("  new mount → last container reads again   {}", summary(with.containers_read));
         println!("  host heal, with the containers           {}", summary(with.host));
         println!("  host heal, containers reading a tmpfs    {}", summary(without.host));
+        println!("  death → containers isolated, events      {}", summary(with.isolated));
+        if compare_walk {
+            let walked = measure(size, cycles, interval, true, "walk");
+            println!("  death → containers isolated, walk        {}", summary(walked.isolated));
+            println!("  new mount → last container healed, walk  {}", summary(walked.containers_healed));
+        }
     }
 }
 
@@ -68,12 +79,14 @@ struct Figures {
     host: Vec<u64>,
     containers_healed: Vec<u64>,
     containers_read: Vec<u64>,
+    isolated: Vec<u64>,
 }
 
 /// `size` pod targets on one demofs and as many containers reading every
 /// `interval`, each a target (`on_volumes`) or a tmpfs directory, through
-/// `cycles` restarts.
-fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool) -> Figures {
+/// `cycles` restarts, the containers' namespaces known by `namespaces`
+/// (`--container-namespaces`).
+fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, namespaces: &str) -> Figures {
     let binary = Path::new(BINARY);
     let sandbox = Sandbox::new().expect("sandbox");
     let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "bench-data").expect("daemon");
@@ -96,7 +109,7 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool) -> 
         containers.push(runc.start(&spec).expect("start a container"));
     }
     let state_dir = sandbox.root().join("state");
-    let args = ["--kubelet", "none", "--log", "info"];
+    let args = ["--kubelet", "none", "--log", "info", "--container-namespaces", namespaces];
     let supervisor = SupervisorProcess::start_with(&sandbox, binary, &state_dir, args).expect("supervisor");
     let mut figures = Figures::default();
     for cycle in 0..cycles {
@@ -111,6 +124,8 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool) -> 
                 logged("containers' dead mounts isolated") > cycle
             })
             .expect("isolated");
+            let isolations = lines(&supervisor, "containers' dead mounts isolated");
+            figures.isolated.extend(isolations.last().and_then(|line| line["fields"]["took_us"].as_u64()));
         }
         source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
         scenario::wait_for("every target healed", TIMEOUT, || logged("healed") >= size * (cycle + 1)).expect("healed");

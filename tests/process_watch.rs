@@ -413,3 +413,45 @@ fn proc_connector_outside_the_host_namespaces_names_what_is_missing() {
         assert!(stdout.contains("error: ") && stdout.contains(expected), "{stdout}");
     }
 }
+
+/// A pod without hostNetwork reaches the connector all the same: the
+/// subscription is made on a thread that joined the host's network
+/// namespace (`/proc/1/ns/net`, with hostPID) for it alone, and the events
+/// arrive. Runs itself again under `unshare --net`, with no connector in
+/// its own network namespace (the test above shows that).
+#[test]
+fn proc_connector_subscribes_through_the_hosts_network_namespace() {
+    const NAME: &str = "proc_connector_subscribes_through_the_hosts_network_namespace";
+    if std::env::var(CHILD_MODE).is_ok() {
+        // The host's pid 1 stands for the host: here the test runner, in
+        // the machine's network namespace (this machine's own pid 1 cannot
+        // be looked at), through a /proc whose "1" is it.
+        let runner = std::os::unix::process::parent_id();
+        let proc_root = tempfile::tempdir().expect("a fake /proc");
+        std::os::unix::fs::symlink(format!("/proc/{runner}"), proc_root.path().join("1")).expect("its pid 1");
+        let host = fuse_supervisor::watch::processes::host_network_namespace(proc_root.path());
+        let expected = proc_root.path().join("1/ns/net");
+        assert_eq!(host.as_deref(), Some(expected.as_path()), "in a network namespace of its own");
+        let (send, events) = mpsc::channel();
+        let options =
+            ConnectorOptions { exec: ExecReports::All, network_namespace: host, ..ConnectorOptions::default() };
+        let watcher = ProcConnectorWatcher::start(options, Box::new(move |event| send.send(event).is_ok()))
+            .expect("subscribed from the host's network namespace");
+        let mut child = Process::spawn("true", &[]);
+        let pid = child.0.id();
+        let deadline = Instant::now() + EVENT_TIMEOUT;
+        let seen = std::iter::from_fn(|| events.recv_timeout(deadline.saturating_duration_since(Instant::now())).ok())
+            .any(|event| matches!(event, ProcessEvent::Exec { pid: exec, .. } if exec == pid));
+        assert!(seen, "no exec event for {pid}");
+        child.kill();
+        drop(watcher);
+        // This thread is still in its own network namespace.
+        let inode = |path: &Path| fs::metadata(path).map(|meta| std::os::unix::fs::MetadataExt::ino(&meta)).ok();
+        let (own, host) = (inode(Path::new("/proc/thread-self/ns/net")), inode(&expected));
+        assert!(own.is_some() && host.is_some() && own != host, "{own:?} {host:?}");
+        println!("subscribed");
+        return;
+    }
+    let stdout = run_in_child(NAME, &["--net"], "host");
+    assert!(stdout.contains("subscribed"), "{stdout}");
+}

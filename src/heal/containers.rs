@@ -10,10 +10,11 @@
 //!
 //! 1. **Isolate**, when the daemon's death is seen (before any new mount
 //!    exists): find every other namespace holding a mount of the dead
-//!    connection (a walk of `/proc/*/ns/mnt`, deduplicated by namespace,
-//!    reading each one's mountinfo) and make each such mount private, so
-//!    the host heal propagates nothing into it: no dead layer can end up
-//!    covered.
+//!    connection (among the node's namespaces kept by events,
+//!    [`super::namespaces`], or by a walk of `/proc/*/ns/mnt` without
+//!    them) and make each such mount private, so the host heal propagates
+//!    nothing into it: no dead layer can end up covered. Right before the
+//!    host heal, the namespaces learnt since are isolated too.
 //! 2. **Replace**, after the host heal, one thread per namespace, in
 //!    parallel: sidecar mode's in-namespace heal
 //!    ([`super::in_namespace::heal_in_namespaces`]): clone the new source

@@ -30,7 +30,11 @@ struct Isolation {
     /// The inode of the connection's directory when it was isolated; None
     /// where `fusectl` is not mounted (then the number alone tells).
     connection: Option<u64>,
+    /// Every mount found, isolated or not: all are replaced at the heal.
     mounts: Vec<ForeignMount>,
+    /// Those that could not be made private (out of descriptors, say):
+    /// tried again before the host heal.
+    unisolated: Vec<ForeignMount>,
     /// The generation of the namespaces known when they were last searched
     /// (see [`crate::heal::namespaces::Namespaces::generation`]).
     searched_at: u64,
@@ -50,20 +54,28 @@ impl Isolations {
         self.by_dev.contains_key(&dev)
     }
 
-    /// Records the isolated `mounts` of the connection now numbered `dev`,
-    /// found by a search of the namespaces known at `searched_at`; added to
-    /// those isolated before, if any.
-    pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>, searched_at: u64) {
+    /// Records the `mounts` of the connection now numbered `dev`, found by
+    /// a search of the namespaces known at `searched_at` (added to those
+    /// found before, if any), and which of them are still `unisolated`.
+    pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>, unisolated: Vec<ForeignMount>, searched_at: u64) {
         let connection = connection_inode(&self.connections, dev);
         match self.by_dev.get_mut(&dev).filter(|isolation| isolation.connection == connection) {
             Some(isolation) => {
-                isolation.mounts.extend(mounts);
+                let new = mounts.into_iter().filter(|mount| !isolation.mounts.contains(mount)).collect::<Vec<_>>();
+                isolation.mounts.extend(new);
+                isolation.unisolated = unisolated;
                 isolation.searched_at = searched_at;
             }
             None => {
-                self.by_dev.insert(dev, Isolation { connection, mounts, searched_at });
+                self.by_dev.insert(dev, Isolation { connection, mounts, unisolated, searched_at });
             }
         }
+    }
+
+    /// Takes the mounts of connection `dev` that could not be isolated, to
+    /// try again.
+    pub fn take_unisolated(&mut self, dev: Dev) -> Vec<ForeignMount> {
+        self.by_dev.get_mut(&dev).map(|isolation| std::mem::take(&mut isolation.unisolated)).unwrap_or_default()
     }
 
     /// When the connection numbered `dev` was last searched for, and the
@@ -105,7 +117,7 @@ mod tests {
         let dev = Dev { major: 0, minor: 57 };
         let mut isolations = Isolations::new(connections.path());
         assert!(!isolations.contains(dev));
-        isolations.insert(dev, Vec::new(), 1);
+        isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev), "the same connection is isolated already");
 
         // The connection goes and another gets its number: the old
@@ -113,11 +125,11 @@ mod tests {
         std::fs::rename(&dir, connections.path().join("old")).unwrap();
         std::fs::create_dir(&dir).unwrap();
         assert!(!isolations.contains(dev), "a new connection with the number is searched again");
-        isolations.insert(dev, Vec::new(), 2);
+        isolations.insert(dev, Vec::new(), Vec::new(), 2);
         assert_eq!(isolations.remove(dev), Some((2, Vec::new())));
 
         // Gone before its heal: nothing is handed to the heal.
-        isolations.insert(dev, Vec::new(), 3);
+        isolations.insert(dev, Vec::new(), Vec::new(), 3);
         std::fs::remove_dir(&dir).unwrap();
         assert_eq!(isolations.remove(dev), None);
     }
@@ -127,7 +139,7 @@ mod tests {
         let connections = tempfile::tempdir().unwrap();
         let mut isolations = Isolations::new(&connections.path().join("not-mounted"));
         let dev = Dev { major: 0, minor: 3 };
-        isolations.insert(dev, Vec::new(), 1);
+        isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev));
         assert_eq!(isolations.searched(dev), Some((1, BTreeSet::new())));
         assert_eq!(isolations.remove(dev), Some((1, Vec::new())));

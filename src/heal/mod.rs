@@ -398,38 +398,56 @@ impl Executor for MountExecutor {
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
         let generation = self.namespaces.generation();
         let mut skip = BTreeSet::from([self.watched_inode]);
-        // Searched at the death: only a namespace learnt since (a process
+        let searched = self.isolated.searched(dev);
+        let searched_before = searched.is_some();
+        // What the record says was searched once this is done.
+        let mut searched_at = generation;
+        // Searched at the death: the mounts it could not make private then
+        // are tried again, and only a namespace learnt since (a process
         // that unshared a copy of the dead mount during the outage) can
-        // hold one it did not see, and none is read when none was learnt.
+        // hold one it did not see; none is read when none was learnt.
         // Without namespaces kept by events that would take a walk of
         // `/proc` before the host heal: the heal after it looks instead.
-        let learnt_after = match self.isolated.searched(dev) {
-            Some(_) if !self.namespaces.is_kept() => return None,
-            Some((searched_at, _)) if searched_at == generation => return None,
-            Some((searched_at, isolated)) => {
-                skip.extend(isolated);
-                Some(searched_at)
+        let retried = if searched_before { self.isolated.take_unisolated(dev) } else { Vec::new() };
+        let query = match searched {
+            None => Some(None),
+            Some((at, _)) if !self.namespaces.is_kept() || at == generation => {
+                searched_at = at;
+                None
             }
-            None => None,
-        };
-        let found = match self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after) {
-            Ok(found) => found,
-            Err(err) => {
-                warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
-                return Some(Isolated::default());
+            Some((at, found)) => {
+                searched_at = at;
+                skip.extend(found);
+                Some(Some(at))
             }
         };
-        if learnt_after.is_some() && found.mounts.is_empty() {
-            self.isolated.insert(dev, Vec::new(), generation);
+        let mut found =
+            match query.map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after)) {
+                None => namespaces::Holding::default(),
+                Some(Ok(found)) => {
+                    searched_at = generation;
+                    found
+                }
+                Some(Err(err)) => {
+                    warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
+                    if !searched_before {
+                        // Nothing recorded: the heal searches again.
+                        return Some(Isolated::default());
+                    }
+                    namespaces::Holding::default()
+                }
+            };
+        if searched_before && found.mounts.is_empty() && retried.is_empty() {
+            self.isolated.insert(dev, Vec::new(), Vec::new(), searched_at);
             return None;
         }
+        found.mounts.extend(retried);
         let failed = containers::isolate(&found.mounts, self.priority);
         let namespaces = found.mounts.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
+        let unisolated = failed.iter().map(|(foreign, _)| foreign.clone()).collect();
         let isolated =
             Isolated { namespaces, mounts: found.mounts.len(), failed, read: found.read, walked: found.walked };
-        let kept =
-            found.mounts.into_iter().filter(|foreign| !isolated.failed.iter().any(|(failed, _)| failed == foreign));
-        self.isolated.insert(dev, kept.collect(), generation);
+        self.isolated.insert(dev, found.mounts, unisolated, searched_at);
         Some(isolated)
     }
 

@@ -280,7 +280,9 @@ impl<E: Executor> Supervisor<E> {
     /// Makes the dead connection's mounts in containers private (see
     /// [`crate::heal::containers`]) and says how many there were.
     pub(super) fn isolate_containers(&mut self, dev: Dev) {
+        let started = Instant::now();
         let Some(isolated) = self.executor.isolate_containers(dev) else { return };
+        let took_us = started.elapsed().as_micros() as u64;
         for (foreign, err) in &isolated.failed {
             warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");
         }
@@ -291,6 +293,7 @@ impl<E: Executor> Supervisor<E> {
             failed = isolated.failed.len(),
             namespaces_read = isolated.read,
             walked = isolated.walked,
+            took_us,
             "containers' dead mounts isolated"
         );
     }

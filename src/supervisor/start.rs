@@ -10,7 +10,7 @@ use std::time::Instant;
 use fuse_supervisor_sys::{mount, ns};
 use tracing::{error, info, warn};
 
-use crate::heal::namespaces::{NamespaceKeeper, Namespaces, host_network_namespace};
+use crate::heal::namespaces::{NamespaceKeeper, Namespaces};
 use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
 use crate::heal::probe::Prober;
 use crate::heal::{Executor, MountExecutor};
@@ -26,6 +26,7 @@ use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
 use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
 use crate::watch::pods::PodWatcher;
+use crate::watch::processes::host_network_namespace;
 use crate::watch::thread::Watching;
 
 use super::tables::{KeptTable, SettleError, SharedTable};

@@ -203,9 +203,16 @@ impl Namespaces {
             network_namespace,
             ..ConnectorOptions::default()
         };
+        // Most execs are in a known namespace (a probe, a shell's command):
+        // told apart on the watcher's thread by one stat, so that the
+        // keeper's thread wakes only for a new one.
+        let sink_namespaces = Arc::clone(self);
         let watcher = ProcConnectorWatcher::start(
             options,
-            Box::new(move |event| sink_send.send(Message::Process(event)).is_ok()),
+            Box::new(move |event| match event {
+                ProcessEvent::Exec { pid, .. } if sink_namespaces.knows_namespace_of(pid) => true,
+                event => sink_send.send(Message::Process(event)).is_ok(),
+            }),
         )?;
         let namespaces = Arc::clone(self);
         let thread = std::thread::Builder::new()
@@ -242,6 +249,11 @@ impl Namespaces {
                 Message::Stop => return,
             }
         }
+    }
+
+    /// Whether the namespace of process `pid` is known (or `pid` is gone).
+    fn knows_namespace_of(&self, pid: u32) -> bool {
+        namespace_of(&self.proc_root, pid).is_none_or(|namespace| self.known().by_inode.contains_key(&namespace))
     }
 
     /// A process exec'd: its namespace is read if it is not known.
@@ -339,16 +351,6 @@ impl Drop for NamespaceKeeper {
             let _ = thread.join();
         }
     }
-}
-
-/// The network namespace to subscribe to the process connector from: the
-/// host's (`<proc_root>/1/ns/net`) when this process is elsewhere (a pod
-/// without hostNetwork), else none.
-pub fn host_network_namespace(proc_root: &Path) -> Option<PathBuf> {
-    let host = proc_root.join("1/ns/net");
-    let inode = |path: &Path| fs::metadata(path).map(|meta| meta.ino()).ok();
-    let (own, host_inode) = (inode(Path::new("/proc/self/ns/net")), inode(&host));
-    (host_inode.is_some() && own != host_inode).then_some(host)
 }
 
 /// The eldest of `pid` and its ancestors that are in `namespace` without a

@@ -103,19 +103,21 @@ fn write_submitted(shared: &(Mutex<Pending>, Condvar), on_change: &SaveOutcome) 
                 drop(guard);
                 match (write_atomically(&path, &contents), failing) {
                     (Ok(()), false) => {}
+                    // Told before it is logged: whoever reads the log
+                    // line finds /readyz saying the same.
                     (Ok(()), true) => {
-                        info!(path = %path.display(), "state saved again");
                         failing = false;
                         on_change(None);
+                        info!(path = %path.display(), "state saved again");
                     }
                     (Err(err), false) => {
+                        failing = true;
+                        on_change(Some(&err));
                         error!(
                             path = %path.display(),
                             ?err,
                             "cannot save state; healing goes on, but a restarted supervisor will not know what this one learned"
                         );
-                        failing = true;
-                        on_change(Some(&err));
                     }
                     (Err(err), true) => debug!(path = %path.display(), ?err, "state still cannot be saved"),
                 }

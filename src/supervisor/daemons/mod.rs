@@ -39,7 +39,7 @@ use crate::model::table::Dev;
 use crate::plan::flapping::FlappingPolicy;
 use crate::watch::processes::{
     Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
-    ProcessWatchError, ProcessWatcher,
+    ProcessWatchError, ProcessWatcher, host_network_namespace,
 };
 
 mod discovery;
@@ -268,6 +268,7 @@ impl Daemons {
                 let connector = ConnectorOptions {
                     exec: ExecReports::All,
                     proc_root: options.proc_root.clone(),
+                    network_namespace: host_network_namespace(&options.proc_root),
                     ..ConnectorOptions::default()
                 };
                 match ProcConnectorWatcher::start(connector, sink()) {

@@ -1,7 +1,8 @@
 //! The proc-connector backend: one netlink socket for the whole node.
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::path::PathBuf;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -65,6 +66,16 @@ impl Default for ConnectorOptions {
             network_namespace: None,
         }
     }
+}
+
+/// The network namespace to subscribe to the connector from: the host's
+/// (`<proc_root>/1/ns/net`, with hostPID) when this process is elsewhere (a
+/// pod without hostNetwork), else none.
+pub fn host_network_namespace(proc_root: &Path) -> Option<PathBuf> {
+    let host = proc_root.join("1/ns/net");
+    let inode = |path: &Path| std::fs::metadata(path).map(|meta| meta.ino()).ok();
+    let (own, host_inode) = (inode(Path::new("/proc/self/ns/net")), inode(&host));
+    (host_inode.is_some() && own != host_inode).then_some(host)
 }
 
 /// The watched pids and what to pass on: shared by the caller's

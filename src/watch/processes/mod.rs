@@ -29,7 +29,7 @@ mod connector;
 pub mod fuse_server;
 mod pidfd;
 
-pub use connector::{ConnectorOptions, ExecReports, ProcConnectorWatcher};
+pub use connector::{ConnectorOptions, ExecReports, ProcConnectorWatcher, host_network_namespace};
 pub use pidfd::PidfdWatcher;
 
 /// A process as identified at one moment: its pid, and its start time (in
