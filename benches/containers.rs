@@ -54,7 +54,7 @@ fn main() {
     let sizes = flags.list("sizes", "10,100", |size| size.parse::<usize>().ok());
     let cycles: usize = flags.number("cycles", "20");
     let interval = Duration::from_millis(flags.number("interval-ms", "10"));
-    let compare_walk = flags.text("walk", "on") == "on";
+    let compare_walk = flags.on_off("walk", "on");
     println!("heals in runc containers (None propagation), {cycles} restarts of demofs, reads every {interval:?}");
     for size in sizes {
         let with = measure(size, cycles, interval, true, "events");

@@ -308,6 +308,17 @@ impl MountExecutor {
         self.namespaces = namespaces;
     }
 
+    /// Replaces `mounts` with clones of `source` (see
+    /// [`containers::replace`]); each namespace healed now holds a mount
+    /// of `source`'s connection, which the known namespaces are told.
+    fn replace_in_containers(&self, source: &FuseMount, mounts: &[containers::ForeignMount]) -> Vec<ContainerOutcome> {
+        let outcomes = containers::replace(&self.watched, source, &source.root, mounts, self.priority);
+        for (foreign, _) in outcomes.iter().filter(|(_, healed)| healed.is_ok()) {
+            self.namespaces.healed_onto(foreign.namespace, source.dev);
+        }
+        outcomes
+    }
+
     /// Flattens as on a kernel that cannot slide a mount beneath another.
     pub fn without_mount_beneath(mut self) -> Self {
         self.mount_beneath = false;
@@ -461,11 +472,7 @@ impl Executor for MountExecutor {
             searched_at = Some(searched_at.map_or(at, |oldest| oldest.min(at)));
             isolated.extend(mounts);
         }
-        let mut outcomes = if isolated.is_empty() {
-            Vec::new()
-        } else {
-            containers::replace(&self.watched, source, &source.root, &isolated, self.priority)
-        };
+        let mut outcomes = if isolated.is_empty() { Vec::new() } else { self.replace_in_containers(source, &isolated) };
         // Then the namespaces that got a copy of a dead mount during the
         // outage and were not isolated (a process that unshared its own
         // meanwhile; runc refuses to start a container on a dead volume):
@@ -498,13 +505,7 @@ impl Executor for MountExecutor {
                     "searched for dead mounts made during the outage"
                 );
                 if !found.mounts.is_empty() {
-                    outcomes.extend(containers::replace(
-                        &self.watched,
-                        source,
-                        &source.root,
-                        &found.mounts,
-                        self.priority,
-                    ));
+                    outcomes.extend(self.replace_in_containers(source, &found.mounts));
                 }
             }
             Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
@@ -514,7 +515,7 @@ impl Executor for MountExecutor {
     }
 
     fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
-        containers::replace(&self.watched, source, &source.root, mounts, self.priority)
+        self.replace_in_containers(source, mounts)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {

@@ -14,9 +14,9 @@
 //!   such a namespace has it learnt again at its next exec.
 //! - Events the kernel dropped are made good by another walk.
 //!
-//! A query reads again only the namespaces that can hold a mount of a
-//! connection: those that held a FUSE mount at their last read, and those
-//! that receive mounts by propagation (a `HostToContainer` volume, a CSI
+//! A query reads again only the namespaces that can hold a mount of the
+//! connection: those that held one at their last read (or were healed onto
+//! it since), and those that receive mounts by propagation (a `HostToContainer` volume, a CSI
 //! plugin's `Bidirectional` kubelet directory, a copy made with
 //! propagation unchanged). Any other one can gain a FUSE mount only by
 //! mounting one itself, a connection of its own that no source of the
@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::fds;
 use tracing::{debug, info, warn};
@@ -45,6 +45,11 @@ use crate::watch::processes::{
     ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
     read_stat,
 };
+
+/// How long the connector waits after a batch of events before it reads
+/// again: a busy node's execs (probes, shells) are then read many to a
+/// wake-up; a namespace is learnt at most this much later.
+const EVENT_BATCH_WINDOW: Duration = Duration::from_millis(20);
 
 /// One namespace's mounts, as read through one of its processes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,9 +64,11 @@ pub struct NamespaceRead {
 }
 
 impl NamespaceRead {
-    /// Whether a mount of a host connection can be in it now.
-    fn may_hold(&self) -> bool {
-        !self.fuse_mounts.is_empty() || self.receives
+    /// Whether a mount of a connection in `dead` can be in it now: it held
+    /// one, or it can be given one by propagation. Any other mount of such
+    /// a connection it could only have bound from one it held.
+    fn may_hold(&self, dead: &BTreeSet<Dev>) -> bool {
+        self.receives || self.fuse_mounts.iter().any(|mount| dead.contains(&mount.dev))
     }
 }
 
@@ -89,6 +96,14 @@ struct Known {
 struct Learnt {
     read: NamespaceRead,
     generation: u64,
+    /// The connections a heal put mounts of in it since it was read.
+    healed_onto: BTreeSet<Dev>,
+}
+
+impl Learnt {
+    fn may_hold(&self, dead: &BTreeSet<Dev>) -> bool {
+        self.read.may_hold(dead) || !self.healed_onto.is_disjoint(dead)
+    }
 }
 
 /// What a query found: the mounts of the dead connections, and how.
@@ -155,7 +170,7 @@ impl Namespaces {
                 .iter()
                 .filter(|(inode, learnt)| {
                     !skip.contains(inode)
-                        && learnt.read.may_hold()
+                        && learnt.may_hold(dead)
                         && learnt_after.is_none_or(|after| learnt.generation > after)
                 })
                 .map(|(inode, learnt)| (*inode, learnt.read.anchor))
@@ -172,6 +187,7 @@ impl Namespaces {
                     holding.mounts.extend(foreign_mounts(&read, dead));
                     if let Some(learnt) = known.by_inode.get_mut(&namespace) {
                         learnt.read = read;
+                        learnt.healed_onto.clear();
                     }
                 }
                 // The anchor is gone (its exit event is on its way) or was
@@ -182,6 +198,14 @@ impl Namespaces {
             }
         }
         Ok(holding)
+    }
+
+    /// A heal put a mount of connection `dev` in `namespace`: the next
+    /// search for `dev` reads it.
+    pub fn healed_onto(&self, namespace: u64, dev: Dev) {
+        if let Some(learnt) = self.known().by_inode.get_mut(&namespace) {
+            learnt.healed_onto.insert(dev);
+        }
     }
 
     /// Keeps the set by the process connector's events from now on: a
@@ -201,6 +225,7 @@ impl Namespaces {
             exec: ExecReports::All,
             proc_root: self.proc_root.clone(),
             network_namespace,
+            batch_window: Some(EVENT_BATCH_WINDOW),
             ..ConnectorOptions::default()
         };
         // Most execs are in a known namespace (a probe, a shell's command):
@@ -308,7 +333,11 @@ impl Namespaces {
             watcher.unwatch(pid);
         }
         known.kept = true;
-        let holding = known.by_inode.values().filter(|learnt| learnt.read.may_hold()).count();
+        let holding = known
+            .by_inode
+            .values()
+            .filter(|learnt| learnt.read.receives || !learnt.read.fuse_mounts.is_empty())
+            .count();
         let namespaces = known.by_inode.len();
         drop(known);
         let took_us = started.elapsed().as_micros() as u64;
@@ -320,7 +349,8 @@ impl Known {
     fn learn(&mut self, read: NamespaceRead) {
         self.generation += 1;
         self.anchors.insert(read.anchor.pid, read.namespace);
-        self.by_inode.insert(read.namespace, Learnt { read, generation: self.generation });
+        self.by_inode
+            .insert(read.namespace, Learnt { read, generation: self.generation, healed_onto: BTreeSet::new() });
     }
 
     /// Forgets the namespace `pid` anchors, if any.

@@ -181,3 +181,21 @@ fn a_table_that_receives_propagation_is_told_apart() {
     assert!(receives(&format!("{ROOT}30 1 8:1 / /a rw shared:4 - ext4 /dev/sda1 rw\n")));
     assert!(receives(&format!("{ROOT}30 1 8:1 / /a rw master:4 - ext4 /dev/sda1 rw\n")));
 }
+
+#[test]
+fn a_namespace_holding_other_connections_is_read_only_once_healed_onto_this_one() {
+    let proc = FakeProc::new();
+    let other = proc.process(10, None, 100, &private_volume(60));
+    let namespaces = kept(&proc);
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert_eq!(found.read, 0, "it holds 0:60 only, and receives nothing");
+
+    // A container heal replaced its mount with one of 0:50 (the table
+    // says so now, but it was not read since).
+    proc.rewrite(10, &private_volume(50));
+    namespaces.healed_onto(inode(&other), DEAD);
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert_eq!((found.read, found.mounts.len()), (1, 1));
+    // Read again: what it holds is known from its table from now on.
+    assert!(namespaces.known().by_inode[&inode(&other)].healed_onto.is_empty());
+}

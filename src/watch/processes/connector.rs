@@ -51,6 +51,11 @@ pub struct ConnectorOptions {
     /// without hostNetwork subscribes through `/proc/1/ns/net` (hostPID and
     /// CAP_SYS_ADMIN), on a thread that joins it for the subscription alone.
     pub network_namespace: Option<PathBuf>,
+    /// After each batch, wait this long before reading again, so that a
+    /// storm of events is read in batches of many (one wake-up each)
+    /// rather than one by one; None reads each event as it comes, for
+    /// whoever needs it at once (a daemon's death).
+    pub batch_window: Option<Duration>,
 }
 
 impl Default for ConnectorOptions {
@@ -64,6 +69,7 @@ impl Default for ConnectorOptions {
             ack_timeout: Duration::from_secs(2),
             proc_root: PathBuf::from("/proc"),
             network_namespace: None,
+            batch_window: None,
         }
     }
 }
@@ -204,8 +210,19 @@ impl ProcConnectorWatcher {
             watched: Mutex::default(),
             decoded: AtomicU64::new(0),
         });
+        // The pause between batches ends early only for the stop.
+        let pause = match options.batch_window {
+            Some(window) => {
+                let pause = Poller::new().map_err(ProcessWatchError::Poll)?;
+                pause.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
+                Some((pause, window))
+            }
+            None => None,
+        };
         let thread_shared = Arc::clone(&shared);
-        let thread = Watching::start("procwatch", waker, move || run(&connector, &poller, &thread_shared, sink))?;
+        let thread = Watching::start("procwatch", waker, move || {
+            run(&connector, &poller, pause.as_ref(), &thread_shared, sink)
+        })?;
         Ok(ProcConnectorWatcher { shared, _thread: thread, kernel_filter, receive_buffer })
     }
 
@@ -258,7 +275,13 @@ impl ProcessWatcher for ProcConnectorWatcher {
 
 /// The watcher thread: sleeps in epoll until the socket or the waker is
 /// readable.
-fn run(connector: &ProcConnector, poller: &Poller, shared: &Shared, mut sink: EventSink) {
+fn run(
+    connector: &ProcConnector,
+    poller: &Poller,
+    pause: Option<&(Poller, Duration)>,
+    shared: &Shared,
+    mut sink: EventSink,
+) {
     let mut ready = Vec::with_capacity(2);
     let mut batch = Vec::with_capacity(64);
     loop {
@@ -286,6 +309,16 @@ fn run(connector: &ProcConnector, poller: &Poller, shared: &Shared, mut sink: Ev
         if outcome == ReadOutcome::Lost {
             for event in shared.resync().into_iter().chain([ProcessEvent::Lost]) {
                 if !sink(event) {
+                    return;
+                }
+            }
+        }
+        if let Some((pause, window)) = pause {
+            match pause.wait(&mut ready, Some(*window)) {
+                Ok(()) if ready.contains(&SHUTDOWN) => return,
+                Ok(()) => {}
+                Err(err) => {
+                    sink(ProcessEvent::Failed(ProcessWatchError::Wait(err)));
                     return;
                 }
             }
