@@ -512,13 +512,13 @@ fn a_runc_container_mounts_the_pod_target_with_its_propagation() {
 }
 
 /// A container controls its own tree: one that mounts over its volume
-/// while the daemon is down gets nothing mounted by the heal (its mount
-/// point is no longer the recorded dead mount), and the refusal is reported;
+/// while the daemon is down (`over`: a tmpfs, or a bind of its own `/tmp`)
+/// gets nothing mounted by the heal (its mount point is no longer the
+/// recorded dead mount), and the refusal is reported;
 /// the other container is healed as usual. The failed heal is not dropped:
 /// it is retried with back-off, and once the container took its own mount
 /// away, the dead one is replaced (one layer, reading again).
-#[test]
-fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
+fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(over: &[&str]) {
     let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
     node.add_volume_container("tampering", VolumePropagation::None);
     node.add_volume_container("none", VolumePropagation::None);
@@ -530,9 +530,8 @@ fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
     let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
     node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
     let tampering = &node.containers[0].container;
-    tampering
-        .exec_with_sys_admin(&["mount", "-t", "tmpfs", "tmpfs", runc::VOLUME_IN_CONTAINER])
-        .expect("mount over the volume");
+    let mount_over: Vec<&str> = over.iter().copied().chain([runc::VOLUME_IN_CONTAINER]).collect();
+    tampering.exec_with_sys_admin(&mount_over).expect("mount over the volume");
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
 
     let healthy = &node.containers[1];
@@ -543,8 +542,8 @@ fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
     supervisor.wait_for_log(HEAL_TIMEOUT, refused).unwrap();
     let failed = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="failed"}"#).unwrap();
     assert!(failed >= Some(1.0), "{failed:?}");
-    // Its own tmpfs on top, the dead mount under it, nothing live: the heal
-    // mounted nothing in its tree.
+    // Its own mount on top (a tmpfs, or its /tmp's), the dead mount under
+    // it, nothing live: the heal mounted nothing in its tree.
     let layers = tampering.volume_mounts().expect("the container's mount table");
     let kinds: Vec<&str> = layers.iter().map(|mount| mount.fs_type.as_str()).collect();
     assert_eq!(kinds, ["fuse", "tmpfs"], "{layers:?}");
@@ -560,6 +559,65 @@ fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected() {
     assert_eq!(layers[0].device, live[0].device, "{layers:?}");
     let replaced = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="replaced"}"#).unwrap();
     assert_eq!(replaced, Some(2.0));
+}
+
+#[test]
+fn a_container_that_mounted_a_tmpfs_over_its_dead_volume_is_refused_not_redirected() {
+    a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(&["mount", "-t", "tmpfs", "tmpfs"]);
+}
+
+#[test]
+fn a_container_that_bound_its_own_directory_over_its_dead_volume_is_refused_not_redirected() {
+    a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(&["mount", "-o", "bind", "/tmp"]);
+}
+
+/// A container that takes its dead volume away and leaves a symlink at its
+/// mount point (to its own `/tmp`) gets nothing mounted through the link:
+/// the mount point is resolved beneath its root with no symlinks. The
+/// refusal is reported and retried; its `/tmp` stays the tmpfs alone.
+#[test]
+fn a_container_that_left_a_symlink_at_its_volume_gets_nothing_mounted_through_it() {
+    // Its image is its own: the only container of its sandbox.
+    let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
+    node.add_volume_container("tampering", VolumePropagation::None);
+    node.all_read(0);
+    node.start_supervisor();
+    node.daemon_watched();
+    node.source.crash().expect("crash the daemon");
+    node.all_fail(1);
+    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    let tampering = &node.containers[0].container;
+    let volume = runc::VOLUME_IN_CONTAINER;
+    let steps: [&[&str]; 4] = [
+        &["mount", "-o", "remount,bind,rw", "/"],
+        &["umount", "-l", volume],
+        &["busybox", "rmdir", volume],
+        &["busybox", "ln", "-s", "/tmp", volume],
+    ];
+    for step in steps {
+        tampering.exec_with_sys_admin(step).unwrap_or_else(|err| panic!("{step:?}: {err}"));
+    }
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    // ELOOP: a symlink met where none may be.
+    let refused = |line: &str| {
+        line.contains("\"container heal failed\"")
+            && line.contains("cannot resolve")
+            && line.contains("Too many levels of symbolic links")
+    };
+    supervisor.wait_for_log(HEAL_TIMEOUT, refused).unwrap();
+    let failed = supervisor.metric(r#"fuse_supervisor_container_heals_total{result="failed"}"#).unwrap();
+    assert!(failed >= Some(1.0), "{failed:?}");
+    let mounts = tampering.mounts().expect("the container's mount table");
+    let at_tmp: Vec<&str> = mounts
+        .iter()
+        .filter(|mount| mount.mount_point == Path::new("/tmp"))
+        .map(|mount| mount.fs_type.as_str())
+        .collect();
+    assert_eq!(at_tmp, ["tmpfs"], "{mounts:?}");
+    assert!(!mounts.iter().any(|mount| mount.fs_type.starts_with("fuse")), "{mounts:?}");
 }
 
 /// Not only pods' containers: any process that unshared its own mount

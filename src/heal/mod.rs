@@ -236,6 +236,8 @@ pub struct Isolated {
     /// Whether `/proc` was walked for them (the known namespaces are not
     /// kept by events).
     pub walked: bool,
+    /// How long finding them took, of the whole.
+    pub searched_us: u64,
 }
 
 /// How one mount in another namespace came out of a heal.
@@ -432,6 +434,7 @@ impl Executor for MountExecutor {
                 Some(Some(at))
             }
         };
+        let searching = std::time::Instant::now();
         let mut found =
             match query.map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after)) {
                 None => namespaces::Holding::default(),
@@ -452,12 +455,19 @@ impl Executor for MountExecutor {
             self.isolated.insert(dev, Vec::new(), Vec::new(), searched_at);
             return None;
         }
+        let searched_us = searching.elapsed().as_micros() as u64;
         found.mounts.extend(retried);
         let failed = containers::isolate(&found.mounts, self.priority);
         let namespaces = found.mounts.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
         let unisolated = failed.iter().map(|(foreign, _)| foreign.clone()).collect();
-        let isolated =
-            Isolated { namespaces, mounts: found.mounts.len(), failed, read: found.read, walked: found.walked };
+        let isolated = Isolated {
+            namespaces,
+            mounts: found.mounts.len(),
+            failed,
+            read: found.read,
+            walked: found.walked,
+            searched_us,
+        };
         self.isolated.insert(dev, found.mounts, unisolated, searched_at);
         Some(isolated)
     }

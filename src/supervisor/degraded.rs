@@ -293,6 +293,7 @@ impl<E: Executor> Supervisor<E> {
             failed = isolated.failed.len(),
             namespaces_read = isolated.read,
             walked = isolated.walked,
+            searched_us = isolated.searched_us,
             took_us,
             "containers' dead mounts isolated"
         );
