@@ -97,11 +97,16 @@ impl Node {
         self.containers.push(Watched { container, fixed_content, entries, baseline, receives_host_mounts });
     }
 
+    /// Started, and its first walk of the node's mount namespaces done:
+    /// from then on no search walks `/proc`.
     fn start_supervisor(&mut self) {
         let state_dir = self.sandbox.root().join("state");
         let supervisor =
             SupervisorProcess::start_with(&self.sandbox, Path::new(BINARY), &state_dir, ["--kubelet", "none"]);
-        self.supervisor = Some(supervisor.expect("supervisor"));
+        let supervisor = supervisor.expect("supervisor");
+        let walked = |line: &str| line.contains("\"mount namespaces walked\"");
+        supervisor.wait_for_log(HEAL_TIMEOUT, walked).unwrap();
+        self.supervisor = Some(supervisor);
     }
 
     /// The supervisor watches the current daemon: its death will be seen
@@ -441,7 +446,6 @@ fn containers_started_after_the_supervisor_are_known_by_events_and_no_heal_walks
     let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
     node.start_supervisor();
     let walked = |line: &str| line.contains("\"mount namespaces walked\"");
-    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, walked).unwrap();
     node.add_volume_container("host-to-container", VolumePropagation::HostToContainer);
     node.add_volume_container("none", VolumePropagation::None);
     node.add_subpath_container("subpath-none", VolumePropagation::None);

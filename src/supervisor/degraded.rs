@@ -207,6 +207,7 @@ impl<E: Executor> Supervisor<E> {
     /// Every target on the dead connection becomes Degraded, with the
     /// death as the start of its outage.
     fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
+        self.heal_window.expect();
         let since = wall_clock(at);
         let targets = self.targets_on(source, dev);
         for path in &targets {

@@ -192,9 +192,7 @@ impl Namespaces {
                 }
                 // The anchor is gone (its exit event is on its way) or was
                 // never there: forgotten, as at its exit.
-                None => {
-                    known.forget(anchor.pid);
-                }
+                None => known.forget_namespace(namespace),
             }
         }
         Ok(holding)
@@ -278,13 +276,23 @@ impl Namespaces {
 
     /// Whether the namespace of process `pid` is known (or `pid` is gone).
     fn knows_namespace_of(&self, pid: u32) -> bool {
-        namespace_of(&self.proc_root, pid).is_none_or(|namespace| self.known().by_inode.contains_key(&namespace))
+        namespace_of(&self.proc_root, pid).is_none_or(|namespace| self.is_known(namespace))
+    }
+
+    /// Whether `namespace` is known, and is still the one its entry was
+    /// learnt as: the kernel reuses a freed namespace's inode, so an entry
+    /// whose anchor has left it (exited, its exit not handled yet, or moved
+    /// to another namespace) may name a new namespace; its anchor is then
+    /// elsewhere, and it is learnt afresh.
+    fn is_known(&self, namespace: u64) -> bool {
+        let anchor = self.known().by_inode.get(&namespace).map(|learnt| learnt.read.anchor.pid);
+        anchor.is_some_and(|anchor| namespace_of(&self.proc_root, anchor) == Some(namespace))
     }
 
     /// A process exec'd: its namespace is read if it is not known.
     fn exec_seen(&self, pid: u32, watcher: &ProcConnectorWatcher, heal_activity: &HealActivity) {
         let Some(namespace) = namespace_of(&self.proc_root, pid) else { return };
-        if self.known().by_inode.contains_key(&namespace) {
+        if self.is_known(namespace) {
             return;
         }
         heal_activity.wait_until_quiet();
@@ -347,6 +355,9 @@ impl Namespaces {
 
 impl Known {
     fn learn(&mut self, read: NamespaceRead) {
+        if let Some(stale) = self.by_inode.get(&read.namespace) {
+            self.anchors.remove(&stale.read.anchor.pid);
+        }
         self.generation += 1;
         self.anchors.insert(read.anchor.pid, read.namespace);
         self.by_inode
@@ -358,6 +369,16 @@ impl Known {
         let namespace = self.anchors.remove(&pid)?;
         self.by_inode.remove(&namespace);
         Some(namespace)
+    }
+
+    /// Forgets `namespace`, and its anchor's entry if it is this one's.
+    fn forget_namespace(&mut self, namespace: u64) {
+        if let Some(learnt) = self.by_inode.remove(&namespace) {
+            let pid = learnt.read.anchor.pid;
+            if self.anchors.get(&pid) == Some(&namespace) {
+                self.anchors.remove(&pid);
+            }
+        }
     }
 }
 

@@ -199,3 +199,28 @@ fn a_namespace_holding_other_connections_is_read_only_once_healed_onto_this_one(
     // Read again: what it holds is known from its table from now on.
     assert!(namespaces.known().by_inode[&inode(&other)].healed_onto.is_empty());
 }
+
+/// The kernel reuses a freed namespace's inode: an entry whose anchor is
+/// no longer in it (exited, its exit not handled yet, or moved) does not
+/// stand for the new namespace with that inode, which is learnt afresh.
+#[test]
+fn a_reused_namespace_inode_is_learnt_afresh() {
+    let proc = FakeProc::new();
+    let first = proc.process(10, None, 100, &private_volume(60));
+    let namespaces = kept(&proc);
+    let reused = inode(&first);
+    assert!(namespaces.is_known(reused));
+
+    // A new namespace with that inode (pid 20), its old anchor elsewhere.
+    proc.process(20, Some(&first), 200, &private_volume(50));
+    fs::remove_file(&first).unwrap();
+    fs::write(&first, "").unwrap();
+    assert!(!namespaces.is_known(reused), "its anchor left it");
+    let read = read_namespace(proc.path(), 20, None).unwrap().expect("readable");
+    namespaces.known().learn(read);
+    assert!(namespaces.is_known(reused));
+    assert_eq!(namespaces.known().anchors.get(&20), Some(&reused));
+    assert!(!namespaces.known().anchors.contains_key(&10), "the old anchor stands for nothing");
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    assert_eq!(found.mounts.iter().map(|foreign| foreign.pid).collect::<Vec<_>>(), [20]);
+}
