@@ -413,8 +413,9 @@ impl Executor for MountExecutor {
         let mut skip = BTreeSet::from([self.watched_inode]);
         let searched = self.isolated.searched(dev);
         let searched_before = searched.is_some();
-        // What the record says was searched once this is done.
-        let mut searched_at = generation;
+        // What the record says was searched once this is done: `generation`
+        // once a search succeeds.
+        let mut searched_at = searched.as_ref().map_or(generation, |(at, _)| *at);
         // Searched at the death: the mounts it could not make private then
         // are tried again, and only a namespace learnt since (a process
         // that unshared a copy of the dead mount during the outage) can
@@ -424,12 +425,8 @@ impl Executor for MountExecutor {
         let retried = if searched_before { self.isolated.take_unisolated(dev) } else { Vec::new() };
         let query = match searched {
             None => Some(None),
-            Some((at, _)) if !self.namespaces.is_kept() || at == generation => {
-                searched_at = at;
-                None
-            }
+            Some((at, _)) if !self.namespaces.is_kept() || at == generation => None,
             Some((at, found)) => {
-                searched_at = at;
                 skip.extend(found);
                 Some(Some(at))
             }

@@ -11,16 +11,17 @@
 //! - The anchor's exit forgets its namespace: a container ends with its
 //!   first process (its pid namespace's init, or, in a pod that shares one,
 //!   the process whose exit ends the container). Another process still in
-//!   such a namespace has it learnt again at its next exec.
+//!   such a namespace has it learnt again at its next exec. The kernel
+//!   reuses a freed namespace's inode, so an entry stands for its inode
+//!   only while its anchor is still in it.
 //! - Events the kernel dropped are made good by another walk.
 //!
 //! A query reads again only the namespaces that can hold a mount of the
 //! connection: those that held one at their last read (or were healed onto
-//! it since), and those that receive mounts by propagation (a `HostToContainer` volume, a CSI
-//! plugin's `Bidirectional` kubelet directory, a copy made with
-//! propagation unchanged). Any other one can gain a FUSE mount only by
-//! mounting one itself, a connection of its own that no source of the
-//! supervisor shares.
+//! it since), and those that receive mounts by propagation (a
+//! `HostToContainer` volume, a CSI plugin's `Bidirectional` kubelet
+//! directory, a copy made with propagation unchanged). Any other one could
+//! only have bound a mount of the connection from one it held.
 //!
 //! Until the first walk is done, and where the connector cannot be had
 //! (`--container-namespaces walk`, or a pod without hostPID), a query walks
