@@ -230,8 +230,15 @@ impl<E: Executor> Supervisor<E> {
         }
         // First, before a new mount can cover them.
         self.hold_stale_layers(&targets, dev);
-        // Then the containers' copies, before the host heal can propagate onto them.
-        self.isolate_containers(dev);
+        // Then the containers' copies, before the host heal can propagate
+        // onto them: copies of targets, so none without a target on the
+        // connection. A death with none may even be another namespace's
+        // connection that got a number this one had (a pod's own FUSE
+        // daemon, another sandbox in the tests), whose live mounts in its
+        // containers must not be touched.
+        if !targets.is_empty() {
+            self.isolate_containers(dev);
+        }
         info!(
             source = %source.display(),
             connection = %dev,

@@ -314,6 +314,20 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => self.on_deadline(),
             }
+            self.scan_unscanned();
+        }
+    }
+
+    /// Scans a change that a read outside a scan took in. Such a read (the
+    /// hold of a dead daemon's stale layers) applies the mount events
+    /// waiting in the kernel's queue, so no report of them follows: a new
+    /// mount made right at the death was in the table but never scanned,
+    /// and its targets stayed on the dead connection (seen under load in
+    /// the runc tier).
+    fn scan_unscanned(&mut self) {
+        if self.unscanned && !self.polling {
+            self.woke_at = Instant::now();
+            self.rescan();
         }
     }
 

@@ -303,6 +303,25 @@ fn a_replaced_source_is_planned_probed_healed_and_reported() {
     assert_eq!(harness.supervisor.journal.get(&targets[0]).unwrap().source_mount_id, harness.new_global_id);
 }
 
+/// A read outside a scan (a daemon's death holds the stale layers) that
+/// takes in the new global mount drains its report: the loop scans it
+/// anyway once the event is handled, and its heal is prepared.
+#[test]
+fn a_new_mount_taken_in_by_a_read_outside_a_scan_is_scanned() {
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let (replaced, _) = harness.replaced_and_healed();
+    harness.table.set(replaced);
+    assert!(harness.supervisor.read_table().is_some());
+    assert!(harness.calls().is_empty(), "a read alone plans nothing");
+    harness.supervisor.scan_unscanned();
+    assert!(matches!(harness.calls().as_slice(), [Call::Prepare { .. }]), "{:?}", harness.calls());
+    // Scanned: nothing is left for the next event to scan.
+    harness.supervisor.scan_unscanned();
+    assert_eq!(harness.calls().len(), 1);
+}
+
 #[test]
 fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal() {
     let mut harness = Harness::new(None, Some(POD_B));
