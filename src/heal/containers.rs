@@ -40,7 +40,7 @@ use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::ns;
 
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
-use super::namespaces::{self, NamespaceRead};
+use super::namespaces::NamespaceRead;
 use super::priority::HealPriority;
 use crate::model::table::{Dev, FuseMount, root_within};
 
@@ -100,19 +100,6 @@ pub enum ForeignHealed {
     Replaced,
     /// The clone was stacked on the dead mount, which stays under it.
     Stacked { why: io::Error },
-}
-
-/// Every mount of a connection in `dead` in the namespaces of `proc_root`'s
-/// processes, but those of `skip` (inodes: the watched namespace's, those
-/// already known): a walk of `/proc` ([`super::namespaces::walk`]), each
-/// mount entered later through the oldest process of its namespace.
-pub fn find(
-    proc_root: &Path,
-    skip: &BTreeSet<u64>,
-    dead: &BTreeSet<Dev>,
-) -> Result<Vec<ForeignMount>, ContainerHealError> {
-    let walked = namespaces::walk(proc_root, skip, || {})?;
-    Ok(walked.iter().flat_map(|read| foreign_mounts(read, dead)).collect())
 }
 
 /// The mounts of a connection in `dead` that `read` holds, to heal.
@@ -368,57 +355,5 @@ mod tests {
         };
         let ids: Vec<u32> = dead_tops(&snapshot.fuse_mounts, &dead).iter().map(|mount| mount.mount_id).collect();
         assert_eq!(ids, [10, 15]);
-    }
-
-    /// A namespace whose first process in the walk exits before its table
-    /// is read (here its mountinfo is missing) is read through its next
-    /// process, not skipped; and it is recorded with its oldest process,
-    /// which will still be there to enter it through.
-    #[test]
-    fn a_namespace_whose_first_process_vanished_is_read_through_the_next() {
-        let proc_root = tempfile::tempdir().unwrap();
-        // A process: its namespace (a new one, or a hard link to another's
-        // file: same inode), its table and its start (None: it has exited,
-        // with only its namespace link left of it).
-        let process = |pid: u32, namespace: Option<&Path>, table: Option<&str>, started: Option<u64>| {
-            let dir = proc_root.path().join(pid.to_string());
-            fs::create_dir_all(dir.join("ns")).unwrap();
-            match namespace {
-                Some(first) => fs::hard_link(first, dir.join("ns/mnt")).unwrap(),
-                None => fs::write(dir.join("ns/mnt"), "").unwrap(),
-            }
-            if let Some(table) = table {
-                fs::write(dir.join("mountinfo"), table).unwrap();
-            }
-            if let Some(started) = started {
-                let stat = format!("{pid} (a) b) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {started} 0 0");
-                fs::write(dir.join("stat"), stat).unwrap();
-            }
-            dir.join("ns/mnt")
-        };
-        let own = process(1, None, Some(""), Some(1));
-        // A container's `usleep` (exited), the reader that is reading its
-        // table, and the container's init, whose pid is higher: they wrapped.
-        let container = process(7, None, None, None);
-        let dead_line = "900 800 0:50 / /volume rw,relatime master:3 - fuse.bindfs bindfs rw\n";
-        process(4000, Some(&container), Some(dead_line), Some(500));
-        process(9000, Some(&container), Some(dead_line), Some(100));
-        let own_inode = fs::metadata(&own).unwrap().ino();
-        let dead = BTreeSet::from([Dev { major: 0, minor: 50 }]);
-        let found = find(proc_root.path(), &BTreeSet::from([own_inode]), &dead).unwrap();
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].pid, 9000);
-        assert_eq!(found[0].namespace, fs::metadata(&container).unwrap().ino());
-        assert_eq!(found[0].mount.mount_point, Path::new("/volume"));
-        assert_eq!(found[0].propagation, Propagation::Slave);
-    }
-
-    #[test]
-    fn the_walk_skips_the_own_namespace_and_finds_nothing_without_dead_connections() {
-        let own = fs::metadata("/proc/self/ns/mnt").unwrap().ino();
-        let own = BTreeSet::from([own]);
-        let found = find(Path::new("/proc"), &own, &BTreeSet::new()).unwrap();
-        assert!(found.is_empty());
-        assert!(find(Path::new("/nonexistent"), &own, &BTreeSet::new()).is_err());
     }
 }

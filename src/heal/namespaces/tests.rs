@@ -224,3 +224,39 @@ fn a_reused_namespace_inode_is_learnt_afresh() {
     let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
     assert_eq!(found.mounts.iter().map(|foreign| foreign.pid).collect::<Vec<_>>(), [20]);
 }
+
+/// A namespace whose first process in the walk exits before its table is
+/// read (here its mountinfo is missing) is read through its next process,
+/// not skipped; and it is recorded with its oldest process, which will
+/// still be there to enter it through.
+#[test]
+fn a_namespace_whose_first_process_vanished_is_read_through_the_next() {
+    let proc = FakeProc::new();
+    let own = proc.process(1, None, 1, "");
+    // A container's `usleep` (exited: only its namespace link is left), the
+    // reader that is reading its table, and the container's init, whose
+    // pid is higher: they wrapped.
+    let container = proc.path().join("7/ns");
+    fs::create_dir_all(&container).unwrap();
+    let container = container.join("mnt");
+    fs::write(&container, "").unwrap();
+    let dead_line = format!("{ROOT}900 1 0:50 / /volume rw,relatime master:3 - fuse.bindfs bindfs rw\n");
+    proc.process(4000, Some(&container), 500, &dead_line);
+    proc.process(9000, Some(&container), 100, &dead_line);
+    let walked = Namespaces::new(proc.path());
+    let found = walked.holding(&BTreeSet::from([inode(&own)]), &BTreeSet::from([DEAD]), None).unwrap();
+    assert!(found.walked);
+    assert_eq!(found.mounts.len(), 1, "{:?}", found.mounts);
+    let foreign = &found.mounts[0];
+    assert_eq!((foreign.pid, foreign.namespace), (9000, inode(&container)));
+    assert_eq!(foreign.mount.mount_point, Path::new("/volume"));
+    assert_eq!(foreign.propagation, Propagation::Slave);
+}
+
+#[test]
+fn the_walk_skips_the_own_namespace_and_finds_nothing_without_dead_connections() {
+    let own = BTreeSet::from([inode(Path::new("/proc/self/ns/mnt"))]);
+    let found = Namespaces::new(Path::new("/proc")).holding(&own, &BTreeSet::new(), None).unwrap();
+    assert!(found.walked && found.mounts.is_empty());
+    assert!(Namespaces::new(Path::new("/nonexistent")).holding(&own, &BTreeSet::new(), None).is_err());
+}
