@@ -44,7 +44,7 @@ use super::priority::{HealActivity, HealPriority};
 use crate::model::table::{Dev, FuseMount, Snapshot};
 use crate::watch::processes::{
     ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
-    read_stat,
+    Stat, read_stat,
 };
 
 /// How long the connector waits after a batch of events before it reads
@@ -442,7 +442,7 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
     if expected.is_some_and(|expected| expected != namespace) {
         return Ok(None);
     }
-    let Ok(Some(before)) = read_stat(proc_root, pid) else { return Ok(None) };
+    let Some(before) = stat_of(proc_root, pid)? else { return Ok(None) };
     let table = match fs::read(dir.join("mountinfo")) {
         Ok(table) => table,
         Err(err) if fds::out_of_descriptors(&err) => return Err(err),
@@ -450,7 +450,7 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
     };
     let Ok((snapshot, receives)) = Snapshot::parse_receiving(&table) else { return Ok(None) };
     // Still the same process, still there: the table was its namespace's.
-    let after = read_stat(proc_root, pid).ok().flatten();
+    let after = stat_of(proc_root, pid)?;
     if namespace_of(proc_root, pid) != Some(namespace)
         || after.is_none_or(|after| after.start_time != before.start_time || after.exited())
     {
@@ -462,6 +462,17 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
         fuse_mounts: snapshot.fuse_mounts,
         receives,
     }))
+}
+
+/// `<proc_root>/<pid>/stat`, None if the process is gone; fails only for
+/// want of descriptors, which is not a process gone: taken for one, a
+/// search at a low open-file limit forgot every namespace it read.
+fn stat_of(proc_root: &Path, pid: u32) -> io::Result<Option<Stat>> {
+    match read_stat(proc_root, pid) {
+        Ok(stat) => Ok(stat),
+        Err(ProcessWatchError::Proc { source, .. }) if fds::out_of_descriptors(&source) => Err(source),
+        Err(_) => Ok(None),
+    }
 }
 
 /// Every mount namespace of `proc_root`'s processes but `skip`'s (inodes),
