@@ -117,6 +117,17 @@ impl Node {
         self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
     }
 
+    /// The supervisor has isolated the containers' dead mounts `count`
+    /// times (once per death it saw before the new mount).
+    fn isolated(&self, count: usize) {
+        let supervisor = self.supervisor.as_ref().expect("supervisor running");
+        let isolated = |line: &String| line.contains("\"containers' dead mounts isolated\"");
+        scenario::wait_for("the containers isolated at the death", HEAL_TIMEOUT, || {
+            supervisor.log().iter().filter(|line| isolated(line)).count() >= count
+        })
+        .unwrap();
+    }
+
     /// The supervisor has seen the death of daemon `pid`, and detached its
     /// dead mount from the source path (the `cycle`th time) (`--detach-dead-sources`, milliseconds later, once nobody holds
     /// the connection). A restart that mounts over the stale mount covers
@@ -377,8 +388,7 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer(propagation: &str
     node.start_supervisor();
     let host_baseline = node.host_mounts();
     let dead_minor = node.crash(1);
-    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
-    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    node.isolated(1);
 
     let mut command = std::process::Command::new(fuse_supervisor::testbed::system::program("unshare"));
     command.args(["--mount", "--propagation", propagation, "sleep", "600"]);
@@ -460,12 +470,7 @@ fn containers_started_after_the_supervisor_are_known_by_events_and_no_heal_walks
     let cycles = 3;
     for cycle in 1..=cycles {
         let dead_minor = node.crash(cycle);
-        let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
-        let supervisor = node.supervisor.as_ref().expect("supervisor running");
-        scenario::wait_for("the containers isolated at the death", HEAL_TIMEOUT, || {
-            supervisor.log().iter().filter(|line| isolated(line)).count() >= cycle
-        })
-        .unwrap();
+        node.isolated(cycle);
         node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
         node.all_read(cycle);
         node.settled(cycle, host_baseline, dead_minor);
@@ -528,11 +533,8 @@ fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(over:
     node.add_volume_container("none", VolumePropagation::None);
     node.all_read(0);
     node.start_supervisor();
-    node.daemon_watched();
-    node.source.crash().expect("crash the daemon");
-    node.all_fail(1);
-    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
-    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    node.crash(1);
+    node.isolated(1);
     let tampering = &node.containers[0].container;
     let mount_over: Vec<&str> = over.iter().copied().chain([runc::VOLUME_IN_CONTAINER]).collect();
     tampering.exec_with_sys_admin(&mount_over).expect("mount over the volume");
@@ -586,11 +588,8 @@ fn a_container_that_left_a_symlink_at_its_volume_gets_nothing_mounted_through_it
     node.add_volume_container("tampering", VolumePropagation::None);
     node.all_read(0);
     node.start_supervisor();
-    node.daemon_watched();
-    node.source.crash().expect("crash the daemon");
-    node.all_fail(1);
-    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
-    node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, isolated).unwrap();
+    node.crash(1);
+    node.isolated(1);
     let tampering = &node.containers[0].container;
     let volume = runc::VOLUME_IN_CONTAINER;
     let steps: [&[&str]; 4] = [
