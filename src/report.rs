@@ -26,6 +26,9 @@ pub struct ContainersHealed {
     /// Mounts live again with the live mount stacked on the dead one, which
     /// stays beneath (it could not be slid under it).
     pub stacked: usize,
+    /// Mounts given up on for this heal: their namespace did not answer
+    /// within the deadline (a tenant's server holding a lookup, say).
+    pub given_up: usize,
 }
 
 /// One thing that happened, borrowed from the loop for the call.
@@ -65,7 +68,10 @@ pub enum Report<'a> {
     ProcessEvent { kind: &'static str },
     /// A mount of a dead connection in another namespace (a container) was
     /// dealt with after the host heal of `source`: `result` is `replaced`
-    /// (one live layer left), `stacked` (the dead one under it) or `failed`.
+    /// (one live layer left), `stacked` (the dead one under it),
+    /// `propagated` (live already), `failed` (retried), `refused` (the
+    /// container changed its mount) or `given_up` (its namespace missed the
+    /// deadline).
     ContainerHealed { source: &'a Path, result: &'static str },
     /// After the host heal from `source`, one pod's containers were healed
     /// in their own mount namespaces: published apart from the targets'

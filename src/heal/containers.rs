@@ -29,12 +29,14 @@
 //! A namespace whose mount was covered by a live one before it could be
 //! isolated (the death was not seen before the new mount) is left to the
 //! propagation, with its dead layer under the live one: reported, not hidden.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::ns;
@@ -42,6 +44,7 @@ use fuse_supervisor_sys::ns;
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
 use super::namespaces::NamespaceRead;
 use super::priority::HealPriority;
+use super::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount, root_within};
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +76,14 @@ pub enum ContainerHealError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "the mount namespace {namespace} of process {pid} was not done within {deadline_ms} ms; given up for this heal"
+    )]
+    Deadline { pid: u32, namespace: u64, deadline_ms: u64 },
+    #[error(
+        "a thread sent into the mount namespace {namespace} of process {pid} by an earlier heal is still held there; given up for this heal"
+    )]
+    StillHeld { pid: u32, namespace: u64 },
     #[error("{path} in the mount namespace of process {pid} is not under the new source {source_root}")]
     NotUnderSource { pid: u32, path: PathBuf, source_root: PathBuf },
     #[error(transparent)]
@@ -91,7 +102,31 @@ pub struct ForeignMount {
     /// What the mount's replacement gets: `Slave` if the mount received
     /// the host's mounts (a `HostToContainer` volume), else `Private`.
     pub propagation: Propagation,
+    /// The namespace held open from the read that found the mount to its
+    /// heal; None where it could not be opened (its process left at once).
+    pub pinned: Option<NamespacePin>,
 }
+
+/// A descriptor on a mount namespace, held so that its inode stays its own:
+/// the kernel gives a freed namespace's inode to the next one (the same
+/// inode came back within three container starts), and a heal finds the
+/// namespace again by inode, through any process still in it. While the
+/// pin is held the inode cannot name another namespace; a namespace nobody
+/// is left in is still found gone (no process has it), and let go.
+#[derive(Debug, Clone)]
+pub struct NamespacePin {
+    _held: Arc<OwnedFd>,
+}
+
+impl PartialEq for NamespacePin {
+    /// Pins held at once on namespaces of one inode are on one namespace:
+    /// the inode beside the pin says which.
+    fn eq(&self, _: &NamespacePin) -> bool {
+        true
+    }
+}
+
+impl Eq for NamespacePin {}
 
 /// How one foreign mount came out of a heal.
 #[derive(Debug)]
@@ -100,40 +135,58 @@ pub enum ForeignHealed {
     Replaced,
     /// The clone was stacked on the dead mount, which stays under it.
     Stacked { why: io::Error },
+    /// A mount of the new source was on top there already (the host heal
+    /// propagated onto it): nothing to do.
+    AlreadyLive,
 }
 
-/// The mounts of a connection in `dead` that `read` holds, to heal.
+/// The mounts of a connection in `dead` that `read` holds, to heal, its
+/// namespace pinned (see [`NamespacePin`]) from now on.
 pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<ForeignMount> {
-    dead_tops(&read.fuse_mounts, dead)
-        .into_iter()
+    let tops = dead_tops(&read.fuse_mounts, dead);
+    if tops.is_empty() {
+        return Vec::new();
+    }
+    let pinned = open_namespace_of(Path::new("/proc"), read.anchor.pid, read.namespace)
+        .ok()
+        .map(|fd| NamespacePin { _held: Arc::new(fd) });
+    tops.into_iter()
         .map(|mount| ForeignMount {
             namespace: read.namespace,
             pid: read.anchor.pid,
             propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
             mount,
+            pinned: pinned.clone(),
         })
         .collect()
 }
 
 /// The mounts of `dead` connections on top at their mount point (a mount
 /// under another one at the same point is out of reach), and not inside
-/// another dead one (its parent's replacement takes it along).
+/// another dead one (its parent's replacement takes it along). Linear in
+/// the table: a tenant decides how many mounts its namespace has.
 fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
-    let covered = |mount: &FuseMount| {
-        mounts.iter().any(|other| other.parent_id == mount.mount_id && other.mount_point == mount.mount_point)
-    };
-    let in_dead =
-        |mount: &FuseMount| mounts.iter().any(|other| other.mount_id == mount.parent_id && dead.contains(&other.dev));
-    mounts.iter().filter(|mount| dead.contains(&mount.dev) && !covered(mount) && !in_dead(mount)).cloned().collect()
+    let covered: HashSet<(u32, &Path)> =
+        mounts.iter().map(|other| (other.parent_id, other.mount_point.as_path())).collect();
+    let dead_ids: HashSet<u32> =
+        mounts.iter().filter(|other| dead.contains(&other.dev)).map(|other| other.mount_id).collect();
+    mounts
+        .iter()
+        .filter(|mount| {
+            dead.contains(&mount.dev)
+                && !covered.contains(&(mount.mount_id, mount.mount_point.as_path()))
+                && !dead_ids.contains(&mount.parent_id)
+        })
+        .cloned()
+        .collect()
 }
 
-/// Makes every mount of `mounts` private, each namespace on a thread of its
-/// own at `priority`, so that no heal on the host propagates onto them.
-/// Returns the mounts that could not be isolated, with why.
-pub fn isolate(mounts: &[ForeignMount], priority: HealPriority) -> Vec<(ForeignMount, ContainerHealError)> {
-    let by_namespace = by_namespace(mounts);
-    let isolate_all = |mounts: &[&ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
-        let first = mounts[0];
+/// Makes every mount of `mounts` private, each namespace on a worker of its
+/// own, so that no heal on the host propagates onto them. Returns the
+/// mounts that could not be isolated, with why.
+pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(ForeignMount, ContainerHealError)> {
+    let isolate_all = |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
+        let first = &mounts[0];
         let entered = open_namespace(first.pid, first.namespace).and_then(|namespace| {
             ns::enter_mount_namespace(namespace.as_fd())
                 .map_err(|source| ContainerHealError::OpenNamespace { pid: first.pid, source })
@@ -159,53 +212,85 @@ pub fn isolate(mounts: &[ForeignMount], priority: HealPriority) -> Vec<(ForeignM
                     })
                 });
             if let Err(err) = made_private {
-                failed.push(((*foreign).clone(), err));
+                failed.push((foreign.clone(), err));
             }
         }
         failed
     };
-    in_threads(&by_namespace, priority, isolate_all, |err| err).into_iter().flatten().collect()
+    workers.run(by_namespace(mounts), isolate_all, |err| err)
+}
+
+/// Handles on a live source to clone into containers, the probe's: its
+/// root, and the subdirectories subPath targets needed, by their path
+/// inside it. A container's mount of a subdirectory not among them is
+/// cloned from the source opened again.
+#[derive(Debug, Clone)]
+pub struct LiveHandles {
+    root: Arc<OwnedFd>,
+    subdirs: BTreeMap<PathBuf, Arc<OwnedFd>>,
+}
+
+impl LiveHandles {
+    /// Copies of the probe's handles (a descriptor each); None if the
+    /// process is out of descriptors (the source is then opened again).
+    pub fn of(handles: &SourceHandles) -> Option<LiveHandles> {
+        let subdirs = handles
+            .subdirs
+            .iter()
+            .filter_map(|(path, opened)| opened.as_ref().ok().map(|fd| (path, fd)))
+            .map(|(path, fd)| Some((path.clone(), Arc::new(fd.try_clone().ok()?))))
+            .collect::<Option<_>>()?;
+        Some(LiveHandles { root: Arc::new(handles.root.try_clone().ok()?), subdirs })
+    }
+
+    fn for_subdir(&self, subdir: &Path) -> Option<BorrowedFd<'_>> {
+        if subdir.as_os_str().is_empty() {
+            return Some(self.root.as_fd());
+        }
+        self.subdirs.get(subdir).map(|fd| fd.as_fd())
+    }
 }
 
 /// Replaces every mount of `mounts` with a clone of `source` (a live FUSE
-/// mount of the namespace `watched` is an fd of), of the subdirectory the
-/// dead mount showed, each namespace on a thread of its own at `priority`,
-/// all at once.
+/// mount of the namespace `watched` is an fd of; `live` are handles on it
+/// the probe opened), of the subdirectory the dead mount showed, each
+/// namespace on a worker of its own, all at once.
 pub fn replace(
-    watched: &OwnedFd,
+    watched: &Arc<OwnedFd>,
     source: &FuseMount,
-    dead_root: &Path,
+    live: Option<LiveHandles>,
     mounts: &[ForeignMount],
-    priority: HealPriority,
+    workers: &NamespaceWorkers,
 ) -> Vec<(ForeignMount, Result<ForeignHealed, ContainerHealError>)> {
-    let by_namespace = by_namespace(mounts);
     let own_pid = std::process::id();
-    let replace_all = |mounts: &[&ForeignMount]| -> Vec<(ForeignMount, Result<ForeignHealed, ContainerHealError>)> {
-        // One thread per namespace: each heal enters the watched namespace
+    let (watched, source) = (Arc::clone(watched), source.clone());
+    let replace_all = move |mounts: &[ForeignMount]| -> Vec<(ForeignMount, Result<ForeignHealed, ContainerHealError>)> {
+        // One worker per namespace: each heal enters the watched namespace
         // and then the container's, so a fresh pair of fds each time.
         mounts
             .iter()
             .map(|foreign| {
-                let healed = replace_one(watched, own_pid, source, dead_root, foreign);
-                ((*foreign).clone(), healed)
+                let healed = replace_one(&watched, own_pid, &source, live.as_ref(), foreign);
+                (foreign.clone(), healed)
             })
             .collect()
     };
-    in_threads(&by_namespace, priority, replace_all, Err).into_iter().flatten().collect()
+    workers.run(by_namespace(mounts), replace_all, Err)
 }
 
 fn replace_one(
     watched: &OwnedFd,
     own_pid: u32,
     source: &FuseMount,
-    dead_root: &Path,
+    live: Option<&LiveHandles>,
     foreign: &ForeignMount,
 ) -> Result<ForeignHealed, ContainerHealError> {
-    let subdir = root_within(dead_root, &foreign.mount.root).ok_or_else(|| ContainerHealError::NotUnderSource {
+    let subdir = root_within(&source.root, &foreign.mount.root).ok_or_else(|| ContainerHealError::NotUnderSource {
         pid: foreign.pid,
         path: foreign.mount.mount_point.clone(),
-        source_root: dead_root.to_path_buf(),
+        source_root: source.root.clone(),
     })?;
+    let live = live.and_then(|live| live.for_subdir(&subdir));
     let heal = InNamespaceHeal {
         source: LiveSource { namespace: 0, pid: own_pid, mount: source.clone() },
         subdir,
@@ -216,9 +301,12 @@ fn replace_one(
     let source_namespace =
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
     let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign.pid, foreign.namespace)?);
-    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation))? {
-        InNamespaceHealed::Replaced => Ok(ForeignHealed::Replaced),
-        InNamespaceHealed::Stacked { why } => Ok(ForeignHealed::Stacked { why }),
+    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live) {
+        Ok(InNamespaceHealed::Replaced) => Ok(ForeignHealed::Replaced),
+        Ok(InNamespaceHealed::Stacked { why }) => Ok(ForeignHealed::Stacked { why }),
+        // The host heal's propagation reached it first: live already.
+        Err(InNamespaceError::Changed { found_dev, .. }) if found_dev == source.dev => Ok(ForeignHealed::AlreadyLive),
+        Err(err) => Err(err.into()),
     }
 }
 
@@ -250,70 +338,154 @@ fn open_namespace_of(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedF
     Ok(file.into())
 }
 
-fn by_namespace(mounts: &[ForeignMount]) -> Vec<Vec<&ForeignMount>> {
-    let mut grouped: BTreeMap<u64, Vec<&ForeignMount>> = BTreeMap::new();
+fn by_namespace(mounts: &[ForeignMount]) -> Vec<Vec<ForeignMount>> {
+    let mut grouped: BTreeMap<u64, Vec<ForeignMount>> = BTreeMap::new();
     for foreign in mounts {
-        grouped.entry(foreign.namespace).or_default().push(foreign);
+        grouped.entry(foreign.namespace).or_default().push(foreign.clone());
     }
     grouped.into_values().collect()
 }
 
 /// Every mount of a group that failed as a whole, each with its own error.
 fn failed_all<T>(
-    mounts: &[&ForeignMount],
+    mounts: &[ForeignMount],
     err: impl Fn(&ForeignMount) -> ContainerHealError,
     wrap: impl Fn(ContainerHealError) -> T,
 ) -> Vec<(ForeignMount, T)> {
-    mounts.iter().map(|foreign| ((*foreign).clone(), wrap(err(foreign)))).collect()
+    mounts.iter().map(|foreign| (foreign.clone(), wrap(err(foreign)))).collect()
 }
 
-/// Runs `work` on each group on a scoped thread of its own (each enters a
-/// namespace, so none is reused) at `priority`, and collects the results; a
-/// group whose thread cannot start or panics is reported failed through
-/// `wrap`. At the normal priority, among 100 busy containers on two CPUs,
-/// each thread waited for a CPU behind the containers' shells: the heal of
-/// 100 took tens of milliseconds of mostly waiting (README, Limits).
-fn in_threads<T: Send, F>(
-    groups: &[Vec<&ForeignMount>],
+/// How long a heal waits for each namespace unless told otherwise
+/// (`--container-deadline`): an isolation or a replacement takes
+/// milliseconds (about 100 among 100 busy containers on two CPUs).
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(1);
+
+/// The threads that enter other mount namespaces, and how long a heal waits
+/// for them.
+///
+/// Whatever a tenant does in its namespace, a worker there may be held in
+/// the kernel for good (a FUSE request its server never answers cannot be
+/// interrupted, not even by SIGKILL). So the caller waits for each
+/// namespace's worker until the deadline only; a namespace not done by
+/// then is given up on for this heal (reported), and its worker is left
+/// behind: it ends whenever the kernel lets it. While it is held, no other
+/// worker is sent into that namespace, so a hostile tenant costs one thread
+/// and never more. At the heal priority: among 100 busy containers on two
+/// CPUs, each worker waited for a CPU behind the containers' shells.
+#[derive(Debug, Clone)]
+pub struct NamespaceWorkers {
     priority: HealPriority,
-    work: F,
-    wrap: impl Fn(ContainerHealError) -> T,
-) -> Vec<Vec<(ForeignMount, T)>>
-where
-    F: Fn(&[&ForeignMount]) -> Vec<(ForeignMount, T)> + Sync,
-{
-    std::thread::scope(|scope| {
-        let work = &work;
-        let handles: Vec<_> = groups
-            .iter()
-            .map(|group| {
-                let spawned =
-                    std::thread::Builder::new().name("container-heal".into()).spawn_scoped(scope, move || {
-                        priority.raise();
-                        work(group.as_slice())
-                    });
-                (group, spawned)
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|(group, spawned)| {
-                let thread_error = |message: &str| {
-                    let message = message.to_owned();
-                    move |foreign: &ForeignMount| ContainerHealError::Thread {
+    deadline: Duration,
+    /// Namespaces (by inode) a worker is in now.
+    busy: Arc<Mutex<BTreeSet<u64>>>,
+}
+
+/// Takes a namespace off the busy list when its worker ends, panicking or not.
+struct BusyUntilDropped {
+    busy: Arc<Mutex<BTreeSet<u64>>>,
+    namespace: u64,
+}
+
+impl Drop for BusyUntilDropped {
+    fn drop(&mut self) {
+        self.busy.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.namespace);
+    }
+}
+
+impl NamespaceWorkers {
+    pub fn new(priority: HealPriority, deadline: Duration) -> Self {
+        NamespaceWorkers { priority, deadline, busy: Arc::default() }
+    }
+
+    pub fn priority(&self) -> HealPriority {
+        self.priority
+    }
+
+    /// How many namespaces hold a worker now (each at most one).
+    pub fn busy(&self) -> usize {
+        self.busy.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Runs `work` on each group (the mounts of one namespace) on a worker of
+    /// its own, and collects what finished by the deadline; the rest, and a
+    /// group whose namespace still holds a worker or whose worker cannot
+    /// start or panics, are failed through `wrap`.
+    fn run<T, F>(
+        &self,
+        groups: Vec<Vec<ForeignMount>>,
+        work: F,
+        wrap: impl Fn(ContainerHealError) -> T,
+    ) -> Vec<(ForeignMount, T)>
+    where
+        T: Send + 'static,
+        F: Fn(&[ForeignMount]) -> Vec<(ForeignMount, T)> + Send + Sync + 'static,
+    {
+        let work = Arc::new(work);
+        let (done, finished) = mpsc::channel();
+        let mut outcomes = Vec::new();
+        let mut pending: BTreeMap<usize, Vec<ForeignMount>> = BTreeMap::new();
+        for (index, group) in groups.into_iter().enumerate() {
+            let Some(first) = group.first() else { continue };
+            let namespace = first.namespace;
+            if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace) {
+                let held = |foreign: &ForeignMount| ContainerHealError::StillHeld { pid: foreign.pid, namespace };
+                outcomes.extend(failed_all(&group, held, &wrap));
+                continue;
+            }
+            let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
+            let (work, done, priority, mounts) = (Arc::clone(&work), done.clone(), self.priority, group.clone());
+            let spawned = std::thread::Builder::new().name("container-heal".into()).spawn(move || {
+                priority.raise();
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&mounts)));
+                // Free before the caller hears of it: its next heal may
+                // come at once.
+                drop(leaving);
+                // The caller may have stopped waiting: nobody to tell then.
+                let _ = done.send((index, result.ok()));
+            });
+            match spawned {
+                Ok(_) => {
+                    pending.insert(index, group);
+                }
+                Err(err) => {
+                    let message = err.to_string();
+                    let failed = |foreign: &ForeignMount| ContainerHealError::Thread {
                         pid: foreign.pid,
                         source: io::Error::other(message.clone()),
-                    }
-                };
-                match spawned {
-                    Ok(handle) => {
-                        handle.join().unwrap_or_else(|_| failed_all(group, thread_error("the thread panicked"), &wrap))
-                    }
-                    Err(err) => failed_all(group, thread_error(&err.to_string()), &wrap),
+                    };
+                    outcomes.extend(failed_all(&group, failed, &wrap));
                 }
-            })
-            .collect()
-    })
+            }
+        }
+        drop(done);
+        let until = Instant::now() + self.deadline;
+        while !pending.is_empty() {
+            let Ok((index, result)) = finished.recv_timeout(until.saturating_duration_since(Instant::now())) else {
+                break;
+            };
+            let Some(group) = pending.remove(&index) else { continue };
+            match result {
+                Some(done) => outcomes.extend(done),
+                None => {
+                    let panicked = |foreign: &ForeignMount| ContainerHealError::Thread {
+                        pid: foreign.pid,
+                        source: io::Error::other("the thread panicked"),
+                    };
+                    outcomes.extend(failed_all(&group, panicked, &wrap));
+                }
+            }
+        }
+        let deadline_ms = self.deadline.as_millis() as u64;
+        for group in pending.into_values() {
+            let late = |foreign: &ForeignMount| ContainerHealError::Deadline {
+                pid: foreign.pid,
+                namespace: foreign.namespace,
+                deadline_ms,
+            };
+            outcomes.extend(failed_all(&group, late, &wrap));
+        }
+        outcomes
+    }
 }
 
 #[cfg(test)]
@@ -334,6 +506,77 @@ mod tests {
             source: "x".into(),
             table_order: mount_id,
         }
+    }
+
+    fn foreign(namespace: u64, mount_id: u32) -> ForeignMount {
+        ForeignMount {
+            namespace,
+            pid: 7,
+            mount: fuse(mount_id, 1, 50, "/data", "/"),
+            propagation: Propagation::Private,
+            pinned: None,
+        }
+    }
+
+    #[test]
+    fn a_namespace_that_misses_the_deadline_is_given_up_and_sent_nothing_more_until_its_worker_ends() {
+        let workers = NamespaceWorkers::new(HealPriority::OFF, Duration::from_millis(50));
+        let (release, held) = mpsc::channel::<()>();
+        let held = Arc::new(Mutex::new(held));
+        // Namespace 1's worker is held (as by a FUSE request nobody
+        // answers); namespace 2's is not.
+        let work = move |mounts: &[ForeignMount]| -> Vec<(ForeignMount, Result<(), ContainerHealError>)> {
+            if mounts[0].namespace == 1 {
+                let _ = held.lock().unwrap().recv();
+            }
+            mounts.iter().map(|foreign| (foreign.clone(), Ok(()))).collect()
+        };
+        type Work = dyn Fn(&[ForeignMount]) -> Vec<(ForeignMount, Result<(), ContainerHealError>)> + Send + Sync;
+        let work: Arc<Work> = Arc::new(work);
+        let run = |work: &Arc<Work>| {
+            let work = Arc::clone(work);
+            let mut outcomes = workers.run(
+                vec![vec![foreign(1, 10), foreign(1, 11)], vec![foreign(2, 20)]],
+                move |mounts: &[ForeignMount]| work(mounts),
+                Err,
+            );
+            outcomes.sort_by_key(|(foreign, _)| foreign.mount.mount_id);
+            outcomes
+        };
+        let first = run(&work);
+        assert!(matches!(first[0].1, Err(ContainerHealError::Deadline { namespace: 1, deadline_ms: 50, .. })));
+        assert!(matches!(first[1].1, Err(ContainerHealError::Deadline { namespace: 1, .. })));
+        assert!(first[2].1.is_ok(), "the other namespace is healed: {:?}", first[2].1);
+        assert_eq!(workers.busy(), 1);
+
+        // Still held: nothing more is sent there, the rest goes on.
+        let second = run(&work);
+        assert!(matches!(second[0].1, Err(ContainerHealError::StillHeld { namespace: 1, .. })));
+        assert!(second[2].1.is_ok());
+        assert_eq!(workers.busy(), 1, "no second worker in the held namespace");
+
+        // Once its worker is let go, the namespace is worked again.
+        release.send(()).unwrap();
+        while workers.busy() > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        release.send(()).unwrap();
+        let third = run(&work);
+        assert!(third.iter().all(|(_, outcome)| outcome.is_ok()), "{third:?}");
+    }
+
+    #[test]
+    fn a_worker_that_panics_fails_its_namespace_only() {
+        let workers = NamespaceWorkers::new(HealPriority::OFF, Duration::from_secs(60));
+        let work = |mounts: &[ForeignMount]| -> Vec<(ForeignMount, Result<(), ContainerHealError>)> {
+            assert_ne!(mounts[0].namespace, 1, "a bug in one namespace's work");
+            mounts.iter().map(|foreign| (foreign.clone(), Ok(()))).collect()
+        };
+        let mut outcomes = workers.run(vec![vec![foreign(1, 10)], vec![foreign(2, 20)]], work, Err);
+        outcomes.sort_by_key(|(foreign, _)| foreign.mount.mount_id);
+        assert!(matches!(outcomes[0].1, Err(ContainerHealError::Thread { pid: 7, .. })));
+        assert!(outcomes[1].1.is_ok());
+        assert_eq!(workers.busy(), 0);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
-use fuse_supervisor_sys::{ns, probe, resolve};
+use fuse_supervisor_sys::{ns, probe, resolve, statmount};
 
 use crate::model::table::{Dev, FuseMount};
 
@@ -71,6 +71,10 @@ pub enum InNamespaceError {
         "{path} in the mount namespace of process {pid} changed (mount {found} on {found_dev}, recorded {recorded})"
     )]
     Changed { pid: u32, path: PathBuf, recorded: u32, found: u32, found_dev: Dev },
+    #[error(
+        "{path} in the mount namespace of process {pid} lies below a {fs_type} mount at {below}, whose lookups its server may never answer; not walked"
+    )]
+    BelowStalling { pid: u32, path: PathBuf, below: PathBuf, fs_type: String },
     #[error("{step} failed for {path} in the mount namespace of process {pid}")]
     Mount {
         step: &'static str,
@@ -134,10 +138,17 @@ fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, 
 /// live mount, so mounts the container made under it would reach the
 /// source's namespace; `Slave` keeps a `HostToContainer` volume receiving
 /// the host's mounts, `Private` is a `None` volume's.
+///
+/// `live` is a handle on what to clone (the source's root, or the subPath's
+/// directory in it) that the caller already holds, the probe's: then
+/// nothing of the source is looked up again, so a new daemon that answered
+/// its probe and hangs since holds no thread here. Without it the source is
+/// opened through its mount point.
 pub fn heal_in_namespaces(
     heal: &InNamespaceHeal,
     namespaces: &HealNamespaces,
     clone_propagation: Option<Propagation>,
+    live: Option<BorrowedFd<'_>>,
 ) -> Result<InNamespaceHealed, InNamespaceError> {
     let source_pid = heal.source.pid;
     // The supervisor's /proc: the target namespace's may be another pid
@@ -148,22 +159,27 @@ pub fn heal_in_namespaces(
         source,
     })?;
     enter(namespaces.source.as_fd(), source_pid)?;
-    let live = open_recorded(source_pid, &heal.source.mount)?;
     let step = |step, pid, path: &Path| {
         let path = path.to_path_buf();
         move |source| InNamespaceError::Mount { step, pid, path, source }
     };
-    let from = if heal.subdir.as_os_str().is_empty() {
-        live
-    } else {
-        let path = heal.source.mount.mount_point.join(&heal.subdir);
-        probe::open_within_mount(live.as_fd(), &heal.subdir).map_err(|source| InNamespaceError::Resolve {
-            pid: source_pid,
-            path,
-            source,
-        })?
+    let opened;
+    let from = match live {
+        Some(live) => live,
+        None => {
+            let live = open_recorded(source_pid, &heal.source.mount)?;
+            opened =
+                if heal.subdir.as_os_str().is_empty() {
+                    live
+                } else {
+                    let path = heal.source.mount.mount_point.join(&heal.subdir);
+                    probe::open_within_mount(live.as_fd(), &heal.subdir)
+                        .map_err(|source| InNamespaceError::Resolve { pid: source_pid, path, source })?
+                };
+            opened.as_fd()
+        }
     };
-    let clone = mount::clone_mount(from.as_fd()).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
+    let clone = mount::clone_mount(from).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
     if let Some(propagation) = clone_propagation {
         mount::set_propagation_of(clone.as_fd(), propagation).map_err(step(
             "set the clone's propagation",
@@ -211,26 +227,90 @@ fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), InNamespaceError> {
 /// Resolves `recorded.mount_point` beneath the root of the namespace the
 /// thread is in (no symlinks, no magic links: the container's tree is not
 /// trusted) and checks that the mount on top there is the recorded one.
+///
+/// One component at a time, and never a name looked up inside a mount whose
+/// lookups a tenant's or a remote server answers (FUSE, network
+/// filesystems, an overlay that may stack them; the namespace's root mount
+/// is the runtime's and is trusted): a tenant that mounts its own FUSE
+/// filesystem above its copy of a volume and stops answering would
+/// otherwise hold the walking thread in the kernel for good. Crossing onto a
+/// mount asks its filesystem nothing; only the lookup of a name inside it
+/// would, and that is refused. The mount point itself may be FUSE: it is
+/// the recorded mount, checked without asking its server.
 pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, InNamespaceError> {
     let path = &recorded.mount_point;
     let resolve_error = |source| InNamespaceError::Resolve { pid, path: path.clone(), source };
-    let root = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
-    let inside = path.strip_prefix("/").unwrap_or(path);
-    let fd = if inside.as_os_str().is_empty() {
-        root
-    } else {
-        resolve::open_beneath(root.as_fd(), inside).map_err(resolve_error)?
-    };
-    let found = resolve::mount_id_of(fd.as_fd()).map_err(resolve_error)?;
-    let found_dev = Dev::from(resolve::device_of(fd.as_fd()).map_err(resolve_error)?);
-    if found != recorded.mount_id || found_dev != recorded.dev {
+    let mut at = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
+    let mut at_mount = resolve::mount_id_of(at.as_fd()).map_err(resolve_error)?;
+    let mut walked = PathBuf::from("/");
+    let mut components = path.strip_prefix("/").unwrap_or(path).components().peekable();
+    while let Some(component) = components.next() {
+        let next = resolve::open_beneath(at.as_fd(), Path::new(component.as_os_str())).map_err(resolve_error)?;
+        walked.push(component);
+        let next_mount = resolve::mount_id_of(next.as_fd()).map_err(resolve_error)?;
+        if components.peek().is_some()
+            && next_mount != at_mount
+            && let Some(fs_type) = stalling_fs_type(next.as_fd())
+        {
+            return Err(InNamespaceError::BelowStalling { pid, path: path.clone(), below: walked, fs_type });
+        }
+        (at, at_mount) = (next, next_mount);
+    }
+    let found_dev = Dev::from(resolve::device_of(at.as_fd()).map_err(resolve_error)?);
+    if at_mount != recorded.mount_id || found_dev != recorded.dev {
         return Err(InNamespaceError::Changed {
             pid,
             path: path.clone(),
             recorded: recorded.mount_id,
-            found,
+            found: at_mount,
             found_dev,
         });
     }
-    Ok(fd)
+    Ok(at)
+}
+
+/// The type of the mount `fd` is on, if a lookup inside it may wait on a
+/// server that never answers. Asked of the kernel's mount (`statmount`),
+/// never of the filesystem; a kernel without `statmount` (before 6.8)
+/// cannot tell, and the walk goes on as it always did.
+fn stalling_fs_type(fd: BorrowedFd<'_>) -> Option<String> {
+    let unique = resolve::unique_mount_id_of(fd).ok()?;
+    let fs_type = statmount::fs_type(unique).ok()?;
+    lookups_may_stall(&fs_type).then_some(fs_type)
+}
+
+/// FUSE (a tenant's own server, or a hung daemon), the network
+/// filesystems (a server away), and overlays, whose layers may be either.
+fn lookups_may_stall(fs_type: &str) -> bool {
+    fs_type.starts_with("fuse")
+        || fs_type.starts_with("nfs")
+        || matches!(
+            fs_type,
+            "overlay"
+                | "cifs"
+                | "smb3"
+                | "smbfs"
+                | "9p"
+                | "ceph"
+                | "glusterfs"
+                | "afs"
+                | "lustre"
+                | "virtiofs"
+                | "gfs2"
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuse_network_and_overlay_mounts_may_stall_a_lookup() {
+        for stalls in ["fuse", "fuse.bindfs", "fuseblk", "nfs", "nfs4", "cifs", "9p", "ceph", "overlay", "virtiofs"] {
+            assert!(lookups_may_stall(stalls), "{stalls}");
+        }
+        for answers in ["ext4", "xfs", "tmpfs", "proc", "btrfs", "squashfs"] {
+            assert!(!lookups_may_stall(answers), "{answers}");
+        }
+    }
 }

@@ -13,6 +13,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
+use std::time::Duration;
 
 use fuse_supervisor_sys::{fds, mount, ns, resolve};
 use tracing::{debug, info, warn};
@@ -195,7 +196,14 @@ pub trait Executor {
     /// the `dead` connections in other namespaces with clones of `source`,
     /// in parallel, and says how each went. Called after every heal, with
     /// no dead connection too.
-    fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
+    /// `live` are the handles the source's probe opened, when there was one:
+    /// the heals clone those rather than open the source again.
+    fn heal_containers(
+        &mut self,
+        _dead: &BTreeSet<Dev>,
+        _source: &FuseMount,
+        _live: Option<&SourceHandles>,
+    ) -> Vec<ContainerOutcome> {
         Vec::new()
     }
 
@@ -256,7 +264,7 @@ pub struct MountExecutor {
     mount_beneath: bool,
     /// The watched namespace, which container heals clone the source in,
     /// and its inode, which the search for containers skips.
-    watched: OwnedFd,
+    watched: Arc<OwnedFd>,
     watched_inode: u64,
     /// Mounts of dead connections in other namespaces, isolated when their
     /// daemon died and replaced at the heal.
@@ -268,8 +276,8 @@ pub struct MountExecutor {
     /// their device numbers are nobody else's while containers are searched
     /// by number for mounts made during the outage.
     pinned: Vec<OwnedFd>,
-    /// The flatten helpers' and the container heals' priority.
-    priority: HealPriority,
+    /// Where the work in containers' namespaces runs, with its deadline.
+    workers: containers::NamespaceWorkers,
 }
 
 impl MountExecutor {
@@ -284,7 +292,7 @@ impl MountExecutor {
             root_fd: resolve::open_dir(Path::new("/"))?,
             staging: Staging::prepare(staging_dir)?,
         });
-        let watched = ns::open_thread_mount_namespace()?;
+        let watched = Arc::new(ns::open_thread_mount_namespace()?);
         let watched_inode = std::fs::File::from(watched.try_clone()?).metadata()?.ino();
         let pool = FlattenPool::start(&mounter, &watched, priority);
         let mount_beneath = mount::move_mount_beneath_supported();
@@ -300,7 +308,7 @@ impl MountExecutor {
             isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
             namespaces: namespaces::Namespaces::new(Path::new("/proc")),
             pinned: Vec::new(),
-            priority,
+            workers: containers::NamespaceWorkers::new(priority, containers::DEFAULT_DEADLINE),
         })
     }
 
@@ -313,12 +321,24 @@ impl MountExecutor {
     /// Replaces `mounts` with clones of `source` (see
     /// [`containers::replace`]); each namespace healed now holds a mount
     /// of `source`'s connection, which the known namespaces are told.
-    fn replace_in_containers(&self, source: &FuseMount, mounts: &[containers::ForeignMount]) -> Vec<ContainerOutcome> {
-        let outcomes = containers::replace(&self.watched, source, &source.root, mounts, self.priority);
+    fn replace_in_containers(
+        &self,
+        source: &FuseMount,
+        live: Option<&containers::LiveHandles>,
+        mounts: &[containers::ForeignMount],
+    ) -> Vec<ContainerOutcome> {
+        let outcomes = containers::replace(&self.watched, source, live.cloned(), mounts, &self.workers);
         for (foreign, _) in outcomes.iter().filter(|(_, healed)| healed.is_ok()) {
             self.namespaces.healed_onto(foreign.namespace, source.dev);
         }
         outcomes
+    }
+
+    /// Waits for each namespace's share of an isolation or a heal in
+    /// containers until `deadline` (see [`containers::NamespaceWorkers`]).
+    pub fn with_container_deadline(mut self, deadline: Duration) -> Self {
+        self.workers = containers::NamespaceWorkers::new(self.workers.priority(), deadline);
+        self
     }
 
     /// Flattens as on a kernel that cannot slide a mount beneath another.
@@ -454,7 +474,7 @@ impl Executor for MountExecutor {
         }
         let searched_us = searching.elapsed().as_micros() as u64;
         found.mounts.extend(retried);
-        let failed = containers::isolate(&found.mounts, self.priority);
+        let failed = containers::isolate(&found.mounts, &self.workers);
         let namespaces = found.mounts.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
         let unisolated = failed.iter().map(|(foreign, _)| foreign.clone()).collect();
         let isolated = Isolated {
@@ -469,8 +489,15 @@ impl Executor for MountExecutor {
         Some(isolated)
     }
 
-    fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &FuseMount) -> Vec<ContainerOutcome> {
+    fn heal_containers(
+        &mut self,
+        dead: &BTreeSet<Dev>,
+        source: &FuseMount,
+        live: Option<&SourceHandles>,
+    ) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
+        let live = live.and_then(containers::LiveHandles::of);
+        let live = live.as_ref();
         let generation = self.namespaces.generation();
         let mut isolated = Vec::new();
         // The oldest search among the dead connections'.
@@ -479,7 +506,8 @@ impl Executor for MountExecutor {
             searched_at = Some(searched_at.map_or(at, |oldest| oldest.min(at)));
             isolated.extend(mounts);
         }
-        let mut outcomes = if isolated.is_empty() { Vec::new() } else { self.replace_in_containers(source, &isolated) };
+        let mut outcomes =
+            if isolated.is_empty() { Vec::new() } else { self.replace_in_containers(source, live, &isolated) };
         // Then the namespaces that got a copy of a dead mount during the
         // outage and were not isolated (a process that unshared its own
         // meanwhile; runc refuses to start a container on a dead volume):
@@ -512,7 +540,7 @@ impl Executor for MountExecutor {
                     "searched for dead mounts made during the outage"
                 );
                 if !found.mounts.is_empty() {
-                    outcomes.extend(self.replace_in_containers(source, &found.mounts));
+                    outcomes.extend(self.replace_in_containers(source, live, &found.mounts));
                 }
             }
             Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
@@ -522,7 +550,7 @@ impl Executor for MountExecutor {
     }
 
     fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
-        self.replace_in_containers(source, mounts)
+        self.replace_in_containers(source, None, mounts)
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {

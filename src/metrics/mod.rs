@@ -136,7 +136,7 @@ metrics! {
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
         "Stale mount layers removed from under healed targets";
     container_heals: Family<ResultLabel, Counter> = Family::default(), "container_heals",
-        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), failed";
+        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), propagated (live already), failed (retried), refused (the container changed its mount; retried), given_up (its namespace missed the deadline)";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",
@@ -169,7 +169,7 @@ impl Default for Metrics {
 /// from the start, so that a rate over them begins at the first scrape.
 const STATES: [&str; 4] = ["healthy", "broken", "healing", "failed"];
 const HEAL_RESULTS: [&str; 3] = ["stacked", "propagated", "failed"];
-const CONTAINER_HEAL_RESULTS: [&str; 3] = ["replaced", "stacked", "failed"];
+const CONTAINER_HEAL_RESULTS: [&str; 6] = ["replaced", "stacked", "propagated", "failed", "refused", "given_up"];
 /// Every way a watcher can lose events: the pod directories' inotify queue
 /// (or the watcher's own limit), the fanotify queue of mount events, the
 /// proc connector's socket buffer. (Mountinfo's flag and pidfds lose none.)
@@ -361,7 +361,7 @@ mod tests {
         for state in STATES {
             assert!(text.contains(&format!("{PREFIX}_targets{{state=\"{state}\"}} 0\n")), "{state}:\n{text}");
         }
-        for (family, results) in [("heals", HEAL_RESULTS), ("container_heals", CONTAINER_HEAL_RESULTS)] {
+        for (family, results) in [("heals", &HEAL_RESULTS[..]), ("container_heals", &CONTAINER_HEAL_RESULTS[..])] {
             for result in results {
                 let series = format!("{PREFIX}_{family}_total{{result=\"{result}\"}} 0\n");
                 assert!(text.contains(&series), "{series}:\n{text}");

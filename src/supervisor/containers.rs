@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::heal::Propagation;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
+use crate::heal::in_namespace::InNamespaceError;
+use crate::heal::probe::SourceHandles;
 use crate::heal::{ContainerOutcome, Executor};
 use crate::kube::cgroup::{PodContainer, container_of};
 use crate::model::state::retry_delay;
@@ -32,11 +34,18 @@ impl<E: Executor> Supervisor<E> {
     /// The containers' mounts of the `dead` connections, after the host
     /// heal from `source` (its mount `top`), in parallel: by a batch, or by
     /// the kernel's propagation of a mount over the stale source.
-    pub(super) fn heal_containers(&mut self, dead: &BTreeSet<Dev>, source: &Path, top: &FuseMount) {
+    /// `live` are the handles the source's probe opened, if it was probed.
+    pub(super) fn heal_containers(
+        &mut self,
+        dead: &BTreeSet<Dev>,
+        source: &Path,
+        top: &FuseMount,
+        live: Option<&SourceHandles>,
+    ) {
         // Called with no dead connection too: the executor lets go of what
         // it kept for the search after the heal.
         let started = Instant::now();
-        let outcomes = self.executor.heal_containers(dead, top);
+        let outcomes = self.executor.heal_containers(dead, top, live);
         // From the first sight of the new mount to the last container of
         // the batch healed (they heal at once, and are reported together).
         let latency = self.source_seen_at(source, top.dev).map(|seen| seen.elapsed().as_micros() as u64);
@@ -76,9 +85,14 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
-    /// Logs, counts and reports each outcome; a failure is retried unless
-    /// its namespace is gone. `attempts` are the failures so far of those
-    /// that are retries.
+    /// Logs, counts and reports each outcome. A failure is retried with
+    /// back-off unless its namespace is gone or missed the deadline (given
+    /// up: it waits for the next heal of its source); one the container's
+    /// own doing refused (its mount changed or was covered, or lies below a
+    /// mount whose server may never answer) is counted apart. Failures are
+    /// logged once per namespace and reason, however many mounts the
+    /// namespace holds, so the log grows with namespaces, not mounts.
+    /// `attempts` are the failures so far of those that are retries.
     fn container_outcomes(
         &mut self,
         outcomes: Vec<ContainerOutcome>,
@@ -89,6 +103,7 @@ impl<E: Executor> Supervisor<E> {
     ) {
         let took_us = started.elapsed().as_micros() as u64;
         let mut by_pod = BTreeMap::new();
+        let mut failures: BTreeMap<(u64, &'static str), Failures> = BTreeMap::new();
         for (foreign, outcome) in outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
             let propagation = match foreign.propagation {
@@ -99,8 +114,8 @@ impl<E: Executor> Supervisor<E> {
             let pod = owner.as_ref().map(|owner| format!("{}/{}", owner.namespace, owner.pod));
             let (pod, container) = (pod.as_deref(), owner.as_ref().map(|owner| owner.container.as_str()));
             let failed_before = attempts.iter().find(|(retried, _)| *retried == foreign).map_or(0, |(_, n)| *n);
-            if let (Some(owner), Ok(healed)) = (&owner, &outcome) {
-                tally(&mut by_pod, owner, healed);
+            if let Some(owner) = &owner {
+                tally(&mut by_pod, owner, &outcome);
             }
             let result = match &outcome {
                 Ok(ForeignHealed::Replaced) => {
@@ -111,24 +126,55 @@ impl<E: Executor> Supervisor<E> {
                     warn!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
                     "stacked"
                 }
+                Ok(ForeignHealed::AlreadyLive) => {
+                    debug!(pod, container, namespace, pid, mount_point = %mount_point, "container's mount already live (propagated); nothing to do");
+                    "propagated"
+                }
                 Err(err) if namespace_gone(err) => {
                     info!(pod, container, namespace, pid, mount_point = %mount_point, "container gone before its heal; nothing left to heal");
                     continue;
                 }
                 Err(err) => {
-                    let attempts = failed_before + 1;
-                    let delay = retry_delay(attempts);
-                    warn!(pod, container, namespace, pid, mount_point = %mount_point, err = %error_chain(err), attempts, retry_in_ms = delay.as_millis() as u64, "container heal failed");
-                    self.container_retries.push(ContainerRetry {
-                        foreign: foreign.clone(),
-                        source: source.to_path_buf(),
-                        attempts,
-                        retry_at: Instant::now() + delay,
+                    let why = why_failed(err);
+                    let failures = failures.entry((namespace, why)).or_insert_with(|| Failures {
+                        pid,
+                        pod: pod.map(str::to_owned),
+                        container: container.map(str::to_owned),
+                        first: format!("{}: {}", mount_point, error_chain(err)),
+                        mounts: 0,
+                        attempts: failed_before + 1,
                     });
-                    "failed"
+                    failures.mounts += 1;
+                    if why != "given_up" {
+                        let attempts = failed_before + 1;
+                        self.container_retries.push(ContainerRetry {
+                            foreign: foreign.clone(),
+                            source: source.to_path_buf(),
+                            attempts,
+                            retry_at: Instant::now() + retry_delay(attempts),
+                        });
+                    }
+                    why
                 }
             };
             self.reporters.report(&Report::ContainerHealed { source, result });
+        }
+        for ((namespace, why), failed) in failures {
+            let Failures { pid, pod, container, first, mounts, attempts } = failed;
+            let (pod, container) = (pod.as_deref(), container.as_deref());
+            match why {
+                "failed" => {
+                    let retry_in_ms = retry_delay(attempts).as_millis() as u64;
+                    warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal failed; retried");
+                }
+                "given_up" => {
+                    warn!(pod, container, namespace, pid, mounts, first = %first, "container heal given up: its namespace did not answer in time; waits for the next heal of its source")
+                }
+                _ => {
+                    let retry_in_ms = retry_delay(attempts).as_millis() as u64;
+                    warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal refused: the container changed its mount; retried")
+                }
+            }
         }
         for heals in by_pod.values() {
             self.reporters.report(&Report::ContainersHealed { source, heals });
@@ -154,19 +200,36 @@ impl ContainerRetry {
     }
 }
 
+/// A namespace's failures of one kind in one heal, logged as one line.
+struct Failures {
+    pid: u32,
+    pod: Option<String>,
+    container: Option<String>,
+    /// The first mount's, with its error.
+    first: String,
+    mounts: usize,
+    attempts: u32,
+}
+
 /// Counts a container heal into its pod's, by pod UID.
-fn tally(by_pod: &mut BTreeMap<String, ContainersHealed>, owner: &PodContainer, healed: &ForeignHealed) {
+fn tally(
+    by_pod: &mut BTreeMap<String, ContainersHealed>,
+    owner: &PodContainer,
+    healed: &Result<ForeignHealed, ContainerHealError>,
+) {
     let heals = by_pod.entry(owner.pod_uid.clone()).or_insert_with(|| ContainersHealed {
         namespace: owner.namespace.clone(),
         pod: owner.pod.clone(),
         pod_uid: owner.pod_uid.clone(),
         ..ContainersHealed::default()
     });
-    heals.containers.insert(owner.container.clone());
     match healed {
-        ForeignHealed::Replaced => heals.replaced += 1,
-        ForeignHealed::Stacked { .. } => heals.stacked += 1,
+        Ok(ForeignHealed::Replaced) => heals.replaced += 1,
+        Ok(ForeignHealed::Stacked { .. }) => heals.stacked += 1,
+        Err(err) if why_failed(err) == "given_up" => heals.given_up += 1,
+        Ok(ForeignHealed::AlreadyLive) | Err(_) => return,
     }
+    heals.containers.insert(owner.container.clone());
 }
 
 /// The container exited (no process is left in its namespace): nothing to
@@ -176,6 +239,27 @@ fn namespace_gone(err: &ContainerHealError) -> bool {
         ContainerHealError::NamespaceGone { .. } => true,
         ContainerHealError::OpenNamespace { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
         _ => false,
+    }
+}
+
+/// How a container heal failed, as counted: `given_up` (its namespace missed
+/// the deadline, or still holds a worker of an earlier heal), `refused`
+/// (the container changed or covered its mount, or put it below a mount
+/// whose server may never answer: retrying would fail the same way until
+/// it changes again) or `failed` (retried with back-off).
+fn why_failed(err: &ContainerHealError) -> &'static str {
+    match err {
+        ContainerHealError::Deadline { .. } | ContainerHealError::StillHeld { .. } => "given_up",
+        ContainerHealError::InNamespace(InNamespaceError::Changed { .. } | InNamespaceError::BelowStalling { .. }) => {
+            "refused"
+        }
+        // A symlink or a mount point gone: the container's own doing.
+        ContainerHealError::InNamespace(InNamespaceError::Resolve { source, .. })
+            if fuse_supervisor_sys::resolve::refused_by_tree(source) =>
+        {
+            "refused"
+        }
+        _ => "failed",
     }
 }
 
@@ -204,15 +288,27 @@ mod tests {
             container: container.into(),
         };
         let mut by_pod = BTreeMap::new();
-        tally(&mut by_pod, &owner("a", "app"), &ForeignHealed::Replaced);
-        tally(&mut by_pod, &owner("a", "sync"), &ForeignHealed::Stacked { why: std::io::Error::other("busy") });
-        tally(&mut by_pod, &owner("a", "app"), &ForeignHealed::Replaced);
-        tally(&mut by_pod, &owner("b", "app"), &ForeignHealed::Replaced);
+        let outcome = |healed| Ok(healed);
+        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced));
+        tally(
+            &mut by_pod,
+            &owner("a", "sync"),
+            &outcome(ForeignHealed::Stacked { why: std::io::Error::other("busy") }),
+        );
+        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced));
+        tally(&mut by_pod, &owner("b", "app"), &outcome(ForeignHealed::Replaced));
+        tally(
+            &mut by_pod,
+            &owner("b", "late"),
+            &Err(ContainerHealError::Deadline { pid: 7, namespace: 9, deadline_ms: 1000 }),
+        );
+        tally(&mut by_pod, &owner("b", "done"), &outcome(ForeignHealed::AlreadyLive));
         let a = &by_pod["uid-a"];
         assert_eq!((a.pod.as_str(), a.replaced, a.stacked), ("a", 2, 1));
         assert_eq!(a.containers, ["app".to_owned(), "sync".to_owned()].into());
         let b = &by_pod["uid-b"];
-        assert_eq!((b.replaced, b.stacked, b.containers.len()), (1, 0, 1));
+        assert_eq!((b.replaced, b.stacked, b.given_up), (1, 0, 1));
+        assert_eq!(b.containers, ["app".to_owned(), "late".to_owned()].into(), "one already live is no heal");
         assert_eq!(by_pod.len(), 2);
     }
 }

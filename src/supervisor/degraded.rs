@@ -429,7 +429,7 @@ impl<E: Executor> Supervisor<E> {
         // propagated onto them.
         for (source, dead) in containers_of {
             let Some(stack) = classified.sources.get(&source) else { continue };
-            self.heal_containers(&BTreeSet::from([dead]), &source, stack.top());
+            self.heal_containers(&BTreeSet::from([dead]), &source, stack.top(), None);
         }
     }
 

@@ -162,7 +162,7 @@ impl<E: Executor> Supervisor<E> {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
         if !put_off {
-            self.heal_containers(&dead, &batch.source.path, batch.source.top());
+            self.heal_containers(&dead, &batch.source.path, batch.source.top(), Some(handles));
         }
     }
 }

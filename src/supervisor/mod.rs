@@ -93,6 +93,9 @@ pub struct Config {
     pub heal_priority: HealPriority,
     /// How the containers holding a dead connection's mounts are found.
     pub container_namespaces: ContainerNamespaces,
+    /// How long an isolation or a heal waits for each container's
+    /// namespace before it gives that namespace up for this heal.
+    pub container_deadline: Duration,
 }
 
 /// How the mount namespaces of containers are known (see

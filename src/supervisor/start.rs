@@ -258,16 +258,15 @@ impl Supervisor<MountExecutor> {
         events: Sender<Event>,
         heal_activity: Arc<HealActivity>,
     ) -> Result<Self, SupervisorError> {
-        let executor =
-            MountExecutor::new(&config.kubelet_root, &config.staging_dir, config.heal_priority).map_err(|source| {
-                SupervisorError::Open {
-                    what: format!(
-                        "kubelet root {} and staging mount {}",
-                        config.kubelet_root.display(),
-                        config.staging_dir.display()
-                    ),
-                    source,
-                }
+        let executor = MountExecutor::new(&config.kubelet_root, &config.staging_dir, config.heal_priority)
+            .map(|executor| executor.with_container_deadline(config.container_deadline))
+            .map_err(|source| SupervisorError::Open {
+                what: format!(
+                    "kubelet root {} and staging mount {}",
+                    config.kubelet_root.display(),
+                    config.staging_dir.display()
+                ),
+                source,
             })?;
         Ok(Supervisor::with_executor(config, reader, executor, events, heal_activity))
     }

@@ -114,7 +114,7 @@ impl<E: Executor> Supervisor<E> {
             // Unless done at the death: the covered layers keep the dead
             // connection's device number from being reused meanwhile.
             self.isolate_containers(dead);
-            self.heal_containers(&BTreeSet::from([dead]), &source, &top);
+            self.heal_containers(&BTreeSet::from([dead]), &source, &top, None);
         }
     }
 

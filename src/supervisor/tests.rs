@@ -122,7 +122,12 @@ impl Executor for RecordingExecutor {
         Err(HealError::NotAbsolute { path: source.to_path_buf() })
     }
 
-    fn heal_containers(&mut self, _dead: &BTreeSet<Dev>, _source: &FuseMount) -> Vec<ContainerOutcome> {
+    fn heal_containers(
+        &mut self,
+        _dead: &BTreeSet<Dev>,
+        _source: &FuseMount,
+        _live: Option<&crate::heal::probe::SourceHandles>,
+    ) -> Vec<ContainerOutcome> {
         std::mem::take(&mut self.containers)
     }
 }
@@ -192,6 +197,7 @@ impl Harness {
             health: Arc::default(),
             heal_priority: HealPriority::OFF,
             container_namespaces: super::ContainerNamespaces::Walk,
+            container_deadline: crate::heal::containers::DEFAULT_DEADLINE,
         };
         let table = SetTable::default();
         let calls = Arc::default();
@@ -464,6 +470,7 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
             table_order: 0,
         },
         propagation: Propagation::Private,
+        pinned: None,
     };
     harness.supervisor.executor.containers = vec![
         (foreign(4242, 1), Ok(ForeignHealed::Replaced)),

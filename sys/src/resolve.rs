@@ -63,6 +63,14 @@ pub fn read_small_file(path: &Path, limit: usize) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// Whether a resolution failed on the tree itself: a symlink on the way
+/// (`ELOOP`), an escape or a crossing refused (`EXDEV`), a component gone
+/// or not a directory. Whoever owns the tree did that; trying again finds
+/// the same until they change it.
+pub fn refused_by_tree(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ELOOP | libc::EXDEV | libc::ENOENT | libc::ENOTDIR))
+}
+
 /// The 32-bit mount ID (the first field of mountinfo) of the mount `fd` is on.
 ///
 /// `statx(fd, "", AT_EMPTY_PATH|AT_STATX_DONT_SYNC|AT_SYMLINK_NOFOLLOW, 0)`:

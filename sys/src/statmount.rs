@@ -230,6 +230,15 @@ pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
     })
 }
 
+/// The filesystem type of the mount with unique ID `unique_id` in the
+/// calling thread's mount namespace (`fuse`, without the subtype), asking
+/// for nothing else: no path, however long, is copied.
+pub fn fs_type(unique_id: u64) -> io::Result<String> {
+    let answer = query(Namespace::Current.request(unique_id, u64::from(STATMOUNT_FS_TYPE)))?;
+    let answer = Answer::new(&answer, STATMOUNT_FS_TYPE)?;
+    Ok(String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned())
+}
+
 fn truncated() -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, "statmount answer shorter than its fields say")
 }

@@ -80,6 +80,7 @@ impl NodeArgs {
             health: Arc::default(),
             heal_priority: HealPriority::realtime(self.realtime_priority),
             container_namespaces: ContainerNamespaces::Events,
+            container_deadline: fuse_supervisor::heal::containers::DEFAULT_DEADLINE,
         })
     }
 }

@@ -204,6 +204,12 @@ pub(crate) struct WatchArgs {
     /// death and after each heal.
     #[arg(long, value_enum, default_value = "events", env = "FUSE_SUPERVISOR_CONTAINER_NAMESPACES")]
     pub(crate) container_namespaces: ContainerNamespacesArg,
+    /// How long a daemon's death or a heal waits for each container's mount
+    /// namespace (making its dead mounts private, replacing them); a
+    /// namespace not done by then is given up on for this heal, reported,
+    /// and never holds up the other pods.
+    #[arg(long, default_value = "1s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_CONTAINER_DEADLINE")]
+    pub(crate) container_deadline: Duration,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -352,6 +358,7 @@ pub(crate) fn command(
                 daemons: daemons.watch(),
                 watch: watch.mode(),
                 container_namespaces: watch.container_namespaces(),
+                container_deadline: watch.container_deadline,
                 ..config
             })
         })

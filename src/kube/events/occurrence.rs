@@ -31,6 +31,9 @@ pub enum Reason {
     /// Containers of a pod were healed in their own mount namespaces after
     /// the host heal (Normal, on the pod).
     ContainersHealed,
+    /// Some containers of a pod were given up on for this heal: their mount
+    /// namespace was not done within the deadline (Warning, on the pod).
+    ContainersGivenUp,
 }
 
 impl Reason {
@@ -44,6 +47,7 @@ impl Reason {
             Reason::SourceDetached => "FuseSourceDetached",
             Reason::DaemonFlapping => "FuseDaemonFlapping",
             Reason::ContainersHealed => "FuseContainersHealed",
+            Reason::ContainersGivenUp => "FuseContainerHealGivenUp",
         }
     }
 
@@ -51,7 +55,7 @@ impl Reason {
     pub fn action(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::MountRestored => "Detect",
-            Reason::MountHealed | Reason::HealFailed | Reason::ContainersHealed => "Heal",
+            Reason::MountHealed | Reason::HealFailed | Reason::ContainersHealed | Reason::ContainersGivenUp => "Heal",
             Reason::DaemonRestarted => "Confirm",
             Reason::SourceDetached => "Detach",
             Reason::DaemonFlapping => "Detect",
@@ -61,7 +65,7 @@ impl Reason {
     /// `Normal` or `Warning`.
     pub fn event_type(self) -> &'static str {
         match self {
-            Reason::MountBroken | Reason::HealFailed | Reason::DaemonFlapping => "Warning",
+            Reason::MountBroken | Reason::HealFailed | Reason::DaemonFlapping | Reason::ContainersGivenUp => "Warning",
             Reason::MountHealed
             | Reason::DaemonRestarted
             | Reason::MountRestored
@@ -212,7 +216,7 @@ impl Occurrence {
                 now,
             ),
             Report::ContainersHealed { source, heals } => (
-                Reason::ContainersHealed,
+                if heals.given_up > 0 { Reason::ContainersGivenUp } else { Reason::ContainersHealed },
                 Regarding::Pod(PodRef {
                     namespace: heals.namespace.clone(),
                     name: heals.pod.clone(),
@@ -258,6 +262,13 @@ fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
         hows.push(format!(
             "{} live again with the new mount stacked on the dead one, which stays beneath until the container exits",
             heals.stacked
+        ));
+    }
+    if heals.given_up > 0 {
+        hows.push(format!(
+            "{} given up on: the container's mount namespace was not done in time (its own mounts held the heal); \
+             tried again at the source's next heal",
+            heals.given_up
         ));
     }
     format!("FUSE volume mounts from {} healed inside {inside}: {}{listed}", source.display(), hows.join(", "))
@@ -408,6 +419,7 @@ mod tests {
             containers: ["sync".to_owned(), "app".to_owned()].into(),
             replaced: 1,
             stacked: 1,
+            given_up: 0,
         };
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
         let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
@@ -439,5 +451,23 @@ mod tests {
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &many };
         let note = Occurrence::from_report(&report, SystemTime::now()).unwrap().note;
         assert!(note.len() > 1024 && note[..1024].contains("200 replaced by the live mount"), "{note}");
+    }
+
+    #[test]
+    fn containers_given_up_on_are_a_warning_on_their_pod() {
+        let heals = ContainersHealed {
+            namespace: "data".into(),
+            pod: "trainer".into(),
+            pod_uid: "uid-1".into(),
+            containers: ["app".to_owned(), "tenant".to_owned()].into(),
+            replaced: 1,
+            stacked: 0,
+            given_up: 1,
+        };
+        let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!(occurrence.reason.as_str(), "FuseContainerHealGivenUp");
+        assert_eq!((occurrence.reason.event_type(), occurrence.reason.action()), ("Warning", "Heal"));
+        assert!(occurrence.note.contains("1 replaced by the live mount, 1 given up on"), "{}", occurrence.note);
     }
 }
