@@ -9,14 +9,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::kube::job::{PointError, record_mounts, unmount_devices, unmount_recorded};
+use fuse_supervisor::kube::job::{
+    PointError, RecordedMount, UnmountError, record_mounts, unmount_devices, unmount_recorded,
+};
 use fuse_supervisor::model::table::Snapshot;
 use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
 };
-use fuse_supervisor::testbed::{Sandbox, SandboxChild, system};
+use fuse_supervisor::testbed::tenant::TenantFuse;
+use fuse_supervisor::testbed::{ContainerReader, Sandbox, SandboxChild, system};
 use fuse_supervisor::watch::processes::fuse_server::MountDevice;
 use serde_json::{Value, json};
 
@@ -446,4 +449,45 @@ fn recorded_mounts_are_detached_through_the_descriptor_checked() {
     assert_eq!(unmounted, expected);
     assert!(fuse_mount_ids_at(&sandbox, &mount_point).is_empty(), "{}", sandbox.mountinfo());
     assert!(fuse_mount_ids_at(&sandbox, &target).is_empty(), "{}", sandbox.mountinfo());
+}
+
+/// A container's copy of the FUSE volume bound beneath a tenant's own FUSE
+/// mount: reaching it would ask the tenant's daemon, so it is left and
+/// reported by path (the container's own copy is unmounted); and a
+/// recorded mount whose path walks through that daemon (a table read
+/// before the tenant mounted) holds the unmount thread, which the caller
+/// stops waiting for at the deadline, naming the namespace.
+#[test]
+fn a_mount_beneath_a_tenants_fuse_is_not_walked_and_a_hung_walk_is_not_waited_for() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared").expect("demofs");
+    let volume = source.bind_volume(&sandbox, UID, "data").expect("bind into the pod");
+    let reader = ContainerReader::spawn(&sandbox, binary, "app", &volume, Path::new(DATA_FILE)).expect("container");
+    let pid = reader.child().pid();
+    let namespace = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
+    let rootfs = sandbox.root().join("containers/app/rootfs");
+    let (tenant_dir, copy) = (rootfs.join("tenant"), rootfs.join("volume"));
+    let tenant =
+        TenantFuse::mount_over_copy(&sandbox, binary, &namespace, &tenant_dir, &copy, "hidden").expect("tenant");
+    let devices = devices_at(&sandbox, &source.path);
+
+    let recorded = record_mounts(&namespace, &devices, Instant::now() + TIMEOUT).expect("recorded");
+    let [refused] = &recorded.refused[..] else { panic!("one refusal expected: {:?}", recorded.refused) };
+    assert!(matches!(refused, PointError::BeneathOtherFuse { fuse, .. } if *fuse == tenant_dir), "{refused}");
+    assert_eq!(refused.path(), tenant.copy);
+    let recorded_points: Vec<&Path> = recorded.mounts.iter().map(|m| m.mount_point.as_path()).collect();
+    assert_eq!(recorded_points, [copy.as_path()]);
+
+    let beneath = RecordedMount { mount_point: tenant.copy.clone(), ..recorded.mounts[0].clone() };
+    let overdue = unmount_recorded(&namespace, &[beneath], Instant::now() + Duration::from_millis(500));
+    assert!(matches!(&overdue, Err(UnmountError::Overdue { path, .. }) if *path == namespace), "{overdue:?}");
+    // Released, the held thread finds another mount there and leaves it.
+    tenant.release().expect("release the tenant");
+    drop(tenant);
+
+    let done = unmount_devices(&namespace, &devices, Instant::now() + TIMEOUT).expect("unmount ran");
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    assert_eq!(done.unmounted, [copy]);
+    reader.wait_until(TIMEOUT, |seen| seen.error().is_some()).expect("the container's copy is gone");
 }
