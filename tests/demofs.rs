@@ -31,12 +31,18 @@ impl Daemon {
     /// Starts a daemon serving `backing` on `mountpoint` (sandbox paths) and
     /// returns once it has printed `ready`.
     fn start(sandbox: &Sandbox, backing: &Path, mountpoint: &Path) -> Daemon {
+        Daemon::start_with(sandbox, backing, mountpoint, &[])
+    }
+
+    /// Like [`Daemon::start`], with more arguments.
+    fn start_with(sandbox: &Sandbox, backing: &Path, mountpoint: &Path, args: &[&str]) -> Daemon {
         let mut command = Command::new(env!("CARGO_BIN_EXE_fuse-supervisor"));
         command
             .args(["internal", "demofs", "--name", NAME, "--backing"])
             .arg(backing)
             .arg("--mountpoint")
             .arg(mountpoint)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
         let mut child = sandbox.spawn(command).expect("spawn the demofs daemon");
@@ -339,4 +345,148 @@ fn a_watchdogs_next_child_serves_the_same_connection() {
     assert_eq!(fs::read_to_string(&data).unwrap(), source.expected_content());
     assert_eq!(fs::read_dir(sandbox.outside_path(&source.path)).unwrap().count(), 2, "data file and subdirectory");
     assert_eq!(mounts_at(&sandbox, &source.path), mounts, "the same mount");
+}
+
+/// Runs `call` on a thread of its own and returns what it answered, or
+/// None if it has not answered within a short while: a held request never
+/// answers, so any answer at all there would be wrong (not a timing
+/// assertion). The receiver gets the late answer.
+fn asked<T: Send + 'static>(call: impl FnOnce() -> T + Send + 'static) -> (Option<T>, mpsc::Receiver<T>) {
+    let (sender, answer) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(call());
+    });
+    match answer.recv_timeout(Duration::from_millis(300)) {
+        Ok(value) => (Some(value), answer),
+        Err(_) => (None, answer),
+    }
+}
+
+/// An answer that must come: a generous bound for a busy machine, as a hang
+/// would never end.
+fn answered<T>(answer: &mpsc::Receiver<T>, what: &str) -> T {
+    answer.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| panic!("{what} was not answered"))
+}
+
+/// `--hang-after-lookups 1`: a probe (statfs of the root, one lookup of a
+/// subPath directory) is answered, and so is a statfs after it; the next
+/// lookup and every request after it, a statfs too, wait until SIGUSR1,
+/// which answers them all; the mount then goes as usual.
+#[test]
+fn hang_after_lookups_answers_a_probe_then_nothing_until_released() {
+    use fuse_supervisor_sys::probe;
+    let sandbox = Sandbox::new().expect("sandbox: these tests must run as root");
+    let backing = make_backing(&sandbox);
+    let mountpoint = make_mountpoint(&sandbox);
+    let daemon = Daemon::start_with(&sandbox, &backing, &mountpoint, &["--hang-after-lookups", "1"]);
+    let root = sandbox.outside_path(&mountpoint);
+
+    let at = root.clone();
+    let (probed, _) = asked(move || {
+        let root = resolve::open_path(&at)?;
+        probe::statfs(root.as_fd())?;
+        probe::open_within_mount(root.as_fd(), Path::new("sub dir"))?;
+        probe::statfs(root.as_fd())
+    });
+    assert!(matches!(probed, Some(Ok(()))), "the probe: {probed:?}");
+
+    let file = root.join("top.txt");
+    let (read, read_late) = asked(move || fs::read_to_string(file).map_err(|err| err.kind()));
+    assert_eq!(read, None, "a lookup after the probe was answered");
+    let at = root.clone();
+    let (statfs, statfs_late) = asked(move || {
+        let root = resolve::open_path(&at).map_err(|err| err.kind())?;
+        probe::statfs(root.as_fd()).map_err(|err| err.kind())
+    });
+    assert_eq!(statfs, None, "a statfs after the held lookup was answered");
+
+    daemon.signal(Signal::Usr1);
+    assert_eq!(answered(&read_late, "the held lookup"), Ok("top\n".to_owned()));
+    assert_eq!(answered(&statfs_late, "the held statfs"), Ok(()));
+    ends_with_its_mount(&sandbox, &daemon, &mountpoint);
+}
+
+/// `--hang-lookup deeper --hang-lookup-after 1`: the first lookup of the
+/// name is answered, with a zero entry timeout, so the next walk asks
+/// again, and that lookup (of the name in any directory) waits while
+/// others and statfs are answered; SIGUSR1 answers it.
+#[test]
+fn hang_lookup_holds_only_that_name_and_caches_nothing() {
+    use fuse_supervisor_sys::probe;
+    let sandbox = Sandbox::new().expect("sandbox: these tests must run as root");
+    let backing = make_backing(&sandbox);
+    let outside = sandbox.outside_path(&backing);
+    fs::create_dir_all(outside.join("deeper")).unwrap();
+    let mountpoint = make_mountpoint(&sandbox);
+    let args = ["--hang-lookup", "deeper", "--hang-lookup-after", "1"];
+    let daemon = Daemon::start_with(&sandbox, &backing, &mountpoint, &args);
+    let root = sandbox.outside_path(&mountpoint);
+
+    let first = root.join("deeper");
+    let (walked, _) = asked(move || fs::metadata(first).map(|m| m.is_dir()).map_err(|err| err.kind()));
+    assert_eq!(walked, Some(Ok(true)), "the first lookup of the name");
+
+    let again = root.join("deeper");
+    let (held, held_late) = asked(move || fs::metadata(again).map(|m| m.is_dir()).map_err(|err| err.kind()));
+    assert_eq!(held, None, "a second walk was answered: from a cache, or the lookup was not held");
+    let nested = root.join("sub dir/deeper/empty");
+    let (nested, nested_late) = asked(move || fs::read(nested).map_err(|err| err.kind()));
+    assert_eq!(nested, None, "the name in another directory was answered");
+
+    let (others, _) = asked({
+        let root = root.clone();
+        move || {
+            // Not in `sub dir`: the kernel serializes the lookups of one
+            // directory (no FUSE_PARALLEL_DIROPS), so the held one there
+            // holds every other lookup in it too.
+            let read = fs::read_to_string(root.join("top.txt")).map_err(|err| err.kind());
+            let fd = resolve::open_path(&root).map_err(|err| err.kind())?;
+            probe::statfs(fd.as_fd()).map_err(|err| err.kind())?;
+            read
+        }
+    });
+    assert_eq!(others, Some(Ok("top\n".to_owned())), "other names and statfs");
+
+    daemon.signal(Signal::Usr1);
+    assert_eq!(answered(&held_late, "the held lookup"), Ok(true));
+    assert_eq!(answered(&nested_late, "the nested lookup"), Ok(Vec::new()));
+    ends_with_its_mount(&sandbox, &daemon, &mountpoint);
+}
+
+/// `--odd-replies`: the kernel takes a statfs of absurd figures, extreme
+/// attributes and 100,000 made-up 255-byte names after a listing (that no
+/// lookup finds), and the files still read.
+#[test]
+fn odd_replies_are_accepted_by_the_kernel() {
+    use std::os::unix::fs::MetadataExt;
+    let sandbox = Sandbox::new().expect("sandbox: these tests must run as root");
+    let backing = make_backing(&sandbox);
+    let mountpoint = make_mountpoint(&sandbox);
+    let daemon = Daemon::start_with(&sandbox, &backing, &mountpoint, &["--odd-replies"]);
+    let root = sandbox.outside_path(&mountpoint);
+
+    let usage = fuse_supervisor_sys::fuse::fs_usage(&root).expect("statfs");
+    assert_eq!((usage.blocks, usage.files, usage.blocks_available), (u64::MAX, u64::MAX, u64::MAX));
+    assert_eq!(usage.block_size, u64::from(u32::MAX));
+
+    let names: Vec<_> = fs::read_dir(&root).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    let real = fs::read_dir(sandbox.outside_path(&backing)).unwrap().count();
+    assert_eq!(names.len(), real + 100_000);
+    let made_up: Vec<_> = names.iter().filter(|name| name.len() == 255).collect();
+    assert_eq!(made_up.len(), 100_000);
+    let missing = fs::metadata(root.join(made_up[0])).expect_err("a made-up name was found");
+    assert_eq!(missing.kind(), ErrorKind::NotFound);
+
+    let top = fs::metadata(root.join("top.txt")).unwrap();
+    assert_eq!(top.nlink(), u64::from(u32::MAX));
+    assert_eq!(top.blocks(), u64::MAX);
+    assert_eq!(fs::read_to_string(root.join("top.txt")).unwrap(), "top\n");
+    ends_with_its_mount(&sandbox, &daemon, &mountpoint);
+}
+
+/// SIGTERM ends `daemon` cleanly and takes its mount along.
+fn ends_with_its_mount(sandbox: &Sandbox, daemon: &Daemon, mountpoint: &Path) {
+    daemon.signal(Signal::Term);
+    assert!(daemon.wait().success());
+    assert_eq!(mounts_at(sandbox, mountpoint), []);
 }

@@ -4,16 +4,23 @@
 //! container, a kubelet stand-in serving the pod as the test changes it,
 //! and `fuse-supervisor run` in the namespace.
 use std::fs;
+use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use fuse_supervisor::kube::job::{
+    PointError, RecordedMount, UnmountError, record_mounts, unmount_devices, unmount_recorded,
+};
+use fuse_supervisor::model::table::Snapshot;
 use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
 };
-use fuse_supervisor::testbed::{Sandbox, SandboxChild, system};
+use fuse_supervisor::testbed::tenant::TenantFuse;
+use fuse_supervisor::testbed::{ContainerReader, Sandbox, SandboxChild, system};
+use fuse_supervisor::watch::processes::fuse_server::MountDevice;
 use serde_json::{Value, json};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -359,4 +366,128 @@ fn sidecar_mode_heals_only_its_own_pods_targets() {
     let other_name = other_target.display().to_string();
     assert!(supervisor.log().iter().all(|line| !line.contains(&other_name)), "another pod's target was considered");
     supervisor.stop().expect("stop");
+}
+
+/// The devices of the FUSE mounts at `path` in the sandbox, as the
+/// lifecycle learns them from the daemon's descriptor.
+fn devices_at(sandbox: &Sandbox, path: &Path) -> Vec<MountDevice> {
+    let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).expect("the sandbox's table parses");
+    let devices: Vec<MountDevice> = snapshot
+        .fuse_mounts
+        .iter()
+        .filter(|m| m.mount_point == path)
+        .map(|m| MountDevice { major: m.dev.major, minor: m.dev.minor })
+        .collect();
+    assert!(!devices.is_empty(), "no FUSE mount at {}", path.display());
+    devices
+}
+
+/// A tenant swaps a directory on the mount point's path for a symlink to
+/// another mount after the lifecycle read its table: the unmount resolves
+/// the path anew without links, so it fails naming the path, and neither the
+/// other mount nor the FUSE mount (moved along with its directory) is touched.
+#[test]
+fn a_directory_swapped_for_a_symlink_after_the_table_was_read_unmounts_nothing_elsewhere() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let (tenant, victim) = (sandbox.root().join("tenant"), sandbox.root().join("victim"));
+    let mount_point = tenant.join("a/b/mnt");
+    let source =
+        FuseSource::start_at(&sandbox, Path::new(BINARY), Daemon::DemoFs, "swapped", &mount_point).expect("demofs");
+    let victim_mount = victim.join("b/mnt");
+    let at = victim_mount.clone();
+    sandbox
+        .run(move || {
+            fs::create_dir_all(&at)?;
+            fuse_supervisor_sys::mount::mount_tmpfs(&at)?;
+            fs::write(at.join("kept"), "victim")
+        })
+        .expect("the other mount");
+    let namespace = sandbox.namespace_path();
+    let deadline = || Instant::now() + TIMEOUT;
+
+    let recorded = record_mounts(&namespace, &devices_at(&sandbox, &mount_point), deadline()).expect("recorded");
+    assert!(recorded.refused.is_empty(), "{:?}", recorded.refused);
+    let recorded_points: Vec<&Path> = recorded.mounts.iter().map(|m| m.mount_point.as_path()).collect();
+    assert_eq!(recorded_points, [mount_point.as_path()]);
+
+    let (a, moved, target) = (tenant.join("a"), tenant.join("a.moved"), victim.clone());
+    sandbox.run(move || fs::rename(&a, moved).and_then(|()| symlink(target, &a))).expect("the tenant's swap");
+    let done = unmount_recorded(&namespace, &recorded.mounts, deadline()).expect("unmount ran");
+
+    assert!(done.unmounted.is_empty(), "unmounted {:?}", done.unmounted);
+    let [failed] = &done.failed[..] else { panic!("one failure expected: {:?}", done.failed) };
+    assert_eq!(failed.path(), mount_point);
+    assert!(
+        matches!(failed, PointError::Resolve { source, .. } if source.raw_os_error() == Some(40)),
+        "ELOOP: {failed}"
+    );
+    assert!(failed.to_string().contains(&mount_point.display().to_string()), "{failed}");
+    let kept = sandbox.outside_path(&victim_mount.join("kept"));
+    assert_eq!(fs::read_to_string(kept).expect("the other mount still serves"), "victim");
+    assert_eq!(sandbox.count_mounts_under(&victim_mount), 1, "{}", sandbox.mountinfo());
+    assert_eq!(fuse_mount_ids_at(&sandbox, &tenant.join("a.moved/b/mnt")).len(), 1, "{}", sandbox.mountinfo());
+    drop(source);
+}
+
+/// Without a swap the same two steps detach the FUSE mount through the
+/// descriptor they checked, and its daemon sees the unmount and exits.
+#[test]
+fn recorded_mounts_are_detached_through_the_descriptor_checked() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let mount_point = sandbox.root().join("tenant/a/b/mnt");
+    let source =
+        FuseSource::start_at(&sandbox, Path::new(BINARY), Daemon::DemoFs, "plain", &mount_point).expect("demofs");
+    let target = source.bind_volume(&sandbox, UID, "data").expect("bind into the pod");
+    let namespace = sandbox.namespace_path();
+    let devices = devices_at(&sandbox, &mount_point);
+    let done = unmount_devices(&namespace, &devices, Instant::now() + TIMEOUT).expect("unmount ran");
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    let mut unmounted = done.unmounted.clone();
+    unmounted.sort();
+    let mut expected = vec![mount_point.clone(), target.clone()];
+    expected.sort();
+    assert_eq!(unmounted, expected);
+    assert!(fuse_mount_ids_at(&sandbox, &mount_point).is_empty(), "{}", sandbox.mountinfo());
+    assert!(fuse_mount_ids_at(&sandbox, &target).is_empty(), "{}", sandbox.mountinfo());
+}
+
+/// A container's copy of the FUSE volume bound beneath a tenant's own FUSE
+/// mount: reaching it would ask the tenant's daemon, so it is left and
+/// reported by path (the container's own copy is unmounted); and a
+/// recorded mount whose path walks through that daemon (a table read
+/// before the tenant mounted) holds the unmount thread, which the caller
+/// stops waiting for at the deadline, naming the namespace.
+#[test]
+fn a_mount_beneath_a_tenants_fuse_is_not_walked_and_a_hung_walk_is_not_waited_for() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let binary = Path::new(BINARY);
+    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared").expect("demofs");
+    let volume = source.bind_volume(&sandbox, UID, "data").expect("bind into the pod");
+    let reader = ContainerReader::spawn(&sandbox, binary, "app", &volume, Path::new(DATA_FILE)).expect("container");
+    let pid = reader.child().pid();
+    let namespace = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
+    let rootfs = sandbox.root().join("containers/app/rootfs");
+    let (tenant_dir, copy) = (rootfs.join("tenant"), rootfs.join("volume"));
+    let tenant =
+        TenantFuse::mount_over_copy(&sandbox, binary, &namespace, &tenant_dir, &copy, "hidden").expect("tenant");
+    let devices = devices_at(&sandbox, &source.path);
+
+    let recorded = record_mounts(&namespace, &devices, Instant::now() + TIMEOUT).expect("recorded");
+    let [refused] = &recorded.refused[..] else { panic!("one refusal expected: {:?}", recorded.refused) };
+    assert!(matches!(refused, PointError::BeneathOtherFuse { fuse, .. } if *fuse == tenant_dir), "{refused}");
+    assert_eq!(refused.path(), tenant.copy);
+    let recorded_points: Vec<&Path> = recorded.mounts.iter().map(|m| m.mount_point.as_path()).collect();
+    assert_eq!(recorded_points, [copy.as_path()]);
+
+    let beneath = RecordedMount { mount_point: tenant.copy.clone(), ..recorded.mounts[0].clone() };
+    let overdue = unmount_recorded(&namespace, &[beneath], Instant::now() + Duration::from_millis(500));
+    assert!(matches!(&overdue, Err(UnmountError::Overdue { path, .. }) if *path == namespace), "{overdue:?}");
+    // Released, the held thread finds another mount there and leaves it.
+    tenant.release().expect("release the tenant");
+    drop(tenant);
+
+    let done = unmount_devices(&namespace, &devices, Instant::now() + TIMEOUT).expect("unmount ran");
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    assert_eq!(done.unmounted, [copy]);
+    reader.wait_until(TIMEOUT, |seen| seen.error().is_some()).expect("the container's copy is gone");
 }

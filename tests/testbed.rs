@@ -8,6 +8,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use fuse_supervisor::model::mountinfo::parse_table;
+use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource};
+use fuse_supervisor::testbed::tenant::{TenantFuse, cover_with_tmpfs};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::resolve;
@@ -538,4 +541,92 @@ fn the_table_watcher_reports_once_per_burst_and_again_after_a_rearm() {
     // Anything but Shutdown here is a report the burst or the rearm should not have made.
     assert_eq!(wakes.recv_timeout(WAIT), Ok(Wake::Shutdown));
     thread.join().unwrap();
+}
+
+/// The mounts of a container's namespace: (mount ID, parent ID, device,
+/// mount point, fs type), in table order.
+fn container_mounts(pid: u32) -> Vec<(u32, u32, String, PathBuf, String)> {
+    let table = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    parse_table(table.as_bytes())
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let dev = format!("{}:{}", m.major, m.minor);
+            (m.mount_id, m.parent_id, dev, m.mount_point.to_path().into_owned(), m.fs_type.to_owned())
+        })
+        .collect()
+}
+
+/// A tenant's FUSE (hanging on one name) inside a container, with the
+/// container's copy of a FUSE volume bound beneath it: the container's table
+/// shows the copy on a directory of the tenant's mount, a walk to the copy
+/// waits until the tenant is released, and dropping the tenant leaves the
+/// container as it was, still reading its volume.
+#[test]
+fn a_tenant_fuse_holds_the_path_to_the_containers_copy_until_released() {
+    require_root();
+    let sandbox = Sandbox::new().unwrap();
+    let binary = Path::new(BINARY);
+    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared").unwrap();
+    let volume = source.bind_volume(&sandbox, "pod-1", "data").unwrap();
+    let reader = ContainerReader::spawn(&sandbox, binary, "victim", &volume, Path::new(DATA_FILE)).unwrap();
+    let expected = source.expected_content();
+    reader.wait_until(WAIT, |seen| seen.content() == Some(expected.as_str())).unwrap();
+    let pid = reader.child().pid();
+    let before = container_mounts(pid);
+    let rootfs = sandbox.root().join("containers/victim/rootfs");
+    let namespace = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
+
+    let tenant = TenantFuse::mount_over_copy(
+        &sandbox,
+        binary,
+        &namespace,
+        &rootfs.join("tenant"),
+        &rootfs.join("volume"),
+        "hidden",
+    )
+    .unwrap();
+    assert_eq!(tenant.copy, rootfs.join("tenant/hidden"));
+    let mounts = container_mounts(pid);
+    let volume_dev = &before.iter().find(|m| m.3 == rootfs.join("volume")).expect("the volume's copy").2;
+    let tenant_mount = mounts.iter().find(|m| m.3 == tenant.mount_point).expect("the tenant's FUSE");
+    assert_eq!(tenant_mount.4, "fuse.tenant");
+    let copy = mounts.iter().find(|m| m.3 == tenant.copy).expect("the copy beneath the tenant's FUSE");
+    assert_eq!((&copy.2, copy.1), (volume_dev, tenant_mount.0), "{mounts:?}");
+    assert!(!sandbox.mountinfo().contains("fuse.tenant"), "the tenant's mount reached the node");
+
+    let (sender, answer) = std::sync::mpsc::channel();
+    let data = PathBuf::from(format!("/proc/{pid}/root")).join(tenant.copy.strip_prefix("/").unwrap()).join(DATA_FILE);
+    std::thread::spawn(move || {
+        let _ = sender.send(fs::read_to_string(data).map_err(|err| err.kind()));
+    });
+    // Not a timing assertion: a held lookup never answers.
+    let early = answer.recv_timeout(Duration::from_millis(300));
+    assert!(early.is_err(), "the walk through the tenant's FUSE was answered: {early:?}");
+    tenant.release().unwrap();
+    assert_eq!(answer.recv_timeout(WAIT * 2).expect("released"), Ok(expected.clone()));
+
+    drop(tenant);
+    assert_eq!(container_mounts(pid), before);
+    assert_eq!(reader.latest().and_then(|seen| seen.content().map(str::to_owned)), Some(expected));
+}
+
+/// A tmpfs over the container's copy of its volume: the container reads
+/// the tmpfs (no data file) and its table shows the tmpfs on top.
+#[test]
+fn cover_with_tmpfs_covers_a_mount_in_the_containers_namespace() {
+    require_root();
+    let sandbox = Sandbox::new().unwrap();
+    let volume = sandbox.pod_volume_dir("pod-1", "pv");
+    fill_tmpfs(&sandbox, &volume, "v1", "first");
+    let reader = ContainerReader::spawn(&sandbox, Path::new(BINARY), "covered", &volume, Path::new("data")).unwrap();
+    reader.wait_until(WAIT, content_is("v1")).unwrap();
+    let pid = reader.child().pid();
+    let copy = sandbox.root().join("containers/covered/rootfs/volume");
+    cover_with_tmpfs(Path::new(&format!("/proc/{pid}/ns/mnt")), &copy).unwrap();
+    reader.wait_until(WAIT, |seen| seen.error() == Some("ENOENT")).unwrap();
+    let mounts = container_mounts(pid);
+    let at_copy: Vec<_> = mounts.iter().filter(|m| m.3 == copy).map(|m| m.4.as_str()).collect();
+    assert_eq!(at_copy, ["tmpfs", "tmpfs"], "{mounts:?}");
+    assert_eq!(layers_at(&sandbox.mountinfo(), &volume), 1, "the cover reached the node");
 }

@@ -36,6 +36,23 @@
 //! `SIGUSR1` (see `lookup_gate`): a mount that looks alive to a `statfs`
 //! probe while any path resolved beneath its root hangs.
 //!
+//! `--hang-after-lookups N` makes it a daemon that passes a probe and then
+//! hangs: it answers every request (`statfs`, `getattr`, …) until it has
+//! answered N lookups, and from the next lookup on answers no request of
+//! any kind until `SIGUSR1` (see `request_gate`). N is the number of path
+//! components a probe looks up: 0 for a source probed at its root (its
+//! `statfs` answers, the first lookup hangs), 1 for one subPath directory
+//! one level down, and so on.
+//!
+//! `--hang-lookup NAME` makes it a tenant's server whose walks cannot be
+//! cached: every entry and attribute it sends is valid for no time, so
+//! every path walk through it asks it again, and it holds every lookup of
+//! NAME (in any directory) until `SIGUSR1`, after answering the first
+//! `--hang-lookup-after M` of them (default 0). Everything else it answers.
+//!
+//! `--odd-replies` makes it answer at the extremes FUSE allows: see
+//! `PassthroughFs::with_odd_replies`.
+//!
 //! `--watchdog PIDFILE` makes it a watchdog like JuiceFS's mount process: it
 //! mounts, takes the connection's INIT request and keeps the descriptor
 //! without reading it again, and a child it starts on a copy serves
@@ -45,11 +62,13 @@
 //! child on the same connection, which keeps the inode numbers the kernel
 //! was given (`--inode-journal`). JuiceFS restarts its child a second after
 //! a crash; here the caller decides when.
+use std::ffi::OsString;
 use std::io::{self, BufRead, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, mpsc};
+use std::time::Duration;
 
 use fuse_supervisor_sys::fuse as sys_fuse;
 use fuse_supervisor_sys::mount as sys_mount;
@@ -60,6 +79,7 @@ use signal_hook::iterator::Signals;
 mod lookup_gate;
 mod passthrough;
 mod relay;
+mod request_gate;
 
 use lookup_gate::LookupGate;
 use passthrough::PassthroughFs;
@@ -98,6 +118,15 @@ pub enum DemoFsRole {
     AnswerOnSignal,
     /// Mounts and serves, but holds every lookup's answer until `SIGUSR1`.
     HoldLookupsUntilSignal,
+    /// Mounts and serves until `answered` lookups were answered, then holds
+    /// every request from the next lookup on until `SIGUSR1`.
+    HangAfterLookups { answered: u32 },
+    /// Mounts and serves with entries and attributes valid for no time,
+    /// holding every lookup of `name` after the first `answered_first` until
+    /// `SIGUSR1`.
+    HangLookup { name: OsString, answered_first: u32 },
+    /// Mounts and serves with replies at the extremes FUSE accepts.
+    OddReplies,
     /// Mounts, keeps the connection, and has a child process serve it,
     /// writing its pid to the file; after the child dies, starts another
     /// on `SIGUSR1`.
@@ -202,6 +231,8 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
             | DemoFsRole::Watchdog { .. }
             | DemoFsRole::AnswerOnSignal
             | DemoFsRole::HoldLookupsUntilSignal
+            | DemoFsRole::HangAfterLookups { .. }
+            | DemoFsRole::HangLookup { .. }
     );
     let signals = Signals::new(if delegates { &[SIGTERM, SIGINT, SIGUSR1][..] } else { &[SIGTERM, SIGINT][..] })
         .map_err(DemoFsError::Signals)?;
@@ -230,7 +261,7 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
                 .map_err(|source| DemoFsError::Relay { mountpoint: mountpoint.clone(), source })?,
             _ => device,
         };
-        return serve_device(options, backing, served, signals);
+        return serve_device(options, backing, served, signals, None);
     }
     let device = sys_fuse::open_device().map_err(DemoFsError::OpenDevice)?;
     sys_fuse::mount(device.as_fd(), &mountpoint, &options.name, &backing.to_string_lossy())
@@ -239,20 +270,38 @@ pub fn serve(options: &DemoFsOptions) -> Result<(), DemoFsError> {
         DemoFsRole::HandOffOnSignal { pid_file } => hand_off_on_signal(options, pid_file, device, signals),
         DemoFsRole::Watchdog { pid_file } => watch_over_serving_children(options, pid_file, &device, signals),
         DemoFsRole::AnswerOnSignal => answer_on_signal(options, backing, device, signals),
+        DemoFsRole::HangAfterLookups { answered } => {
+            let answered = *answered;
+            let (served, gate) = relay::start_gated(device, |library| {
+                request_gate::RequestGate::closing_after_lookups(answered, library)
+            })
+            .map_err(|source| {
+                detach_after(&mountpoint, DemoFsError::Relay { mountpoint: mountpoint.clone(), source })
+            })?;
+            serve_device(options, backing, served, signals, Some(Box::new(move || gate.release())))
+        }
         DemoFsRole::Serve
         | DemoFsRole::DeviceOnStdin
         | DemoFsRole::WatchdogChild { .. }
-        | DemoFsRole::HoldLookupsUntilSignal => serve_device(options, backing, device, signals),
+        | DemoFsRole::HoldLookupsUntilSignal
+        | DemoFsRole::HangLookup { .. }
+        | DemoFsRole::OddReplies => serve_device(options, backing, device, signals, None),
     }
 }
 
+/// What `SIGUSR1` does to a daemon that holds requests: answers every one
+/// held and lets the rest through; returns how many were held.
+type Release = Box<dyn Fn() -> usize + Send>;
+
 /// Serves the mounted connection on `device` until the mount goes away or
-/// a signal ends it.
+/// a signal ends it; `SIGUSR1` runs `release` (or opens the role's lookup
+/// gate) instead.
 fn serve_device(
     options: &DemoFsOptions,
     backing: PathBuf,
     device: OwnedFd,
     mut signals: Signals,
+    release: Option<Release>,
 ) -> Result<(), DemoFsError> {
     let mountpoint = options.mountpoint.clone();
 
@@ -269,14 +318,29 @@ fn serve_device(
     // set both so they cannot disagree.
     let mut config = Config::default();
     config.acl = SessionACL::All;
-    let lookup_gate = (options.role == DemoFsRole::HoldLookupsUntilSignal).then(Arc::<LookupGate>::default);
+    let lookup_gate = match &options.role {
+        DemoFsRole::HoldLookupsUntilSignal => Some(Arc::<LookupGate>::default()),
+        DemoFsRole::HangLookup { name, answered_first } => {
+            Some(Arc::new(LookupGate::for_name(name.clone(), *answered_first)))
+        }
+        _ => None,
+    };
     let filesystem = match (&options.role, &lookup_gate) {
         (DemoFsRole::WatchdogChild { inode_journal, .. }, _) => {
             PassthroughFs::with_inode_journal(backing, inode_journal)
                 .map_err(|source| DemoFsError::InodeJournal { path: inode_journal.clone(), source })?
         }
+        (DemoFsRole::HangLookup { .. }, Some(gate)) => {
+            PassthroughFs::new(backing).holding_lookups_at(Arc::clone(gate)).with_ttl(Duration::ZERO)
+        }
         (_, Some(gate)) => PassthroughFs::new(backing).holding_lookups_at(Arc::clone(gate)),
+        (DemoFsRole::OddReplies, None) => PassthroughFs::new(backing).with_odd_replies(),
         _ => PassthroughFs::new(backing),
+    };
+    let release: Option<Release> = match (release, lookup_gate) {
+        (Some(release), _) => Some(release),
+        (None, Some(gate)) => Some(Box::new(move || gate.open())),
+        (None, None) => None,
     };
     let session = Session::from_fd(filesystem, device, SessionACL::All, config)
         .map_err(|source| detach_on_error(DemoFsError::Handshake { mountpoint: mountpoint.clone(), source }))?;
@@ -307,10 +371,10 @@ fn serve_device(
         .name("demofs-signals".into())
         .spawn(move || {
             for signal in signals.forever() {
-                match &lookup_gate {
-                    Some(gate) if signal == SIGUSR1 => {
-                        let held = gate.open();
-                        tracing::info!(held, "demofs answers lookups");
+                match &release {
+                    Some(release) if signal == SIGUSR1 => {
+                        let held = release();
+                        tracing::info!(held, "demofs answers what it held");
                     }
                     _ => {
                         let _ = stop_sender.send(Stop::Signal(signal));
@@ -350,7 +414,7 @@ fn answer_on_signal(
     let mountpoint = &options.mountpoint;
     tracing::info!(mountpoint = %mountpoint.display(), "demofs mounted; answering on SIGUSR1");
     match signals.forever().next() {
-        Some(SIGUSR1) => serve_device(options, backing, device, signals),
+        Some(SIGUSR1) => serve_device(options, backing, device, signals, None),
         signal => {
             tracing::info!(mountpoint = %mountpoint.display(), ?signal, "demofs stopping before it answered");
             sys_mount::detach(mountpoint)

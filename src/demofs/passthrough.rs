@@ -23,6 +23,16 @@ use super::lookup_gate::{self, LookupGate};
 /// short, so that changes in the backing directory show up quickly.
 const TTL: Duration = Duration::from_secs(1);
 
+/// How many made-up entries `--odd-replies` appends to every listing.
+const ODD_ENTRIES: u64 = 100_000;
+
+/// Where the made-up entries' inode numbers start: far above any number the
+/// table hands out.
+const ODD_INODES: u64 = 1 << 62;
+
+/// The longest name a directory entry may have (`NAME_MAX`).
+const NAME_MAX: usize = 255;
+
 /// Inode numbers are never reused within one mount, so one generation is enough.
 const GENERATION: Generation = Generation(0);
 
@@ -116,6 +126,10 @@ pub(crate) struct PassthroughFs {
     handles: Mutex<Handles>,
     /// Where lookups wait, for a daemon that holds them.
     lookup_gate: Option<Arc<LookupGate>>,
+    /// How long the kernel may trust entries and attributes.
+    ttl: Duration,
+    /// Extreme but accepted replies (see [`PassthroughFs::with_odd_replies`]).
+    odd: bool,
 }
 
 /// Locks `mutex`, ignoring poisoning: every critical section here leaves the
@@ -177,7 +191,43 @@ impl PassthroughFs {
     }
 
     fn with_inodes(inodes: InodeTable, backing: PathBuf) -> Self {
-        Self { inodes: Mutex::new(inodes), backing, handles: Mutex::new(Handles::default()), lookup_gate: None }
+        Self {
+            inodes: Mutex::new(inodes),
+            backing,
+            handles: Mutex::new(Handles::default()),
+            lookup_gate: None,
+            ttl: TTL,
+            odd: false,
+        }
+    }
+
+    /// Entries and attributes valid for `ttl` (zero: every path walk
+    /// through the mount asks the daemon again).
+    pub(crate) fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Replies a FUSE server may send and the kernel accepts, at their
+    /// extremes: a `statfs` of absurd figures (every count `u64::MAX`, a block
+    /// size of `u32::MAX`, a fragment size of 0), attributes with the most
+    /// links and blocks and times ~35,000 years ahead, and every listing
+    /// followed by 100,000 entries with 255-byte names that no lookup finds.
+    pub(crate) fn with_odd_replies(mut self) -> Self {
+        self.odd = true;
+        self
+    }
+
+    /// The attributes to send for `ino`, made extreme if replies are odd.
+    fn reply_attributes(&self, ino: INodeNo, metadata: &Metadata) -> FileAttr {
+        let mut attributes = attributes(ino, metadata);
+        if self.odd {
+            let far = UNIX_EPOCH + Duration::from_secs(1 << 40);
+            attributes.nlink = u32::MAX;
+            attributes.blocks = u64::MAX;
+            (attributes.atime, attributes.mtime, attributes.ctime) = (far, far, far);
+        }
+        attributes
     }
 
     /// Holds every lookup's answer at `gate` until it opens.
@@ -244,17 +294,17 @@ impl Filesystem for PassthroughFs {
             Err(err) => return reply.error(err),
         };
         let answer = std::fs::symlink_metadata(&path)
-            .map(|metadata| (TTL, attributes(lock(&self.inodes).number(&path), &metadata), GENERATION))
+            .map(|metadata| (self.ttl, self.reply_attributes(lock(&self.inodes).number(&path), &metadata), GENERATION))
             .map_err(|err| errno(&err));
         match &self.lookup_gate {
-            Some(gate) => gate.answer_or_hold(reply, answer),
+            Some(gate) => gate.answer_or_hold(name, reply, answer),
             None => lookup_gate::send(reply, answer),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.stat(ino) {
-            Ok((_, metadata)) => reply.attr(&TTL, &attributes(ino, &metadata)),
+            Ok((_, metadata)) => reply.attr(&self.ttl, &self.reply_attributes(ino, &metadata)),
             Err(err) => reply.error(err),
         }
     }
@@ -349,12 +399,25 @@ impl Filesystem for PassthroughFs {
         // An entry's offset is its position plus one: the offset the kernel
         // passes back to continue after it.
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let mut full = false;
         for (index, entry) in listing.iter().enumerate().skip(start) {
-            if reply.add(entry.ino, index as u64 + 1, entry.kind, &entry.name) {
+            full = reply.add(entry.ino, index as u64 + 1, entry.kind, &entry.name);
+            if full {
                 break;
             }
         }
+        let listed = listing.len() as u64;
         drop(handles);
+        if self.odd && !full {
+            // Made up from their position: nothing to keep per handle.
+            for index in offset.max(listed)..listed + ODD_ENTRIES {
+                let number = index - listed;
+                let name = odd_name(number);
+                if reply.add(INodeNo(ODD_INODES + number), index + 1, FileType::RegularFile, &name) {
+                    break;
+                }
+            }
+        }
         reply.ok();
     }
 
@@ -447,6 +510,10 @@ impl Filesystem for PassthroughFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        if self.odd {
+            let most = u64::MAX;
+            return reply.statfs(most, most, most, most, most, u32::MAX, u32::MAX, 0);
+        }
         match sys_fuse::fs_usage(&self.backing) {
             Ok(usage) => reply.statfs(
                 usage.blocks,
@@ -463,9 +530,22 @@ impl Filesystem for PassthroughFs {
     }
 }
 
+/// The `number`th made-up entry's name: the number, then `x` up to 255 bytes.
+fn odd_name(number: u64) -> std::ffi::OsString {
+    format!("{number:x<NAME_MAX$}").into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn odd_names_are_255_bytes_and_distinct() {
+        assert_eq!(odd_name(0).len(), NAME_MAX);
+        assert_eq!(odd_name(ODD_ENTRIES - 1).len(), NAME_MAX);
+        assert_ne!(odd_name(1), odd_name(10));
+        assert!(odd_name(7).to_string_lossy().starts_with("7xx"));
+    }
 
     #[test]
     fn root_is_inode_one_and_numbers_are_stable() {

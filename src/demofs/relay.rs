@@ -12,8 +12,11 @@
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 
 use fuse_supervisor_sys::fuse as sys_fuse;
+
+use super::request_gate::RequestGate;
 
 /// As large as the library's own read buffer: the kernel refuses a read
 /// shorter than its largest request (fuser asks for 16 MiB writes).
@@ -45,10 +48,10 @@ pub(super) fn start(device: OwnedFd, init: &ReplayedInit) -> io::Result<OwnedFd>
     let relayed = File::from(relayed);
     send_message(&relayed, &init.request)?;
     let device = File::from(device);
-    let (requests_from, requests_to) = (device.try_clone()?, relayed.try_clone()?);
+    let (requests_from, requests_to, to) = (device.try_clone()?, relayed.try_clone()?, relayed.try_clone()?);
     std::thread::Builder::new()
         .name("demofs-requests".into())
-        .spawn(move || relay_requests(requests_from, requests_to))?;
+        .spawn(move || relay_requests(requests_from, requests_to, |request| send_message(&to, request)))?;
     let answer_kernel = init.answer_kernel;
     std::thread::Builder::new()
         .name("demofs-replies".into())
@@ -56,8 +59,27 @@ pub(super) fn start(device: OwnedFd, init: &ReplayedInit) -> io::Result<OwnedFd>
     Ok(library)
 }
 
+/// Starts relaying between `device` (a connection whose INIT no one has
+/// read) and a new socket, each request through the gate `gated` makes of
+/// the relay's end; returns the library's end and the gate.
+pub(super) fn start_gated(
+    device: OwnedFd,
+    gated: impl FnOnce(File) -> RequestGate,
+) -> io::Result<(OwnedFd, Arc<RequestGate>)> {
+    let (library, relayed) = sys_fuse::message_pair()?;
+    let relayed = File::from(relayed);
+    let gate = Arc::new(gated(relayed.try_clone()?));
+    let device = File::from(device);
+    let (requests_from, requests_to, offered) = (device.try_clone()?, relayed.try_clone()?, Arc::clone(&gate));
+    std::thread::Builder::new()
+        .name("demofs-requests".into())
+        .spawn(move || relay_requests(requests_from, requests_to, |request| offered.offer(request)))?;
+    std::thread::Builder::new().name("demofs-replies".into()).spawn(move || relay_replies(relayed, device, true))?;
+    Ok((library, gate))
+}
+
 /// One message to a `SOCK_SEQPACKET` socket, whole or not at all.
-fn send_message(mut socket: &File, message: &[u8]) -> io::Result<()> {
+pub(super) fn send_message(mut socket: &File, message: &[u8]) -> io::Result<()> {
     let sent = socket.write(message)?;
     if sent != message.len() {
         return Err(io::Error::other(format!("sent {sent} of a {}-byte message", message.len())));
@@ -65,9 +87,9 @@ fn send_message(mut socket: &File, message: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Kernel requests to the library until the connection ends, which the
-/// library then reads as the end of its channel.
-fn relay_requests(mut device: File, socket: File) {
+/// Kernel requests to the library through `pass` until the connection
+/// ends, which the library then reads as the end of its channel (`socket`).
+fn relay_requests(mut device: File, socket: File, mut pass: impl FnMut(&[u8]) -> io::Result<()>) {
     let mut buffer = vec![0; MESSAGE_BUFFER];
     loop {
         let read = match device.read(&mut buffer) {
@@ -80,7 +102,7 @@ fn relay_requests(mut device: File, socket: File) {
                 break;
             }
         };
-        if let Err(err) = send_message(&socket, &buffer[..read]) {
+        if let Err(err) = pass(&buffer[..read]) {
             tracing::warn!(%err, "cannot pass a request to the library");
             break;
         }

@@ -6,7 +6,9 @@
 //! process made like a runc container (see [`container`]) that reads one
 //! volume in a loop and reports what it sees. A [`kubelet::KubeletStandIn`]
 //! answers `/pods` over HTTPS like a node's kubelet; an
-//! [`apiserver::ApiServerStandIn`] takes Events like the API server.
+//! [`apiserver::ApiServerStandIn`] takes Events like the API server. A
+//! [`tenant::TenantFuse`] and [`tenant::cover_with_tmpfs`] are a hostile
+//! tenant's mounts inside a container's namespace.
 pub mod admission;
 pub mod apiserver;
 pub mod cgroup;
@@ -24,6 +26,7 @@ pub mod storm;
 pub mod subpath;
 mod supervisor_process;
 pub mod system;
+pub mod tenant;
 
 pub use logs::CapturedLogs;
 pub use reader::{ContainerReader, Observation, Outcome};

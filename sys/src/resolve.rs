@@ -38,6 +38,15 @@ pub fn open_read_nofollow(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?)
 }
 
+/// `openat(dir, path, O_RDONLY|O_CLOEXEC)`: a file read through a directory
+/// the caller trusts and opened earlier, links followed (a `/proc` opened
+/// before the thread joined another mount namespace, whose own `/proc` may
+/// show another pid namespace: `thread-self/mountinfo` beneath it is the
+/// calling thread's table wherever the thread is now).
+pub fn open_readable_in(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(dir, path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?)
+}
+
 /// `openat(dir, name, O_PATH|O_NOFOLLOW|O_CLOEXEC)`: one component below
 /// `dir`, a symlink opened as itself rather than followed (the kubelet's
 /// walk of a subPath, one component at a time).

@@ -63,6 +63,24 @@ pub(crate) enum Internal {
         /// Mount and serve, but hold every lookup unanswered until SIGUSR1.
         #[arg(long, conflicts_with_all = ["device_on_stdin", "hand_off_on_signal", "watchdog", "answer_on_signal"])]
         hold_lookups_until_signal: bool,
+        /// Mount and answer every request until N lookups were answered;
+        /// from the next lookup on, answer no request of any kind until
+        /// SIGUSR1. N = the path components a probe looks up (0: its
+        /// statfs answers, the first lookup hangs).
+        #[arg(long, value_name = "N", group = "hostile", conflicts_with_all = OTHER_ROLES)]
+        hang_after_lookups: Option<u32>,
+        /// Mount and serve with entry and attribute timeouts of zero, but
+        /// hold every lookup of NAME (in any directory) until SIGUSR1.
+        #[arg(long, value_name = "NAME", group = "hostile", conflicts_with_all = OTHER_ROLES)]
+        hang_lookup: Option<std::ffi::OsString>,
+        /// With --hang-lookup: answer the first M lookups of NAME first.
+        #[arg(long, value_name = "M", requires = "hang_lookup", default_value_t = 0)]
+        hang_lookup_after: u32,
+        /// Mount and serve with replies at the extremes FUSE accepts: an
+        /// absurd statfs, extreme attributes, 100,000 made-up 255-byte
+        /// names after every listing.
+        #[arg(long, group = "hostile", conflicts_with_all = OTHER_ROLES)]
+        odd_replies: bool,
     },
     /// Run a container-model reader.
     Container {
@@ -97,6 +115,11 @@ pub(crate) enum Internal {
         args: Vec<String>,
     },
 }
+
+/// The demofs roles a hostile one (the `hostile` group, one at most)
+/// excludes.
+const OTHER_ROLES: [&str; 5] =
+    ["device_on_stdin", "hand_off_on_signal", "watchdog", "answer_on_signal", "hold_lookups_until_signal"];
 
 /// Which calls `internal refuse-calls` refuses.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -238,6 +261,10 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
             watchdog,
             answer_on_signal,
             hold_lookups_until_signal,
+            hang_after_lookups,
+            hang_lookup,
+            hang_lookup_after,
+            odd_replies,
         } => {
             // Both or neither: clap requires the one with the other.
             let watchdog_child = init_request.zip(inode_journal);
@@ -251,7 +278,12 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                 (None, None, None) if device_on_stdin => DemoFsRole::DeviceOnStdin,
                 (None, None, None) if answer_on_signal => DemoFsRole::AnswerOnSignal,
                 (None, None, None) if hold_lookups_until_signal => DemoFsRole::HoldLookupsUntilSignal,
-                (None, None, None) => DemoFsRole::Serve,
+                (None, None, None) => match (hang_after_lookups, hang_lookup) {
+                    (Some(answered), _) => DemoFsRole::HangAfterLookups { answered },
+                    (None, Some(name)) => DemoFsRole::HangLookup { name, answered_first: hang_lookup_after },
+                    (None, None) if odd_replies => DemoFsRole::OddReplies,
+                    (None, None) => DemoFsRole::Serve,
+                },
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }

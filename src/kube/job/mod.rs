@@ -20,8 +20,9 @@
 //!   kubelet is asked once then to confirm it (its answer's terminated
 //!   states and exit codes go to the log).
 //!
-//! Then the FUSE mounts of that connection are unmounted (`unmount`), which
-//! ends a FUSE daemon cleanly; if it has not exited after the grace period
+//! Then the FUSE mounts of that connection are unmounted (`unmount`: each
+//! resolved without links and detached through the descriptor checked),
+//! which ends a FUSE daemon cleanly; if it has not exited after the grace period
 //! it gets SIGTERM, and SIGKILL after another.
 //!
 //! Left alone: `restartPolicy: Always` (such a pod never completes);
@@ -42,7 +43,9 @@ pub use assess::{AppExit, Assessment, Exits, Running, assess, runtime_id};
 pub use containers::{ContainerProcess, ContainerProcesses, ScanError};
 pub use lifecycle::JobLifecycle;
 pub use selector::{LabelSelector, SelectorError};
-pub use unmount::{UnmountError, Unmounted, unmount_devices};
+pub use unmount::{
+    PointError, Recorded, RecordedMount, UnmountError, Unmounted, record_mounts, unmount_devices, unmount_recorded,
+};
 
 use crate::kube::Kubelet;
 

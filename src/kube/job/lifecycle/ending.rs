@@ -21,6 +21,9 @@ impl Lifecycle {
         let mut namespaces = vec![self.config.mount_namespace.clone()];
         namespaces.extend(fuse.servers.iter().map(|p| self.config.proc_root.join(p.pid.to_string()).join("ns/mnt")));
         let mut seen = BTreeSet::new();
+        // A namespace's thread held by a FUSE daemon that does not answer
+        // must not hold the lifecycle: the grace bounds all of them.
+        let deadline = Instant::now() + self.config.grace;
         for namespace in namespaces {
             // The same namespace through two paths is unmounted once.
             match std::fs::metadata(&namespace) {
@@ -31,13 +34,13 @@ impl Lifecycle {
                     continue;
                 }
             }
-            match unmount_devices(&namespace, &fuse.devices) {
+            match unmount_devices(&namespace, &fuse.devices, deadline) {
                 Ok(done) => {
                     for point in &done.unmounted {
                         info!(pod = %name, namespace = %namespace.display(), mount_point = %point.display(), "unmounted FUSE mount");
                     }
-                    for (point, err) in &done.failed {
-                        warn!(pod = %name, namespace = %namespace.display(), mount_point = %point.display(), %err, "cannot unmount FUSE mount");
+                    for err in &done.failed {
+                        warn!(pod = %name, namespace = %namespace.display(), mount_point = %err.path().display(), %err, "cannot unmount FUSE mount");
                     }
                 }
                 Err(err) => warn!(pod = %name, %err, "cannot unmount the FUSE mounts"),
