@@ -102,6 +102,9 @@ impl<E: Executor> Supervisor<E> {
         attempts: &[(ForeignMount, u32)],
     ) {
         let took_us = started.elapsed().as_micros() as u64;
+        // One instant for the batch: its retries stay one batch, and one
+        // line per namespace.
+        let now = Instant::now();
         let mut by_pod = BTreeMap::new();
         let mut failures: BTreeMap<(u64, &'static str), Failures> = BTreeMap::new();
         for (foreign, outcome) in outcomes {
@@ -151,7 +154,7 @@ impl<E: Executor> Supervisor<E> {
                             foreign: foreign.clone(),
                             source: source.to_path_buf(),
                             attempts,
-                            retry_at: Instant::now() + retry_delay(attempts),
+                            retry_at: now + retry_delay(attempts),
                         });
                     }
                     why

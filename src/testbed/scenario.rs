@@ -369,6 +369,9 @@ impl FuseSource {
                     None => match self.next_holds {
                         Some(Holding::Everything) => command.arg("--answer-on-signal"),
                         Some(Holding::Lookups) => command.arg("--hold-lookups-until-signal"),
+                        Some(Holding::AfterLookups(lookups)) => {
+                            command.arg("--hang-after-lookups").arg(lookups.to_string())
+                        }
                         None => &mut command,
                     },
                 };
@@ -416,7 +419,8 @@ impl FuseSource {
             return Err(ScenarioError::DaemonExited { daemon: self.daemon.name(), status });
         }
         self.process = Some(process);
-        self.holds_lookups = self.daemon == Daemon::DemoFs && self.next_holds == Some(Holding::Lookups);
+        self.holds_lookups = self.daemon == Daemon::DemoFs
+            && matches!(self.next_holds, Some(Holding::Lookups | Holding::AfterLookups(_)));
         if watchdog_pid_file.is_some() {
             self.wait_for_serving_child(None)?;
         }

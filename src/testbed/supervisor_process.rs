@@ -207,6 +207,19 @@ impl SupervisorProcess {
         self.process.kill().map_err(io_step("kill the supervisor"))
     }
 
+    /// SIGTERM, and its exit status once it has exited, within `timeout`
+    /// (a process a FUSE request holds cannot exit: it fails then, and the
+    /// process is left to the sandbox's end).
+    pub fn terminate_within(&self, timeout: Duration) -> Result<std::process::ExitStatus, ScenarioError> {
+        self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
+        let mut status = None;
+        super::scenario::wait_for("the supervisor's exit after SIGTERM", timeout, || {
+            status = self.process.try_wait().ok().flatten();
+            status.is_some()
+        })?;
+        status.ok_or_else(|| io_step("wait for the supervisor")(std::io::Error::other("no exit status")))
+    }
+
     /// SIGTERM and wait: a clean shutdown.
     pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
         self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;

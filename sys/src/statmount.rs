@@ -231,12 +231,22 @@ pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
 }
 
 /// The filesystem type of the mount with unique ID `unique_id` in the
-/// calling thread's mount namespace (`fuse`, without the subtype), asking
-/// for nothing else: no path, however long, is copied.
+/// calling thread's mount namespace, as mountinfo shows it (`fuse.<subtype>`
+/// where the kernel reports the subtype, 6.13+), asking for nothing else:
+/// no path, however long, is copied.
 pub fn fs_type(unique_id: u64) -> io::Result<String> {
-    let answer = query(Namespace::Current.request(unique_id, u64::from(STATMOUNT_FS_TYPE)))?;
+    let wanted = STATMOUNT_FS_TYPE | STATMOUNT_FS_SUBTYPE;
+    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)))?;
     let answer = Answer::new(&answer, STATMOUNT_FS_TYPE)?;
-    Ok(String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned())
+    let mut fs_type = String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned();
+    if answer.mask()? & u64::from(STATMOUNT_FS_SUBTYPE) != 0 {
+        let subtype = answer.string(offset_of!(statmount, fs_subtype))?;
+        if !subtype.is_empty() {
+            fs_type.push('.');
+            fs_type.push_str(&String::from_utf8_lossy(subtype));
+        }
+    }
+    Ok(fs_type)
 }
 
 fn truncated() -> io::Error {
@@ -270,6 +280,15 @@ mod tests {
         assert_eq!(line.get(2), Some(&format!("{}:{}", summary.dev.0, summary.dev.1).as_str()));
         let dash = line.iter().position(|field| *field == "-").expect("separator");
         assert_eq!(line.get(dash + 1), Some(&summary.fs_type.as_str()));
+    }
+
+    #[test]
+    fn the_fs_type_alone_is_the_full_stats() {
+        let proc = crate::fuse::top_mount_id(std::path::Path::new("/proc")).expect("statx of /proc");
+        assert_eq!(fs_type(proc).expect("statmount of /proc"), "proc");
+        let root = crate::fuse::top_mount_id(std::path::Path::new("/")).expect("statx of /");
+        let full = mount_stat(root, Namespace::Current).expect("statmount of /");
+        assert_eq!(fs_type(root).expect("statmount of /"), full.fs_type);
     }
 
     /// Every mount of this namespace, listed and stat'd, says what its

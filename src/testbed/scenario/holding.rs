@@ -13,6 +13,9 @@ pub(super) enum Holding {
     Everything,
     /// Lookups only, read and kept unanswered; `statfs` and the rest answer.
     Lookups,
+    /// Everything after the first this many lookups: a daemon that answers
+    /// a probe (`statfs`, a subPath's lookups) and then hangs.
+    AfterLookups(u32),
 }
 
 impl FuseSource {
@@ -30,6 +33,20 @@ impl FuseSource {
     /// killed meanwhile; [`FuseSource::end_held_lookups`] ends them.
     pub fn restart_holding_lookups(&mut self, sandbox: &Sandbox, style: Restart) -> Result<(), ScenarioError> {
         self.restart_holding(sandbox, style, Holding::Lookups)
+    }
+
+    /// Like [`FuseSource::restart`], but the new daemon (a demofs) answers
+    /// everything until it has answered `lookups` lookups, and then nothing
+    /// until [`FuseSource::answer`]: it passes the supervisor's probe (its
+    /// `statfs`, and one lookup per subPath directory) and hangs after.
+    /// [`FuseSource::end_held_lookups`] ends its held callers.
+    pub fn restart_hanging_after_lookups(
+        &mut self,
+        sandbox: &Sandbox,
+        style: Restart,
+        lookups: u32,
+    ) -> Result<(), ScenarioError> {
+        self.restart_holding(sandbox, style, Holding::AfterLookups(lookups))
     }
 
     fn restart_holding(&mut self, sandbox: &Sandbox, style: Restart, holding: Holding) -> Result<(), ScenarioError> {

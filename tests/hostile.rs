@@ -1,0 +1,202 @@
+//! The hostile tier: a tenant that turns its own container against the
+//! agent, and a FUSE daemon that answers its probe and then hangs. Each test
+//! is an attack that once took the whole node's agent down, and checks
+//! what must hold whatever a tenant or a daemon does: the other pods are
+//! healed, `/healthz` answers 200, the log stays bounded, and SIGTERM ends
+//! the agent. Real daemons (bindfs, demofs) in private mount namespaces,
+//! container-model readers; needs root and /dev/fuse.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fuse_supervisor::testbed::node::{Node, NodeOptions};
+use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart};
+use fuse_supervisor::testbed::tenant::{TenantFuse, cover_with_tmpfs};
+use fuse_supervisor::testbed::{ContainerReader, Observation};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+fn check<T>(node: &Node, result: Result<T, scenario::ScenarioError>) -> T {
+    result.unwrap_or_else(|err| panic!("{err:?}\n{}", node.describe()))
+}
+
+/// The node's supervisor answers its liveness probe.
+fn healthy(node: &Node) {
+    let (status, body) = check(node, node.supervisor().and_then(|s| s.http_get("/healthz")));
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The container-model reader of pod `index`: its namespace and the root
+/// of its tree as the sandbox sees it.
+fn container_of(node: &Node, index: usize) -> (PathBuf, PathBuf) {
+    let reader = &node.readers[index];
+    let namespace = PathBuf::from(format!("/proc/{}/ns/mnt", reader.child().pid()));
+    (namespace, node.sandbox.root().join("containers").join(reader.name()).join("rootfs"))
+}
+
+/// The supervisor's log lines that `pred` picks.
+fn lines(node: &Node, pred: impl Fn(&str) -> bool) -> Vec<String> {
+    let supervisor = check(node, node.supervisor());
+    supervisor.log().into_iter().filter(|line| pred(line)).collect()
+}
+
+/// Attack 1. A tenant mounts its own FUSE filesystem in its container and
+/// binds its copy of the volume beneath it; its server answers lookups with
+/// a zero timeout and then holds the lookup of that name forever. When the
+/// volume's daemon dies, the agent finds that copy among the dead
+/// connection's mounts: a walk to it would wait on the tenant's server for
+/// good (the agent's loop wedged, SIGKILL leaving a zombie). The walk never
+/// looks a name up inside the tenant's mount: the copy is refused, named,
+/// and everything else heals.
+#[test]
+fn a_tenants_own_fuse_above_its_copy_holds_up_nothing() {
+    let options = NodeOptions { daemon: Daemon::Bindfs, volumes: 3, subpaths: 1 };
+    let mut node = Node::new(Path::new(BINARY), options).expect("node");
+    check(&node, node.converge(TIMEOUT));
+    node.start_supervisor(&[], &[]).expect("supervisor");
+    check(&node, node.converge(TIMEOUT));
+    check(&node, node.wait_until_watched(0, TIMEOUT));
+    let (namespace, rootfs) = container_of(&node, 0);
+    let binary = Path::new(BINARY);
+    let tenant = TenantFuse::mount_over_copy(
+        &node.sandbox,
+        binary,
+        &namespace,
+        &rootfs.join("tenant"),
+        &rootfs.join("volume"),
+        "held",
+    )
+    .expect("the tenant's FUSE over its copy");
+
+    for cycle in 1..=2 {
+        let took = node.cycle(Daemon::Bindfs, Restart::UnmountThenMount, TIMEOUT);
+        took.unwrap_or_else(|err| panic!("cycle {cycle}: {err:?}\n{}", node.describe()));
+        healthy(&node);
+        let refused = lines(&node, |line| line.contains("whose lookups its server may never answer"));
+        assert!(
+            refused
+                .iter()
+                .any(|line| line.contains("fuse.tenant") && line.contains(&tenant.copy.display().to_string())),
+            "cycle {cycle}: the copy beneath the tenant's FUSE is not reported refused: {refused:?}\n{}",
+            node.describe()
+        );
+    }
+    // The walk held nothing: no worker is left in the tenant's namespace.
+    let given_up = lines(&node, |line| line.contains("container heal given up"));
+    assert!(given_up.is_empty(), "{given_up:?}");
+
+    let supervisor = node.supervisor.take().expect("supervisor running");
+    let status = supervisor.terminate_within(TIMEOUT).unwrap_or_else(|err| panic!("{err}\n{}", node.describe()));
+    assert!(status.success(), "{status:?}");
+    drop(tenant);
+}
+
+/// Attack 2. A new daemon answers the probe (INIT, `statfs`, the subPath
+/// directory's lookup) and then hangs every request. The host heal and the
+/// containers' heals use the probe's own handles on the source, so nothing
+/// waits on the hung daemon: its targets and containers are healed onto it
+/// (they wait on it from then on, as any reader of a hung daemon does),
+/// another source crashes and heals meanwhile, `/healthz` answers 200, and
+/// SIGTERM ends the agent while the daemon still hangs.
+#[test]
+fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
+    let options = NodeOptions { daemon: Daemon::DemoFs, volumes: 2, subpaths: 1 };
+    let mut node = Node::new(Path::new(BINARY), options).expect("node");
+    let mut other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
+    let other_reader =
+        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
+            .expect("reader");
+    check(&node, node.converge(TIMEOUT));
+    node.start_supervisor(&[], &[]).expect("supervisor");
+    check(&node, node.converge(TIMEOUT));
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)));
+
+    // One subPath directory one level down: the probe's one lookup.
+    let restarted = node.source.restart_hanging_after_lookups(&node.sandbox, Restart::UnmountThenMount, 1);
+    check(&node, restarted);
+    let healed = |line: &str| line.contains("\"container healed\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 3, healed)));
+    for target in node.targets.clone() {
+        let top = fuse_supervisor::testbed::node::top_dev(&node.sandbox, &target);
+        assert_eq!(
+            top,
+            fuse_supervisor::testbed::node::top_dev(&node.sandbox, &node.source.path),
+            "{}",
+            node.describe()
+        );
+    }
+
+    other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
+    let expected = other.expected_content();
+    let read = other_reader.wait_until(TIMEOUT, |seen: &Observation| seen.content() == Some(expected.as_str()));
+    read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
+    healthy(&node);
+    assert!(lines(&node, |line| line.contains("container heal given up")).is_empty(), "{}", node.describe());
+
+    let supervisor = node.supervisor.take().expect("supervisor running");
+    let status = supervisor.terminate_within(TIMEOUT);
+    // Released only now: the agent must have exited while it hung.
+    node.source.answer().expect("release the hung daemon");
+    let status = status.unwrap_or_else(|err| panic!("{err}\n{}", node.describe()));
+    assert!(status.success(), "{status:?}");
+    node.source.end_held_lookups().expect("end the hung daemon");
+}
+
+/// Attack 5. A tenant binds its copy of the volume many times and, once the
+/// death isolated them, covers each with a tmpfs: every container heal there
+/// is refused ("changed"). Refusals are logged once per namespace and
+/// attempt, with the count of mounts, not once per mount; the other pods
+/// heal, and the retries back off.
+#[test]
+fn a_tenant_covering_its_many_dead_binds_writes_a_line_per_attempt_not_per_mount() {
+    const BINDS: usize = 200;
+    let options = NodeOptions { daemon: Daemon::Bindfs, volumes: 2, subpaths: 0 };
+    let mut node = Node::new(Path::new(BINARY), options).expect("node");
+    check(&node, node.converge(TIMEOUT));
+    let (namespace, rootfs) = container_of(&node, 0);
+    let copies = rootfs.join("copies");
+    let script = format!(
+        "set -e; for i in $(seq {BINDS}); do mkdir -p {copies}/$i; mount --bind {volume} {copies}/$i; done",
+        copies = copies.display(),
+        volume = rootfs.join("volume").display()
+    );
+    let made = node.sandbox.run(move || {
+        std::process::Command::new("nsenter")
+            .arg(format!("--mount={}", namespace.display()))
+            .args(["--", "sh", "-c", &script])
+            .status()
+    });
+    assert!(made.is_ok_and(|status| status.success()), "the tenant's binds");
+    node.start_supervisor(&[], &[]).expect("supervisor");
+    check(&node, node.converge(TIMEOUT));
+
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 1, watched)));
+    node.source.crash().expect("crash the daemon");
+    let isolated = |line: &str| line.contains("\"containers' dead mounts isolated\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, isolated)));
+    let (namespace, _) = container_of(&node, 0);
+    for i in 1..=BINDS {
+        cover_with_tmpfs(&namespace, &copies.join(i.to_string())).expect("cover a bind");
+    }
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    check(&node, node.healed(TIMEOUT));
+    healthy(&node);
+
+    // A few retries' worth: 100 ms doubling.
+    let refused = |line: &str| line.contains("\"container heal refused");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 3, refused)));
+    let refusals = lines(&node, refused);
+    for line in &refusals {
+        assert!(line.contains(&format!("\"mounts\":{BINDS}")), "one line for the namespace's {BINDS} mounts: {line}");
+    }
+    let per_mount = lines(&node, |line| line.contains("\"level\":\"WARN\"") && line.contains("/copies/"));
+    assert_eq!(per_mount.len(), refusals.len(), "a WARN line per mount: {per_mount:#?}");
+    let refused_total = check(
+        &node,
+        node.supervisor().and_then(|s| s.metric(r#"fuse_supervisor_container_heals_total{result="refused"}"#)),
+    );
+    assert!(refused_total >= Some((BINDS * refusals.len()) as f64), "{refused_total:?}");
+}
