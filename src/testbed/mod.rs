@@ -9,6 +9,7 @@
 //! [`apiserver::ApiServerStandIn`] takes Events like the API server.
 pub mod admission;
 pub mod apiserver;
+pub mod bomb;
 pub mod cgroup;
 pub mod container;
 pub mod fuzz;
