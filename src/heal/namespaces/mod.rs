@@ -23,6 +23,11 @@
 //! directory, a copy made with propagation unchanged). Any other one could
 //! only have bound a mount of the connection from one it held.
 //!
+//! Every table is read within caps ([`crate::model::namespace_table`]): a
+//! tenant makes its table as big as it likes, and the walk at start must
+//! not grow with it. A namespace a read left something out of is named in
+//! one warning while it is known.
+//!
 //! Until the first walk is done, and where the connector cannot be had
 //! (`--container-namespaces walk`, or a pod without hostPID), a query walks
 //! `/proc` as it is asked.
