@@ -6,6 +6,7 @@
 //! the loop's seam to whichever of the two it reads ([`source`]).
 pub mod incremental;
 pub mod mountinfo;
+pub mod namespace_table;
 pub mod source;
 pub mod state;
 pub mod table;

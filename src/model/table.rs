@@ -98,7 +98,14 @@ fn fuse_mount_of() -> impl FnMut(&mountinfo::MountInfo<'_>) -> Option<FuseMount>
     let mut table_order = 0;
     move |entry| {
         table_order += 1;
-        entry.is_fuse().then(|| FuseMount {
+        entry.is_fuse().then(|| FuseMount::of_line(entry, table_order))
+    }
+}
+
+impl FuseMount {
+    /// What a FUSE mount's line says; `table_order` is its place.
+    pub(crate) fn of_line(entry: &mountinfo::MountInfo<'_>, table_order: u32) -> FuseMount {
+        FuseMount {
             mount_id: entry.mount_id,
             parent_id: entry.parent_id,
             dev: Dev { major: entry.major, minor: entry.minor },
@@ -109,7 +116,7 @@ fn fuse_mount_of() -> impl FnMut(&mountinfo::MountInfo<'_>) -> Option<FuseMount>
             fs_type: entry.fs_type.to_owned(),
             source: String::from_utf8_lossy(&entry.source.unescaped()).into_owned(),
             table_order,
-        })
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use tracing::debug;
 use super::SidecarError;
 use super::plan::{NamespaceView, ObservedMount, Serving};
 use crate::heal::in_namespace::InNamespaceHeal;
-use crate::model::table::Snapshot;
+use crate::model::namespace_table::{self, TableCaps};
 use crate::watch::processes::ProcessId;
 use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
 
@@ -56,22 +56,19 @@ pub fn scan(proc_root: &Path, own_namespace: u64) -> Result<PodScan, SidecarErro
     let mut scan = PodScan::default();
     for (id, mut pids) in by_namespace {
         pids.sort_unstable();
-        // Any process of the namespace shows its table; the first readable one.
+        // Any process of the namespace shows its table; the first readable
+        // one, within the table caps (a tenant makes it as big as it likes).
         let Some((pid, table)) = pids.iter().find_map(|&pid| {
-            let table = fs::read(proc_root.join(pid.to_string()).join("mountinfo")).ok()?;
+            let table = namespace_table::read(proc_root, pid, &TableCaps::DEFAULT).ok()??;
             Some((pid, table))
         }) else {
             continue;
         };
-        let snapshot = match Snapshot::parse(&table) {
-            Ok(snapshot) => snapshot,
-            Err(err) => {
-                debug!(pid, ?err, "cannot parse a container's mount table");
-                continue;
-            }
-        };
-        let mut mounts = Vec::with_capacity(snapshot.fuse_mounts.len());
-        for mount in snapshot.fuse_mounts {
+        if table.overflow.any() {
+            debug!(pid, overflow = ?table.overflow, "a container's mount table is over a cap; its FUSE mounts past it are left out");
+        }
+        let mut mounts = Vec::with_capacity(table.fuse_mounts.len());
+        for mount in table.fuse_mounts {
             let device = MountDevice { major: mount.dev.major, minor: mount.dev.minor };
             let serving = match servers.serving(device) {
                 Ok(serving) if serving.processes.is_empty() => Serving::Nobody,

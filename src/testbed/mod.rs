@@ -11,6 +11,7 @@
 //! tenant's mounts inside a container's namespace.
 pub mod admission;
 pub mod apiserver;
+pub mod bomb;
 pub mod cgroup;
 pub mod container;
 pub mod fuzz;

@@ -508,6 +508,8 @@ pub fn process_state(pid: u32) -> Option<char> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
     pub rss_kib: u64,
+    /// The resident peak since the process started (`VmHWM`).
+    pub peak_rss_kib: u64,
     pub descriptors: usize,
     pub threads: u64,
 }
@@ -525,10 +527,11 @@ impl Usage {
             source: std::io::Error::other("missing"),
         };
         let rss_kib = field("VmRSS:").ok_or_else(|| missing("VmRSS"))?;
+        let peak_rss_kib = field("VmHWM:").ok_or_else(|| missing("VmHWM"))?;
         let threads = field("Threads:").ok_or_else(|| missing("Threads"))?;
         let fd_dir = format!("/proc/{pid}/fd");
         let descriptors = fs::read_dir(&fd_dir).map_err(io_step(format!("list {fd_dir}")))?.count();
-        Ok(Usage { rss_kib, descriptors, threads })
+        Ok(Usage { rss_kib, peak_rss_kib, descriptors, threads })
     }
 }
 

@@ -24,26 +24,39 @@ pub fn mount_ids_after(namespace: Namespace, after: u64, ids: &mut Vec<u64>) -> 
     loop {
         let start = ids.len();
         ids.resize(start + PAGE, 0);
-        // `LSMT_ROOT` (-1 as u64): the whole namespace, below its root.
-        let request = namespace.request(LSMT_ROOT as u64, last);
-        // SAFETY: `request` is a valid `mnt_id_req` whose `size` says which
-        // version it is; `ids[start..]` is writable for PAGE u64s, and the
-        // kernel writes at most that many.
-        let ret = unsafe {
-            libc::syscall(SYS_LISTMOUNT, &raw const request, ids[start..].as_mut_ptr(), PAGE, 0 as libc::c_uint)
+        let listed = mount_ids_page(namespace, last, &mut ids[start..]);
+        let listed = match listed {
+            Ok(listed) => listed,
+            Err(err) => {
+                ids.truncate(start);
+                return Err(err);
+            }
         };
-        if ret < 0 {
-            ids.truncate(start);
-            return Err(io::Error::last_os_error());
-        }
-        // The count is at most PAGE (checked above: not negative).
-        let listed = (ret as usize).min(PAGE);
         ids.truncate(start + listed);
         match ids.last() {
             Some(&id) if listed == PAGE => last = id,
             _ => return Ok(()),
         }
     }
+}
+
+/// One page of [`mount_ids_after`]: fills `page` with the unique IDs of the
+/// mounts of `namespace` above `after`, ascending, and returns how many it
+/// wrote; fewer than `page.len()` means the listing is done. For a reader
+/// that holds one page at a time, whatever the namespace's size.
+pub fn mount_ids_page(namespace: Namespace, after: u64, page: &mut [u64]) -> io::Result<usize> {
+    // `LSMT_ROOT` (-1 as u64): the whole namespace, below its root.
+    let request = namespace.request(LSMT_ROOT as u64, after);
+    // SAFETY: `request` is a valid `mnt_id_req` whose `size` says which
+    // version it is; `page` is writable for `page.len()` u64s, and the
+    // kernel writes at most that many.
+    let ret =
+        unsafe { libc::syscall(SYS_LISTMOUNT, &raw const request, page.as_mut_ptr(), page.len(), 0 as libc::c_uint) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The count is at most the page's length (checked above: not negative).
+    Ok((ret as usize).min(page.len()))
 }
 
 /// The unique IDs of the mounts mounted on the mount `unique_id` (of the

@@ -6,7 +6,7 @@
 //! thread that did this should be dedicated to mount work and never handed
 //! back to a pool.
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
@@ -56,6 +56,25 @@ pub fn join_network_namespace(ns_file: &Path) -> io::Result<()> {
     let namespace = rustix::fs::open(ns_file, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
     rustix::thread::move_into_link_name_space(namespace.as_fd(), Some(LinkNameSpaceType::Network))?;
     Ok(())
+}
+
+/// `NS_GET_MNTNS_ID`: `_IOR(0xb7, 5, __u64)` in the generic ioctl
+/// encoding (x86, arm, riscv; linux-raw-sys has no constant for it yet).
+const NS_GET_MNTNS_ID: libc::c_ulong = (2 << 30) | (8 << 16) | (0xb7 << 8) | 5;
+
+/// `ioctl(namespace, NS_GET_MNTNS_ID)`: the 64-bit ID of the mount
+/// namespace `namespace` is an nsfs descriptor of (`/proc/<pid>/ns/mnt`
+/// opened), which listmount and statmount name it by (Linux 6.11+).
+/// `ENOTTY` before, or when `namespace` is not a mount namespace.
+pub fn mount_namespace_id(namespace: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut id = 0u64;
+    // SAFETY: `namespace` is an open descriptor for the call's duration;
+    // the request writes one u64, to `id`, which lives across the call.
+    let ret = unsafe { libc::ioctl(namespace.as_raw_fd(), NS_GET_MNTNS_ID as _, &raw mut id) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(id)
 }
 
 /// `open("/proc/thread-self/ns/mnt")`: the calling thread's mount namespace,

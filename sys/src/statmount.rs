@@ -92,7 +92,14 @@ const REQUIRED: u32 =
 /// `ENOENT` once it is gone (or if it is in another namespace), `ENOSYS`
 /// before Linux 6.8.
 pub fn mount_stat(unique_id: u64, namespace: Namespace) -> io::Result<MountStat> {
-    let answer = query(namespace.request(unique_id, u64::from(FULL)))?;
+    mount_stat_within(unique_id, namespace, MOST_BUFFER)
+}
+
+/// [`mount_stat`] with an answer of at most `most_buffer` bytes (the fixed
+/// part and the strings): `EOVERFLOW` for a mount whose paths are longer,
+/// as a tenant can make them (a mount point tens of KB deep).
+pub fn mount_stat_within(unique_id: u64, namespace: Namespace, most_buffer: usize) -> io::Result<MountStat> {
+    let answer = query(namespace.request(unique_id, u64::from(FULL)), most_buffer)?;
     let answer = Answer::new(&answer, REQUIRED)?;
     let mask = answer.mask()?;
     let has = |field: u32| mask & u64::from(field) != 0;
@@ -109,10 +116,7 @@ pub fn mount_stat(unique_id: u64, namespace: Namespace) -> io::Result<MountStat>
     } else {
         None
     };
-    let propagation = answer.u64(offset_of!(statmount, mnt_propagation))?;
-    let group_if = |flag: u32, field: usize| -> io::Result<Option<u64>> {
-        Ok(if propagation & u64::from(flag) != 0 { Some(answer.u64(field)?).filter(|&id| id != 0) } else { None })
-    };
+    let (peer_group, master) = answer.groups()?;
     Ok(MountStat {
         unique_id: answer.u64(offset_of!(statmount, mnt_id))?,
         mount_id: answer.u32(offset_of!(statmount, mnt_id_old))?,
@@ -123,21 +127,63 @@ pub fn mount_stat(unique_id: u64, namespace: Namespace) -> io::Result<MountStat>
         mount_point: PathBuf::from(OsStr::from_bytes(answer.string(offset_of!(statmount, mnt_point))?)),
         fs_type,
         source,
-        peer_group: group_if(MS_SHARED, offset_of!(statmount, mnt_peer_group))?,
-        master: group_if(MS_SLAVE, offset_of!(statmount, mnt_master))?,
+        peer_group,
+        master,
     })
+}
+
+/// What a mount is, without its paths: enough to tell a FUSE mount from
+/// the rest, whether it receives mounts by propagation, and what it is
+/// mounted on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountKind {
+    pub unique_id: u64,
+    pub parent_unique_id: u64,
+    /// The bare type (`fuse`, `fuseblk`, `nfs4`…), without a subtype.
+    pub fs_type: String,
+    /// `shared:N`: the mount's peer group, when it is shared.
+    pub peer_group: Option<u64>,
+    /// `master:N`: the peer group it is a slave of, when it is one.
+    pub master: Option<u64>,
+}
+
+/// Room for the fixed part and a filesystem type's name: the kernel's are
+/// a few bytes, and a longer one is refused (`EOVERFLOW`), not grown into.
+const KIND_BUFFER: usize = size_of::<statmount>() + 256;
+
+/// `statmount` of mount `unique_id` in `namespace` asking no path at all,
+/// so that its cost does not depend on how deep the mount is.
+pub fn mount_kind(unique_id: u64, namespace: Namespace) -> io::Result<MountKind> {
+    let wanted = STATMOUNT_MNT_BASIC | STATMOUNT_FS_TYPE;
+    let answer = query(namespace.request(unique_id, u64::from(wanted)), KIND_BUFFER)?;
+    let answer = Answer::new(&answer, wanted)?;
+    let (peer_group, master) = answer.groups()?;
+    Ok(MountKind {
+        unique_id: answer.u64(offset_of!(statmount, mnt_id))?,
+        parent_unique_id: answer.u64(offset_of!(statmount, mnt_parent_id))?,
+        fs_type: String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned(),
+        peer_group,
+        master,
+    })
+}
+
+/// Whether `err` is [`mount_stat_within`]'s refusal of an answer longer
+/// than its buffer (`EOVERFLOW`).
+pub fn did_not_fit(err: &io::Error) -> bool {
+    err.raw_os_error() == Some(libc::EOVERFLOW)
 }
 
 /// The ID of the mount namespace the mount `unique_id` belongs to (Linux
 /// 6.11+; `Unsupported` before): what [`Namespace::Id`] takes.
 pub fn namespace_id(unique_id: u64) -> io::Result<u64> {
-    let answer = query(Namespace::Current.request(unique_id, u64::from(STATMOUNT_MNT_NS_ID)))?;
+    let answer = query(Namespace::Current.request(unique_id, u64::from(STATMOUNT_MNT_NS_ID)), MOST_BUFFER)?;
     Answer::new(&answer, STATMOUNT_MNT_NS_ID)?.u64(offset_of!(statmount, mnt_ns_id))
 }
 
-/// The raw answer to one request, in a buffer grown until it fits.
-fn query(request: mnt_id_req) -> io::Result<Vec<u8>> {
-    let mut len = FIRST_BUFFER;
+/// The raw answer to one request, in a buffer grown until it fits or
+/// reaches `most` bytes (`EOVERFLOW` then).
+fn query(request: mnt_id_req, most: usize) -> io::Result<Vec<u8>> {
+    let mut len = FIRST_BUFFER.min(most);
     loop {
         let mut buffer = vec![0u8; len];
         // SAFETY: `request` is a valid `mnt_id_req` whose `size` says which
@@ -147,8 +193,8 @@ fn query(request: mnt_id_req) -> io::Result<Vec<u8>> {
             unsafe { libc::syscall(SYS_STATMOUNT, &raw const request, buffer.as_mut_ptr(), len, 0 as libc::c_uint) };
         if ret < 0 {
             let err = io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EOVERFLOW) && len < MOST_BUFFER {
-                len *= 4;
+            if err.raw_os_error() == Some(libc::EOVERFLOW) && len < most {
+                len = (len * 4).min(most);
                 continue;
             }
             return Err(err);
@@ -170,6 +216,18 @@ impl<'a> Answer<'a> {
             return Err(io::Error::new(io::ErrorKind::Unsupported, "statmount left out a field it was asked for"));
         }
         Ok(answer)
+    }
+
+    /// `(peer group, master)` from the propagation flags (`STATMOUNT_MNT_BASIC`).
+    fn groups(&self) -> io::Result<(Option<u64>, Option<u64>)> {
+        let propagation = self.u64(offset_of!(statmount, mnt_propagation))?;
+        let group_if = |flag: u32, field: usize| -> io::Result<Option<u64>> {
+            Ok(if propagation & u64::from(flag) != 0 { Some(self.u64(field)?).filter(|&id| id != 0) } else { None })
+        };
+        Ok((
+            group_if(MS_SHARED, offset_of!(statmount, mnt_peer_group))?,
+            group_if(MS_SLAVE, offset_of!(statmount, mnt_master))?,
+        ))
     }
 
     fn mask(&self) -> io::Result<u64> {
@@ -219,7 +277,7 @@ const MOST_BUFFER: usize = 64 * 1024;
 /// before Linux 6.8.
 pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
     let wanted = STATMOUNT_SB_BASIC | STATMOUNT_MNT_BASIC | STATMOUNT_MNT_POINT | STATMOUNT_FS_TYPE;
-    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)))?;
+    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)), MOST_BUFFER)?;
     let answer = Answer::new(&answer, wanted)?;
     Ok(MountSummary {
         mount_id: answer.u32(offset_of!(statmount, mnt_id_old))?,
@@ -236,7 +294,7 @@ pub fn mount_summary(unique_id: u64) -> io::Result<MountSummary> {
 /// no path, however long, is copied.
 pub fn fs_type(unique_id: u64) -> io::Result<String> {
     let wanted = STATMOUNT_FS_TYPE | STATMOUNT_FS_SUBTYPE;
-    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)))?;
+    let answer = query(Namespace::Current.request(unique_id, u64::from(wanted)), KIND_BUFFER)?;
     let answer = Answer::new(&answer, STATMOUNT_FS_TYPE)?;
     let mut fs_type = String::from_utf8_lossy(answer.string(offset_of!(statmount, fs_type))?).into_owned();
     if answer.mask()? & u64::from(STATMOUNT_FS_SUBTYPE) != 0 {
@@ -318,6 +376,30 @@ mod tests {
             compared += 1;
         }
         assert!(compared > 0, "no mount compared");
+    }
+
+    /// The kind of a mount is its full stat's, less the paths; an answer
+    /// held to fewer bytes than its paths take is refused with EOVERFLOW.
+    #[test]
+    fn a_kind_asks_no_path_and_a_small_buffer_overflows() {
+        let unique = crate::fuse::top_mount_id(Path::new("/proc")).expect("statx of /proc");
+        let full = mount_stat(unique, Namespace::Current).expect("statmount of /proc");
+        let kind = mount_kind(unique, Namespace::Current).expect("the kind of /proc");
+        assert_eq!(
+            (kind.unique_id, kind.parent_unique_id, kind.fs_type.as_str(), kind.peer_group, kind.master),
+            (full.unique_id, full.parent_unique_id, full.fs_type.as_str(), full.peer_group, full.master)
+        );
+        let err = mount_stat_within(unique, Namespace::Current, size_of::<statmount>() + 4).expect_err("too small");
+        assert_eq!(err.raw_os_error(), Some(libc::EOVERFLOW), "{err}");
+    }
+
+    /// The ID an nsfs descriptor gives is the one statmount reports.
+    #[test]
+    fn a_namespace_descriptor_gives_the_namespace_id() {
+        let unique = crate::fuse::top_mount_id(Path::new("/")).expect("statx of /");
+        let namespace = crate::ns::open_thread_mount_namespace().expect("this thread's namespace");
+        let id = crate::ns::mount_namespace_id(std::os::fd::AsFd::as_fd(&namespace)).expect("NS_GET_MNTNS_ID");
+        assert_eq!(id, namespace_id(unique).expect("statmount's namespace ID"));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use fuse_supervisor::kube::events::Events;
 use fuse_supervisor::kube::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
+use fuse_supervisor::model::namespace_table::{TableReads, set_table_reads};
 use fuse_supervisor::plan::flapping::FlappingPolicy;
 use fuse_supervisor::report::Reporters;
 use fuse_supervisor::shutdown::Shutdown;
@@ -210,6 +211,18 @@ pub(crate) struct WatchArgs {
     /// and never holds up the other pods.
     #[arg(long, default_value = "1s", value_parser = parse_duration, env = "FUSE_SUPERVISOR_CONTAINER_DEADLINE")]
     pub(crate) container_deadline: Duration,
+    /// How the tables of other mount namespaces (containers') are read:
+    /// `auto` by listmount/statmount naming the namespace (Linux 6.11+),
+    /// asking paths of FUSE mounts only, else mountinfo streamed;
+    /// `mountinfo` streamed always. Either way within caps: see the README.
+    #[arg(long, value_enum, default_value = "auto", env = "FUSE_SUPERVISOR_NAMESPACE_TABLES")]
+    pub(crate) namespace_tables: NamespaceTablesArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum NamespaceTablesArg {
+    Auto,
+    Mountinfo,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -240,6 +253,13 @@ impl WatchArgs {
                 TableEventsArg::Auto => TableEvents::Auto,
             }),
             Mode::Poll => WatchMode::Poll { period: self.poll_period },
+        }
+    }
+
+    pub(crate) fn namespace_tables(&self) -> TableReads {
+        match self.namespace_tables {
+            NamespaceTablesArg::Auto => TableReads::Auto,
+            NamespaceTablesArg::Mountinfo => TableReads::Mountinfo,
         }
     }
 
@@ -344,6 +364,7 @@ pub(crate) fn command(
 ) -> anyhow::Result<()> {
     log.init();
     prepare_process();
+    set_table_reads(watch.namespace_tables());
     let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
     let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
     node.config()

@@ -10,6 +10,7 @@ use clap::{Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole, ReplayedInit};
 use fuse_supervisor::kube::job;
+use fuse_supervisor::testbed::bomb::{self, BombOptions};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
 
@@ -94,6 +95,19 @@ pub(crate) enum Internal {
         read: PathBuf,
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
+    },
+    /// A tenant that makes its mount table huge: BINDS binds at the end of
+    /// a chain of directories PATH_BYTES long, in a namespace of its own;
+    /// prints `ready <namespace inode>`, then sleeps.
+    MountBomb {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        binds: usize,
+        #[arg(long)]
+        path_bytes: usize,
+        #[arg(long)]
+        fuse: Option<PathBuf>,
     },
     /// Run PROGRAM under a seccomp filter that refuses CALLS with ERRNO
     /// and allows every other call, as a container runtime's profile
@@ -295,6 +309,9 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
             interval: Duration::from_millis(interval_ms),
         })
         .map_err(Into::into),
+        Internal::MountBomb { dir, binds, path_bytes, fuse } => {
+            bomb::run(&BombOptions { dir, binds, path_bytes, fuse }).map_err(Into::into)
+        }
         Internal::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Internal::CheckArgs { args } => check_args(args),
     }

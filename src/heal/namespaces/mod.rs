@@ -23,10 +23,15 @@
 //! directory, a copy made with propagation unchanged). Any other one could
 //! only have bound a mount of the connection from one it held.
 //!
+//! Every table is read within caps ([`crate::model::namespace_table`]): a
+//! tenant makes its table as big as it likes, and the walk at start must
+//! not grow with it. A namespace a read left something out of is named in
+//! one warning while it is known.
+//!
 //! Until the first walk is done, and where the connector cannot be had
 //! (`--container-namespaces walk`, or a pod without hostPID), a query walks
 //! `/proc` as it is asked.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::os::unix::fs::MetadataExt;
@@ -41,7 +46,8 @@ use tracing::{debug, info, warn};
 
 use super::containers::{ContainerHealError, ForeignMount, foreign_mounts};
 use super::priority::{HealActivity, HealPriority};
-use crate::model::table::{Dev, FuseMount, Snapshot};
+use crate::model::namespace_table::{self, Ancestry, Overflow, TableCaps};
+use crate::model::table::{Dev, FuseMount};
 use crate::watch::processes::{
     ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
     Stat, read_stat,
@@ -62,6 +68,17 @@ pub struct NamespaceRead {
     pub fuse_mounts: Vec<FuseMount>,
     /// Whether any of its mounts receives mounts by propagation.
     pub receives: bool,
+    /// What each FUSE mount (by mount ID) is mounted below.
+    pub ancestry: BTreeMap<u32, Ancestry>,
+    /// What the read left out for the caps (see [`crate::model::namespace_table`]).
+    pub overflow: Overflow,
+}
+
+impl NamespaceRead {
+    /// What `mount`, one of its FUSE mounts, is mounted below.
+    pub fn ancestry_of(&self, mount: &FuseMount) -> Option<&Ancestry> {
+        self.ancestry.get(&mount.mount_id)
+    }
 }
 
 impl NamespaceRead {
@@ -91,6 +108,9 @@ struct Known {
     anchors: HashMap<u32, u64>,
     /// Bumped by every namespace learnt, which records it.
     generation: u64,
+    /// The namespaces over a table cap that a warning named: each is named
+    /// once while it is known.
+    warned: HashSet<u64>,
 }
 
 #[derive(Debug)]
@@ -185,6 +205,7 @@ impl Namespaces {
             let mut known = self.known();
             match read.filter(|read| read.anchor == anchor) {
                 Some(read) => {
+                    known.warn_once_if_over_caps(&read);
                     holding.mounts.extend(foreign_mounts(&read, dead));
                     if let Some(learnt) = known.by_inode.get_mut(&namespace) {
                         learnt.read = read;
@@ -313,7 +334,10 @@ impl Namespaces {
         }
         let fuse_mounts = read.fuse_mounts.len();
         let receives = read.receives;
-        self.known().learn(read);
+        let mut known = self.known();
+        known.warn_once_if_over_caps(&read);
+        known.learn(read);
+        drop(known);
         debug!(namespace, pid, fuse_mounts, receives, "mount namespace learnt");
     }
 
@@ -336,8 +360,11 @@ impl Namespaces {
         known.by_inode.clear();
         known.anchors.clear();
         for read in watched {
+            known.warn_once_if_over_caps(&read);
             known.learn(read);
         }
+        let Known { warned, by_inode, .. } = &mut *known;
+        warned.retain(|namespace| by_inode.contains_key(namespace));
         for pid in old_anchors.into_iter().filter(|pid| !known.anchors.contains_key(pid)) {
             watcher.unwatch(pid);
         }
@@ -365,15 +392,34 @@ impl Known {
             .insert(read.namespace, Learnt { read, generation: self.generation, healed_onto: BTreeSet::new() });
     }
 
+    /// Names `read`'s namespace in a warning if the read left something
+    /// out for the caps, and no warning named it since it was learnt.
+    fn warn_once_if_over_caps(&mut self, read: &NamespaceRead) {
+        let Overflow { long_mounts, unkept_fuse_mounts, malformed_lines } = read.overflow;
+        if read.overflow.any() && self.warned.insert(read.namespace) {
+            warn!(
+                namespace = read.namespace,
+                pid = read.anchor.pid,
+                long_mounts,
+                unkept_fuse_mounts,
+                malformed_lines,
+                kept_fuse_mounts = read.fuse_mounts.len(),
+                "mount namespace over a table cap"
+            );
+        }
+    }
+
     /// Forgets the namespace `pid` anchors, if any.
     fn forget(&mut self, pid: u32) -> Option<u64> {
         let namespace = self.anchors.remove(&pid)?;
         self.by_inode.remove(&namespace);
+        self.warned.remove(&namespace);
         Some(namespace)
     }
 
     /// Forgets `namespace`, and its anchor's entry if it is this one's.
     fn forget_namespace(&mut self, namespace: u64) {
+        self.warned.remove(&namespace);
         if let Some(learnt) = self.by_inode.remove(&namespace) {
             let pid = learnt.read.anchor.pid;
             if self.anchors.get(&pid) == Some(&namespace) {
@@ -433,22 +479,16 @@ fn namespace_of(proc_root: &Path, pid: u32) -> Option<u64> {
 }
 
 /// The namespace of `pid` (which must be `expected` when given), read
-/// through it: None if the process is gone, was replaced by another with
+/// through it within the table caps: None if the process is gone, was replaced by another with
 /// its pid, or left the namespace while it was read. Fails only for want
 /// of descriptors, which a caller must not take for a process gone.
 pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::Result<Option<NamespaceRead>> {
-    let dir = proc_root.join(pid.to_string());
     let Some(namespace) = namespace_of(proc_root, pid) else { return Ok(None) };
     if expected.is_some_and(|expected| expected != namespace) {
         return Ok(None);
     }
     let Some(before) = stat_of(proc_root, pid)? else { return Ok(None) };
-    let table = match fs::read(dir.join("mountinfo")) {
-        Ok(table) => table,
-        Err(err) if fds::out_of_descriptors(&err) => return Err(err),
-        Err(_) => return Ok(None),
-    };
-    let Ok((snapshot, receives)) = Snapshot::parse_receiving(&table) else { return Ok(None) };
+    let Some(table) = namespace_table::read(proc_root, pid, &TableCaps::DEFAULT)? else { return Ok(None) };
     // Still the same process, still there: the table was its namespace's.
     let after = stat_of(proc_root, pid)?;
     if namespace_of(proc_root, pid) != Some(namespace)
@@ -459,8 +499,10 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
     Ok(Some(NamespaceRead {
         namespace,
         anchor: ProcessId { pid, start_time: before.start_time },
-        fuse_mounts: snapshot.fuse_mounts,
-        receives,
+        fuse_mounts: table.fuse_mounts,
+        receives: table.receives,
+        ancestry: table.ancestry,
+        overflow: table.overflow,
     }))
 }
 

@@ -4,6 +4,7 @@ use std::path::Path;
 use fuse_supervisor_sys::mount::Propagation;
 
 use super::*;
+use crate::model::table::Snapshot;
 
 /// A fake `/proc`: each process a directory with its namespace (a file
 /// whose inode is the namespace's; processes of one namespace share it by

@@ -9,6 +9,7 @@ use tracing::{debug, warn};
 use super::assess::runtime_id;
 use super::containers::ContainerProcesses;
 use crate::kube::Pod;
+use crate::model::namespace_table::{self, TableCaps};
 use crate::watch::processes::ProcessId;
 use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
 
@@ -92,9 +93,12 @@ pub(super) fn identify_fuse(
     found
 }
 
-/// Devices of the FUSE mounts in the mount namespace of `pid`.
+/// Devices of the FUSE mounts in the mount namespace of `pid`, read within
+/// the table caps (a tenant makes its table as big as it likes).
 fn fuse_devices_seen_by(proc_root: &Path, pid: u32) -> Vec<MountDevice> {
-    let Ok(table) = std::fs::read(proc_root.join(pid.to_string()).join("mountinfo")) else { return Vec::new() };
-    let Ok(snapshot) = crate::model::table::Snapshot::parse(&table) else { return Vec::new() };
-    snapshot.fuse_mounts.iter().map(|m| MountDevice { major: m.dev.major, minor: m.dev.minor }).collect()
+    let Ok(Some(table)) = namespace_table::read(proc_root, pid, &TableCaps::DEFAULT) else { return Vec::new() };
+    if table.overflow.any() {
+        debug!(pid, overflow = ?table.overflow, "a container's mount table is over a cap; its FUSE mounts past it are left out");
+    }
+    table.fuse_mounts.iter().map(|m| MountDevice { major: m.dev.major, minor: m.dev.minor }).collect()
 }

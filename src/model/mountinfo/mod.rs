@@ -34,6 +34,7 @@ mod escaped;
 mod fields;
 mod reader;
 mod scan;
+mod stream;
 #[cfg(feature = "testbed")]
 mod synthetic;
 
@@ -43,6 +44,7 @@ use fields::{Utf8, parse_at};
 
 pub use escaped::Escaped;
 pub use reader::{MountInfoReader, take_change_flag};
+pub use stream::{CappedLine, CappedLines};
 #[doc(hidden)]
 #[cfg(feature = "testbed")]
 pub use synthetic::synthetic_table;

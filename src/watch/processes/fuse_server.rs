@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use tracing::debug;
 
 use super::{ProcessId, read_stat};
-use crate::model::mountinfo;
+use crate::model::namespace_table::{self, NamespaceTable, TableCaps};
 
 /// Kernel release from which every attached `/dev/fuse` descriptor surely
 /// shows its connection in fdinfo (the later of the two it may have landed
@@ -187,7 +187,7 @@ impl FuseServers {
             .unattributed
             .iter()
             .filter_map(|&process| {
-                let table = fs::read(self.proc_root.join(process.pid.to_string()).join("mountinfo")).ok()?;
+                let table = namespace_table::read(&self.proc_root, process.pid, &TableCaps::DEFAULT).ok()??;
                 let points = mount_points_of(&table, device);
                 (!points.is_empty()).then_some((process, points))
             })
@@ -246,13 +246,14 @@ fn kernel_release(proc_root: &Path) -> Option<(u32, u32)> {
     Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
 }
 
-/// Mount points of the mounts on device `wanted` in a mountinfo text, read
-/// by the crate's parser: a line it refuses names no mount point.
-fn mount_points_of(table: &[u8], wanted: MountDevice) -> Vec<PathBuf> {
-    mountinfo::parse_lines(table)
-        .filter_map(Result::ok)
-        .filter(|mount| mount.dev() == (wanted.major, wanted.minor))
-        .map(|mount| mount.mount_point.to_path().into_owned())
+/// Mount points of the FUSE mounts on device `wanted` in a namespace's
+/// table (read within the caps: a line refused or over them names none).
+fn mount_points_of(table: &NamespaceTable, wanted: MountDevice) -> Vec<PathBuf> {
+    table
+        .fuse_mounts
+        .iter()
+        .filter(|mount| (mount.dev.major, mount.dev.minor) == (wanted.major, wanted.minor))
+        .map(|mount| mount.mount_point.clone())
         .collect()
 }
 
@@ -291,8 +292,9 @@ mod tests {
                      38 35 0:39 / /mnt/nul\\000 rw - fuse.bindfs bindfs rw\n39 35 0:39 / /mnt/\u{e9} rw - fuse x rw\n";
         let device = |minor| MountDevice { major: 0, minor };
         let points = [PathBuf::from("/mnt/with space"), PathBuf::from("/mnt/\u{e9}")];
-        assert_eq!(mount_points_of(table.as_bytes(), device(39)), points, "the NUL line is refused");
-        assert!(mount_points_of(table.as_bytes(), device(41)).is_empty());
+        let table = namespace_table::stream(table.as_bytes(), &TableCaps::DEFAULT).unwrap();
+        assert_eq!(mount_points_of(&table, device(39)), points, "the NUL line is refused");
+        assert!(mount_points_of(&table, device(41)).is_empty());
     }
 
     /// A fake `/proc` for the cases a 6.18 kernel cannot produce.

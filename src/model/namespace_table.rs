@@ -1,0 +1,476 @@
+//! The FUSE mounts of another process's mount namespace, read within caps.
+//!
+//! A container's mount table is as big as its tenant makes it: 6,000
+//! self-binds at 30 KB mount points are 170 MiB of mountinfo text, which
+//! any container with CAP_SYS_ADMIN can make. The agent keeps only what it
+//! needs of such a table (its FUSE mounts, whether any mount receives
+//! propagation, and what each FUSE mount is mounted below), and reads it so
+//! that its memory is bounded by caps, not by the table:
+//!
+//! - **listmount/statmount** (Linux 6.11+, probed once): the namespace is
+//!   named by its 64-bit ID (`NS_GET_MNTNS_ID` on `/proc/<pid>/ns/mnt`),
+//!   listed one page of mount IDs at a time, and each mount asked for its
+//!   type and propagation only, no path; only a FUSE mount is asked for its
+//!   paths, in a buffer of [`TableCaps::mount_text_bytes`]: a FUSE mount
+//!   whose paths do not fit (EOVERFLOW) is skipped and counted. A tenant's
+//!   6,000 tmpfs binds cost no path text at all.
+//! - **mountinfo, streamed** (older kernels, or a namespace listmount
+//!   cannot name): `/proc/<pid>/mountinfo` through one buffer of
+//!   [`TableCaps::line_bytes`]; a longer line is skipped and counted.
+//!
+//! Either way at most [`TableCaps::fuse_mounts`] FUSE mounts and
+//! [`TableCaps::kept_text_bytes`] of their text are kept; the rest are
+//! counted in [`Overflow`], which the caller reports (once per namespace).
+//! A FUSE volume in a container is never mounted at a path a cap refuses.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use fuse_supervisor_sys::listmount;
+use fuse_supervisor_sys::ns;
+use fuse_supervisor_sys::statmount::{self, Namespace};
+
+use super::mountinfo::{self, CappedLine, CappedLines};
+use super::table::{Dev, FuseMount};
+
+/// What one read of a namespace keeps, and what it left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableCaps {
+    /// The longest mountinfo line read (with its newline).
+    pub line_bytes: usize,
+    /// The most a FUSE mount's statmount answer may take: its fixed part
+    /// and its root, mount point, type and source.
+    pub mount_text_bytes: usize,
+    /// FUSE mounts kept per namespace.
+    pub fuse_mounts: usize,
+    /// Bytes of path text (root, mount point, type, source) kept per
+    /// namespace, over all its FUSE mounts.
+    pub kept_text_bytes: usize,
+    /// Ancestors followed up from each FUSE mount.
+    pub ancestors: usize,
+    /// Mounts whose parent and type a streamed read remembers, to follow
+    /// FUSE mounts' ancestors (12 bytes each).
+    pub mapped_mounts: usize,
+}
+
+impl TableCaps {
+    /// A container's FUSE volume sits at a mount point of a few hundred
+    /// bytes at most, below a handful of mounts; a node's container holds
+    /// a few dozen FUSE mounts. The caps are far above that and keep one
+    /// namespace's read under a few MiB (mostly the parent map of a
+    /// streamed read at its cap).
+    pub const DEFAULT: TableCaps = TableCaps {
+        line_bytes: 16 * 1024,
+        mount_text_bytes: 8 * 1024,
+        fuse_mounts: 512,
+        kept_text_bytes: 512 * 1024,
+        ancestors: 64,
+        mapped_mounts: 128 * 1024,
+    };
+}
+
+/// What a read left out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overflow {
+    /// Mounts skipped for their length: a mountinfo line over
+    /// [`TableCaps::line_bytes`], or a FUSE mount whose statmount answer is
+    /// over [`TableCaps::mount_text_bytes`].
+    pub long_mounts: usize,
+    /// FUSE mounts past [`TableCaps::fuse_mounts`] or
+    /// [`TableCaps::kept_text_bytes`], left out.
+    pub unkept_fuse_mounts: usize,
+    /// Mountinfo lines that did not parse (the kernel never writes them).
+    pub malformed_lines: usize,
+}
+
+impl Overflow {
+    /// Whether the read left anything out.
+    pub fn any(&self) -> bool {
+        *self != Overflow::default()
+    }
+}
+
+/// What a FUSE mount of another namespace is mounted below, up to its
+/// namespace's root: what tells whether a path walk to it can be taken
+/// by another FUSE daemon or hang on a network filesystem.
+///
+/// Overlay (a container's root filesystem) counts as local: its layers
+/// are directories the runtime chose; an overlay a tenant made over its
+/// own FUSE mount is the tenant's own hang, and refusing overlay would
+/// refuse every container. Its presence is kept for a caller that judges
+/// otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ancestry {
+    /// The nearest ancestor that is a FUSE or network filesystem: its type
+    /// (`fuse`, `fuse.sshfs`, `nfs4`, …; statmount names FUSE ones `fuse`).
+    pub remote_or_fuse: Option<String>,
+    /// Whether an ancestor is an overlay.
+    pub overlay: bool,
+    /// Whether every ancestor up to the root was seen: false past
+    /// [`TableCaps::ancestors`], or through a mount a cap left out.
+    pub complete: bool,
+}
+
+impl Ancestry {
+    /// Every ancestor known, none a FUSE or network filesystem.
+    pub fn local(&self) -> bool {
+        self.complete && self.remote_or_fuse.is_none()
+    }
+}
+
+/// How a namespace was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadBy {
+    Listmount,
+    Mountinfo,
+}
+
+/// One read of a namespace's table, within the caps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceTable {
+    /// In table order.
+    pub fuse_mounts: Vec<FuseMount>,
+    /// Each kept FUSE mount's ancestry, by mount ID.
+    pub ancestry: BTreeMap<u32, Ancestry>,
+    /// Whether any of its mounts receives mounts by propagation.
+    pub receives: bool,
+    pub total_mounts: usize,
+    pub overflow: Overflow,
+    pub read_by: ReadBy,
+}
+
+/// How other namespaces' tables are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableReads {
+    /// listmount/statmount where the kernel names namespaces (probed once),
+    /// else mountinfo streamed.
+    Auto,
+    /// mountinfo streamed, always.
+    Mountinfo,
+}
+
+static MOUNTINFO_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Sets how tables are read from now on (the default is
+/// [`TableReads::Auto`]): for the whole process, as the kernel's support is.
+pub fn set_table_reads(reads: TableReads) {
+    MOUNTINFO_ONLY.store(reads == TableReads::Mountinfo, Ordering::Relaxed);
+}
+
+/// Whether listmount and statmount name namespaces by ID here: this
+/// thread's namespace is named and listed once.
+fn listmount_names_namespaces() -> bool {
+    static PROBED: OnceLock<bool> = OnceLock::new();
+    if MOUNTINFO_ONLY.load(Ordering::Relaxed) {
+        return false;
+    }
+    *PROBED.get_or_init(|| {
+        let Ok(own) = ns::open_thread_mount_namespace() else { return false };
+        let Ok(id) = ns::mount_namespace_id(own.as_fd()) else { return false };
+        listmount::mount_ids_page(Namespace::Id(id), 0, &mut [0; 1]).is_ok()
+    })
+}
+
+/// The table of `pid`'s namespace under `proc_root`, within `caps`: None
+/// if the process is gone (or its table cannot be read, which is the same
+/// to a caller). Fails only for want of descriptors, which a caller must
+/// not take for a process gone.
+pub fn read(proc_root: &Path, pid: u32, caps: &TableCaps) -> io::Result<Option<NamespaceTable>> {
+    let dir = proc_root.join(pid.to_string());
+    if listmount_names_namespaces() {
+        let namespace = match File::open(dir.join("ns/mnt")) {
+            Ok(namespace) => Some(namespace),
+            Err(err) if fuse_supervisor_sys::fds::out_of_descriptors(&err) => return Err(err),
+            // Gone (its mountinfo is gone too), or not there to be named.
+            Err(_) => None,
+        };
+        // Not an nsfs file (a test's fake /proc), or a namespace the
+        // kernel does not let this process name: read as text.
+        if let Some(id) = namespace.and_then(|namespace| ns::mount_namespace_id(namespace.as_fd()).ok()) {
+            match by_listmount(id, caps) {
+                Ok(table) => return Ok(Some(table)),
+                // Gone since it was named.
+                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(_) => {}
+            }
+        }
+    }
+    match File::open(dir.join("mountinfo")) {
+        Ok(file) => match stream(file, caps) {
+            Ok(table) => Ok(Some(table)),
+            Err(err) => gone_unless_out_of_descriptors(err),
+        },
+        Err(err) => gone_unless_out_of_descriptors(err),
+    }
+}
+
+fn gone_unless_out_of_descriptors(err: io::Error) -> io::Result<Option<NamespaceTable>> {
+    if fuse_supervisor_sys::fds::out_of_descriptors(&err) { Err(err) } else { Ok(None) }
+}
+
+/// Mount IDs asked of listmount at a time: 4 KiB on the stack.
+const LIST_PAGE: usize = 512;
+
+/// What the FUSE mounts kept so far take, against the caps.
+#[derive(Debug, Default)]
+struct Kept {
+    fuse_mounts: Vec<FuseMount>,
+    text_bytes: usize,
+    overflow: Overflow,
+}
+
+impl Kept {
+    /// Whether one more FUSE mount fits the count cap (else counted out).
+    fn has_room(&mut self, caps: &TableCaps) -> bool {
+        let room = self.fuse_mounts.len() < caps.fuse_mounts;
+        if !room {
+            self.overflow.unkept_fuse_mounts += 1;
+        }
+        room
+    }
+
+    fn into_table(
+        self,
+        ancestry: BTreeMap<u32, Ancestry>,
+        receives: bool,
+        total_mounts: usize,
+        read_by: ReadBy,
+    ) -> NamespaceTable {
+        NamespaceTable {
+            fuse_mounts: self.fuse_mounts,
+            ancestry,
+            receives,
+            total_mounts,
+            overflow: self.overflow,
+            read_by,
+        }
+    }
+
+    /// Keeps `mount` if its text fits the text cap (else counted out); a
+    /// mount listed again (a mountinfo read is not atomic) replaces itself.
+    fn keep(&mut self, mount: FuseMount, caps: &TableCaps) -> bool {
+        let text = mount.root.as_os_str().len()
+            + mount.mount_point.as_os_str().len()
+            + mount.fs_type.len()
+            + mount.source.len();
+        if self.text_bytes + text > caps.kept_text_bytes {
+            self.overflow.unkept_fuse_mounts += 1;
+            return false;
+        }
+        self.text_bytes += text;
+        match self.fuse_mounts.iter_mut().find(|kept| kept.mount_id == mount.mount_id) {
+            Some(again) => *again = mount,
+            None => self.fuse_mounts.push(mount),
+        }
+        true
+    }
+}
+
+fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTable> {
+    let namespace = Namespace::Id(namespace_id);
+    let mut page = [0u64; LIST_PAGE];
+    let mut after = 0;
+    let mut kept = Kept::default();
+    let mut ancestry = BTreeMap::new();
+    let (mut receives, mut total_mounts) = (false, 0usize);
+    loop {
+        let listed = listmount::mount_ids_page(namespace, after, &mut page)?;
+        for &unique_id in &page[..listed] {
+            total_mounts += 1;
+            let kind = match statmount::mount_kind(unique_id, namespace) {
+                Ok(kind) => kind,
+                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                Err(err) => return Err(err),
+            };
+            receives |= kind.peer_group.is_some() || kind.master.is_some();
+            if !mountinfo::is_fuse_type(&kind.fs_type) || !kept.has_room(caps) {
+                continue;
+            }
+            let stat = match statmount::mount_stat_within(unique_id, namespace, caps.mount_text_bytes) {
+                Ok(stat) => stat,
+                Err(err) if statmount::did_not_fit(&err) => {
+                    kept.overflow.long_mounts += 1;
+                    continue;
+                }
+                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                Err(err) => return Err(err),
+            };
+            // Outside the namespace's root: mountinfo lists no such mount.
+            if stat.mount_point.as_os_str().is_empty() {
+                continue;
+            }
+            let mount = FuseMount {
+                mount_id: stat.mount_id,
+                parent_id: stat.parent_id,
+                dev: Dev { major: stat.dev.0, minor: stat.dev.1 },
+                root: stat.root,
+                mount_point: stat.mount_point,
+                peer_group: stat.peer_group.and_then(|group| u32::try_from(group).ok()),
+                master: stat.master.and_then(|group| u32::try_from(group).ok()),
+                fs_type: stat.fs_type,
+                source: stat.source.unwrap_or_default(),
+                table_order: u32::try_from(total_mounts).unwrap_or(u32::MAX),
+            };
+            let mount_id = mount.mount_id;
+            if kept.keep(mount, caps) {
+                ancestry.insert(mount_id, ancestry_by_statmount(stat.parent_unique_id, unique_id, namespace, caps));
+            }
+        }
+        match page[..listed].last() {
+            Some(&last) if listed == LIST_PAGE => after = last,
+            _ => break,
+        }
+    }
+    Ok(kept.into_table(ancestry, receives, total_mounts, ReadBy::Listmount))
+}
+
+/// The ancestry of the mount `child` whose parent is `parent`, asked of
+/// statmount one ancestor at a time (no path): the namespace's root is its
+/// own parent.
+fn ancestry_by_statmount(mut parent: u64, mut child: u64, namespace: Namespace, caps: &TableCaps) -> Ancestry {
+    let mut ancestry = Ancestry::default();
+    for _ in 0..caps.ancestors {
+        if parent == child {
+            ancestry.complete = true;
+            return ancestry;
+        }
+        let Ok(kind) = statmount::mount_kind(parent, namespace) else { return ancestry };
+        note_ancestor(&mut ancestry, &kind.fs_type);
+        (child, parent) = (parent, kind.parent_unique_id);
+    }
+    ancestry
+}
+
+fn note_ancestor(ancestry: &mut Ancestry, fs_type: &str) {
+    match classify(fs_type) {
+        Class::RemoteOrFuse if ancestry.remote_or_fuse.is_none() => ancestry.remote_or_fuse = Some(fs_type.to_owned()),
+        Class::Overlay => ancestry.overlay = true,
+        _ => {}
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Local,
+    Overlay,
+    RemoteOrFuse,
+}
+
+/// Network filesystems, whose lookups can wait on a server: `nfs`,
+/// `nfs4`, `cifs`, `smb3`, `9p`, `ceph`, `glusterfs`, `lustre`, `afs`,
+/// and `virtiofs` (a FUSE server on the host of a VM sandbox).
+const REMOTE_TYPES: &[&str] =
+    &["nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "virtiofs"];
+
+fn classify(fs_type: &str) -> Class {
+    if mountinfo::is_fuse_type(fs_type) || REMOTE_TYPES.contains(&fs_type) {
+        Class::RemoteOrFuse
+    } else if fs_type == "overlay" {
+        Class::Overlay
+    } else {
+        Class::Local
+    }
+}
+
+/// A mount as a streamed read remembers it, to follow ancestors: 12 bytes.
+#[derive(Debug, Clone, Copy)]
+struct Mapped {
+    mount_id: u32,
+    parent_id: u32,
+    /// 0 local, 1 overlay, 2 + n: the nth remote or FUSE type seen.
+    class: u8,
+}
+
+/// A mountinfo text read from `source` line by line within `caps`.
+pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable> {
+    let mut lines = CappedLines::new(source, caps.line_bytes);
+    let mut kept = Kept::default();
+    let mut map: Vec<Mapped> = Vec::new();
+    let mut remote_types: Vec<String> = Vec::new();
+    let mut map_full = false;
+    let (mut receives, mut total_mounts) = (false, 0usize);
+    while let Some(line) = lines.next_line()? {
+        total_mounts += 1;
+        let line = match line {
+            CappedLine::Line(line) => line,
+            CappedLine::TooLong => {
+                kept.overflow.long_mounts += 1;
+                continue;
+            }
+        };
+        let Ok(entry) = mountinfo::parse_line(line, total_mounts) else {
+            kept.overflow.malformed_lines += 1;
+            continue;
+        };
+        receives |= entry.propagation.shared.is_some() || entry.propagation.master.is_some();
+        let class = match classify(entry.fs_type) {
+            Class::Local => Some(0),
+            Class::Overlay => Some(1),
+            Class::RemoteOrFuse => match remote_types.iter().position(|known| known == entry.fs_type) {
+                Some(index) => u8::try_from(index + 2).ok(),
+                None if remote_types.len() < usize::from(u8::MAX - 2) => {
+                    remote_types.push(entry.fs_type.to_owned());
+                    u8::try_from(remote_types.len() + 1).ok()
+                }
+                None => None,
+            },
+        };
+        match class {
+            Some(class) if map.len() < caps.mapped_mounts => {
+                map.push(Mapped { mount_id: entry.mount_id, parent_id: entry.parent_id, class })
+            }
+            _ => map_full = true,
+        }
+        if entry.is_fuse() && kept.has_room(caps) {
+            let table_order = u32::try_from(total_mounts).unwrap_or(u32::MAX);
+            kept.keep(FuseMount::of_line(&entry, table_order), caps);
+        }
+    }
+    // The last line of each mount ID (a mount listed twice was read twice).
+    map.reverse();
+    map.sort_by_key(|mapped| mapped.mount_id);
+    map.dedup_by_key(|mapped| mapped.mount_id);
+    // A parent missing from a whole table is outside the reader's root:
+    // the chain is complete there. Missing from a table with holes, it is
+    // unknown.
+    let holes = map_full || kept.overflow.long_mounts > 0 || kept.overflow.malformed_lines > 0;
+    let find = |mount_id: u32| map.binary_search_by_key(&mount_id, |mapped| mapped.mount_id).ok().map(|at| map[at]);
+    let ancestry = kept
+        .fuse_mounts
+        .iter()
+        .map(|mount| {
+            let mut ancestry = Ancestry::default();
+            let mut parent = mount.parent_id;
+            let mut child = mount.mount_id;
+            for _ in 0..caps.ancestors {
+                if parent == child {
+                    ancestry.complete = true;
+                    break;
+                }
+                let Some(mapped) = find(parent) else {
+                    ancestry.complete = !holes;
+                    break;
+                };
+                match mapped.class {
+                    0 => {}
+                    1 => ancestry.overlay = true,
+                    remote => {
+                        if ancestry.remote_or_fuse.is_none() {
+                            ancestry.remote_or_fuse = remote_types.get(usize::from(remote - 2)).cloned();
+                        }
+                    }
+                }
+                (child, parent) = (parent, mapped.parent_id);
+            }
+            (mount.mount_id, ancestry)
+        })
+        .collect();
+    Ok(kept.into_table(ancestry, receives, total_mounts, ReadBy::Mountinfo))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,91 @@
+use super::*;
+
+const ROOT: &str = "1 0 8:1 / / rw shared:1 - ext4 /dev/sda1 rw\n";
+
+fn streamed(table: &str, caps: &TableCaps) -> NamespaceTable {
+    stream(table.as_bytes(), caps).unwrap()
+}
+
+fn fuse_line(id: u32, parent: u32, minor: u32, mount_point: &str) -> String {
+    format!("{id} {parent} 0:{minor} / {mount_point} rw - fuse.bindfs bindfs rw\n")
+}
+
+fn mount_points(table: &NamespaceTable) -> Vec<&str> {
+    table.fuse_mounts.iter().map(|mount| mount.mount_point.to_str().unwrap()).collect()
+}
+
+#[test]
+fn a_line_over_the_cap_is_skipped_and_counted() {
+    let long = format!("/deep/{}", "d".repeat(200));
+    let table = format!(
+        "{ROOT}{}{}{}",
+        fuse_line(20, 1, 50, "/volume"),
+        fuse_line(21, 1, 50, &long),
+        fuse_line(22, 1, 51, "/other")
+    );
+    let caps = TableCaps { line_bytes: 128, ..TableCaps::DEFAULT };
+    let read = streamed(&table, &caps);
+    assert_eq!(mount_points(&read), ["/volume", "/other"]);
+    assert_eq!(read.overflow, Overflow { long_mounts: 1, ..Overflow::default() });
+    assert_eq!(read.total_mounts, 4);
+    assert!(read.receives, "the root is shared");
+    assert_eq!(read.read_by, ReadBy::Mountinfo);
+}
+
+#[test]
+fn fuse_mounts_past_a_namespace_cap_are_left_out_and_counted() {
+    let mut table = ROOT.to_owned();
+    for id in 0..10 {
+        table.push_str(&fuse_line(20 + id, 1, 50, &format!("/v{id}")));
+    }
+    let by_count = streamed(&table, &TableCaps { fuse_mounts: 4, ..TableCaps::DEFAULT });
+    assert_eq!(mount_points(&by_count), ["/v0", "/v1", "/v2", "/v3"]);
+    assert_eq!(by_count.overflow.unkept_fuse_mounts, 6);
+    // Each kept mount's text: "/", "/vN", "fuse.bindfs", "bindfs": 21 bytes.
+    let by_text = streamed(&table, &TableCaps { kept_text_bytes: 21 * 3, ..TableCaps::DEFAULT });
+    assert_eq!(mount_points(&by_text), ["/v0", "/v1", "/v2"]);
+    assert_eq!(by_text.overflow.unkept_fuse_mounts, 7);
+    assert!(by_text.overflow.any());
+    assert!(!streamed(ROOT, &TableCaps::DEFAULT).overflow.any());
+}
+
+#[test]
+fn a_fuse_mount_knows_what_it_is_mounted_below() {
+    let table = format!(
+        "{ROOT}2 1 0:30 / /var rw - overlay overlay rw\n3 2 0:31 / /var/nfs rw - nfs4 server:/x rw\n{}{}{}",
+        fuse_line(20, 2, 50, "/var/volume"),
+        fuse_line(21, 3, 51, "/var/nfs/volume"),
+        fuse_line(22, 20, 52, "/var/volume/inner"),
+    );
+    let read = streamed(&table, &TableCaps::DEFAULT);
+    let of = |id: u32| read.ancestry.get(&id).cloned().unwrap();
+    assert_eq!(of(20), Ancestry { remote_or_fuse: None, overlay: true, complete: true });
+    assert!(of(20).local());
+    assert_eq!(of(21).remote_or_fuse.as_deref(), Some("nfs4"));
+    assert_eq!(of(22).remote_or_fuse.as_deref(), Some("fuse.bindfs"));
+    assert!(!of(22).local());
+
+    // A parent whose line was skipped is unknown: not vouched for.
+    let long_parent = format!("2 1 0:30 / /{} rw - tmpfs tmpfs rw\n", "p".repeat(200));
+    let holed = format!("{ROOT}{long_parent}{}", fuse_line(20, 2, 50, "/volume"));
+    let read = streamed(&holed, &TableCaps { line_bytes: 128, ..TableCaps::DEFAULT });
+    assert_eq!(read.ancestry.get(&20), Some(&Ancestry::default()));
+    // Past the ancestors' cap, likewise.
+    let read = streamed(&table, &TableCaps { ancestors: 1, ..TableCaps::DEFAULT });
+    assert!(!read.ancestry.get(&20).unwrap().complete);
+}
+
+/// This process's own namespace, read both ways, says the same.
+#[test]
+fn listmount_and_the_stream_agree_on_a_real_namespace() {
+    assert!(listmount_names_namespaces(), "this kernel (6.11+) names namespaces to listmount");
+    let proc = Path::new("/proc");
+    let pid = std::process::id();
+    let listed = read(proc, pid, &TableCaps::DEFAULT).unwrap().expect("this process's namespace");
+    assert_eq!(listed.read_by, ReadBy::Listmount);
+    let file = File::open(format!("/proc/{pid}/mountinfo")).unwrap();
+    let text = stream(file, &TableCaps::DEFAULT).unwrap();
+    assert_eq!((listed.receives, listed.total_mounts), (text.receives, text.total_mounts));
+    let devices = |table: &NamespaceTable| table.fuse_mounts.iter().map(|mount| mount.dev).collect::<Vec<_>>();
+    assert_eq!(devices(&listed), devices(&text));
+}
