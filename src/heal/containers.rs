@@ -102,31 +102,13 @@ pub struct ForeignMount {
     /// What the mount's replacement gets: `Slave` if the mount received
     /// the host's mounts (a `HostToContainer` volume), else `Private`.
     pub propagation: Propagation,
-    /// The namespace held open from the read that found the mount to its
-    /// heal; None where it could not be opened (its process left at once).
-    pub pinned: Option<NamespacePin>,
+    /// The namespace's 64-bit ID (`NS_GET_MNTNS_ID`, Linux 6.11+), which
+    /// the kernel never gives another namespace: the inode it is found by
+    /// again at the heal is a freed namespace's number (the same inode came
+    /// back within three container starts), so the heal checks both. None
+    /// where the kernel has no such ID, or the namespace's process had left.
+    pub namespace_id: Option<u64>,
 }
-
-/// A descriptor on a mount namespace, held so that its inode stays its own:
-/// the kernel gives a freed namespace's inode to the next one (the same
-/// inode came back within three container starts), and a heal finds the
-/// namespace again by inode, through any process still in it. While the
-/// pin is held the inode cannot name another namespace; a namespace nobody
-/// is left in is still found gone (no process has it), and let go.
-#[derive(Debug, Clone)]
-pub struct NamespacePin {
-    _held: Arc<OwnedFd>,
-}
-
-impl PartialEq for NamespacePin {
-    /// Pins held at once on namespaces of one inode are on one namespace:
-    /// the inode beside the pin says which.
-    fn eq(&self, _: &NamespacePin) -> bool {
-        true
-    }
-}
-
-impl Eq for NamespacePin {}
 
 /// How one foreign mount came out of a heal.
 #[derive(Debug)]
@@ -140,23 +122,23 @@ pub enum ForeignHealed {
     AlreadyLive,
 }
 
-/// The mounts of a connection in `dead` that `read` holds, to heal, its
-/// namespace pinned (see [`NamespacePin`]) from now on.
+/// The mounts of a connection in `dead` that `read` holds, to heal, with
+/// their namespace's ID.
 pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<ForeignMount> {
     let tops = dead_tops(&read.fuse_mounts, dead);
     if tops.is_empty() {
         return Vec::new();
     }
-    let pinned = open_namespace_of(Path::new("/proc"), read.anchor.pid, read.namespace)
+    let namespace_id = open_namespace_of(Path::new("/proc"), read.anchor.pid, read.namespace, None)
         .ok()
-        .map(|fd| NamespacePin { _held: Arc::new(fd) });
+        .and_then(|namespace| ns::mount_namespace_id(namespace.as_fd()).ok());
     tops.into_iter()
         .map(|mount| ForeignMount {
             namespace: read.namespace,
             pid: read.anchor.pid,
             propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
             mount,
-            pinned: pinned.clone(),
+            namespace_id,
         })
         .collect()
 }
@@ -187,7 +169,7 @@ fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
 pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(ForeignMount, ContainerHealError)> {
     let isolate_all = |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
         let first = &mounts[0];
-        let entered = open_namespace(first.pid, first.namespace).and_then(|namespace| {
+        let entered = open_namespace(first).and_then(|namespace| {
             ns::enter_mount_namespace(namespace.as_fd())
                 .map_err(|source| ContainerHealError::OpenNamespace { pid: first.pid, source })
         });
@@ -300,7 +282,7 @@ fn replace_one(
     };
     let source_namespace =
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
-    let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign.pid, foreign.namespace)?);
+    let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign)?);
     match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live) {
         Ok(InNamespaceHealed::Replaced) => Ok(ForeignHealed::Replaced),
         Ok(InNamespaceHealed::Stacked { why }) => Ok(ForeignHealed::Stacked { why }),
@@ -310,32 +292,43 @@ fn replace_one(
     }
 }
 
-/// Mount namespace `expected`, through `/proc/<pid>/ns/mnt`, or, if `pid`
+/// The namespace of `foreign`, through `/proc/<pid>/ns/mnt`, or, if `pid`
 /// exited (the walk may have found the namespace through a short-lived
-/// process) or is now elsewhere, through any other process still in it.
-fn open_namespace(pid: u32, expected: u64) -> Result<OwnedFd, ContainerHealError> {
+/// process) or is now elsewhere, through any other process still in it:
+/// one with its inode and, where the kernel names namespaces, its ID.
+fn open_namespace(foreign: &ForeignMount) -> Result<OwnedFd, ContainerHealError> {
+    let (pid, inode, id) = (foreign.pid, foreign.namespace, foreign.namespace_id);
     let proc_root = Path::new("/proc");
-    open_namespace_of(proc_root, pid, expected).or_else(|err| {
+    open_namespace_of(proc_root, pid, inode, id).or_else(|err| {
         let others = fs::read_dir(proc_root)
             .map_err(|source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source })?;
         others
             .flatten()
             .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()))
             .filter(|other| *other != pid)
-            .find_map(|other| open_namespace_of(proc_root, other, expected).ok())
+            .find_map(|other| open_namespace_of(proc_root, other, inode, id).ok())
             .ok_or(err)
     })
 }
 
-/// `<proc_root>/<pid>/ns/mnt`, refused if it is not namespace `expected`.
-fn open_namespace_of(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, ContainerHealError> {
+/// `<proc_root>/<pid>/ns/mnt`, refused if it is not namespace `inode`, or
+/// (when given) has another ID than `id`: another namespace with a freed
+/// one's inode.
+fn open_namespace_of(proc_root: &Path, pid: u32, inode: u64, id: Option<u64>) -> Result<OwnedFd, ContainerHealError> {
     let path = proc_root.join(pid.to_string()).join("ns/mnt");
     let file = fs::File::open(&path).map_err(|source| ContainerHealError::OpenNamespace { pid, source })?;
     let found = file.metadata().map_err(|source| ContainerHealError::OpenNamespace { pid, source })?.ino();
-    if found != expected {
-        return Err(ContainerHealError::NamespaceGone { pid, expected });
+    let gone = || ContainerHealError::NamespaceGone { pid, expected: inode };
+    if found != inode {
+        return Err(gone());
     }
-    Ok(file.into())
+    let namespace = OwnedFd::from(file);
+    if let Some(id) = id
+        && ns::mount_namespace_id(namespace.as_fd()).is_ok_and(|found| found != id)
+    {
+        return Err(gone());
+    }
+    Ok(namespace)
 }
 
 fn by_namespace(mounts: &[ForeignMount]) -> Vec<Vec<ForeignMount>> {
@@ -514,7 +507,7 @@ mod tests {
             pid: 7,
             mount: fuse(mount_id, 1, 50, "/data", "/"),
             propagation: Propagation::Private,
-            pinned: None,
+            namespace_id: None,
         }
     }
 

@@ -470,7 +470,7 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
             table_order: 0,
         },
         propagation: Propagation::Private,
-        pinned: None,
+        namespace_id: None,
     };
     harness.supervisor.executor.containers = vec![
         (foreign(4242, 1), Ok(ForeignHealed::Replaced)),
