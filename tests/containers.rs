@@ -525,7 +525,7 @@ fn a_runc_container_mounts_the_pod_target_with_its_propagation() {
 /// gets nothing mounted by the heal (its mount point is no longer the
 /// recorded dead mount), and the refusal is reported (counted as
 /// `refused`); the other container is healed as usual. The refused heal is
-/// not dropped: it is retried with back-off, and once the container took its own mount
+/// not dropped: it is retried at the container's next mount change, and once the container took its own mount
 /// away, the dead one is replaced (one layer, reading again).
 fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(over: &[&str]) {
     let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);

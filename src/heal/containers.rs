@@ -296,7 +296,7 @@ fn replace_one(
 /// exited (the walk may have found the namespace through a short-lived
 /// process) or is now elsewhere, through any other process still in it:
 /// one with its inode and, where the kernel names namespaces, its ID.
-fn open_namespace(foreign: &ForeignMount) -> Result<OwnedFd, ContainerHealError> {
+pub fn open_namespace(foreign: &ForeignMount) -> Result<OwnedFd, ContainerHealError> {
     let (pid, inode, id) = (foreign.pid, foreign.namespace, foreign.namespace_id);
     let proc_root = Path::new("/proc");
     open_namespace_of(proc_root, pid, inode, id).or_else(|err| {

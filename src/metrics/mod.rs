@@ -136,7 +136,7 @@ metrics! {
     stale_layers_removed: Counter = Counter::default(), "stale_layers_removed",
         "Stale mount layers removed from under healed targets";
     container_heals: Family<ResultLabel, Counter> = Family::default(), "container_heals",
-        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), propagated (live already), failed (retried), refused (the container changed its mount; retried), given_up (its namespace missed the deadline)";
+        "Mounts of dead connections in containers' namespaces dealt with after a host heal, by result: replaced (one live layer), stacked (the dead one under it), propagated (live already), failed (retried), refused (the container changed its mount; retried at its next mount change), given_up (its namespace missed the deadline)";
     daemon_deaths: Counter = Counter::default(), "daemon_deaths",
         "Deaths of FUSE daemons seen by the process watcher (their targets went Degraded)";
     death_retractions: Counter = Counter::default(), "death_retractions",

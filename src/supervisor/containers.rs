@@ -3,13 +3,14 @@
 //! that failed: a failed container heal stays in the work set, retried with
 //! the targets' back-off, until it succeeds or its namespace is gone.
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::heal::Propagation;
 use tracing::{debug, info, warn};
 
-use crate::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
+use crate::heal::containers::{self, ContainerHealError, ForeignHealed, ForeignMount};
 use crate::heal::in_namespace::InNamespaceError;
 use crate::heal::probe::SourceHandles;
 use crate::heal::{ContainerOutcome, Executor};
@@ -17,8 +18,9 @@ use crate::kube::cgroup::{PodContainer, container_of};
 use crate::model::state::retry_delay;
 use crate::model::table::{Dev, FuseMount};
 use crate::report::{ContainersHealed, Report, error_chain};
+use crate::watch::namespace_changes::NamespaceChanges;
 
-use super::Supervisor;
+use super::{Event, Supervisor};
 
 /// A container heal that failed, waiting for its retry.
 #[derive(Debug)]
@@ -28,6 +30,21 @@ pub(super) struct ContainerRetry {
     source: PathBuf,
     attempts: u32,
     pub(super) retry_at: Instant,
+}
+
+/// Container heals the tenant refused (it changed or covered its mount),
+/// waiting for its namespace's next mount change ([`NamespaceChanges`]);
+/// without mount events (before Linux 6.15) they are retried with back-off
+/// instead.
+#[derive(Debug, Default)]
+pub(super) struct Refusals {
+    watch: Option<NamespaceChanges>,
+    /// The kernel has no mount events for other namespaces: said once.
+    unavailable: bool,
+    /// The namespaces marked (by inode), each with a mount of it to find
+    /// it again by, and the heals waiting in them.
+    watched: BTreeMap<u64, ForeignMount>,
+    waiting: Vec<ContainerRetry>,
 }
 
 impl<E: Executor> Supervisor<E> {
@@ -145,17 +162,21 @@ impl<E: Executor> Supervisor<E> {
                         container: container.map(str::to_owned),
                         first: format!("{}: {}", mount_point, error_chain(err)),
                         mounts: 0,
+                        backs_off: false,
                         attempts: failed_before + 1,
                     });
                     failures.mounts += 1;
                     if why != "given_up" {
                         let attempts = failed_before + 1;
-                        self.container_retries.push(ContainerRetry {
+                        let retry = ContainerRetry {
                             foreign: foreign.clone(),
                             source: source.to_path_buf(),
                             attempts,
                             retry_at: now + retry_delay(attempts),
-                        });
+                        };
+                        let backs_off = if why == "refused" { self.wait_for_change(retry) } else { Some(retry) };
+                        failures.backs_off |= backs_off.is_some();
+                        self.container_retries.extend(backs_off);
                     }
                     why
                 }
@@ -163,24 +184,80 @@ impl<E: Executor> Supervisor<E> {
             self.reporters.report(&Report::ContainerHealed { source, result });
         }
         for ((namespace, why), failed) in failures {
-            let Failures { pid, pod, container, first, mounts, attempts } = failed;
+            let Failures { pid, pod, container, first, mounts, attempts, backs_off } = failed;
             let (pod, container) = (pod.as_deref(), container.as_deref());
+            let retry_in_ms = backs_off.then(|| retry_delay(attempts).as_millis() as u64);
             match why {
                 "failed" => {
-                    let retry_in_ms = retry_delay(attempts).as_millis() as u64;
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal failed; retried");
                 }
                 "given_up" => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, "container heal given up: its namespace did not answer in time; waits for the next heal of its source")
                 }
-                _ => {
-                    let retry_in_ms = retry_delay(attempts).as_millis() as u64;
+                _ if backs_off => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal refused: the container changed its mount; retried")
+                }
+                _ => {
+                    warn!(pod, container, namespace, pid, mounts, first = %first, attempts, "container heal refused: the container changed its mount; retried at its next mount change")
                 }
             }
         }
         for heals in by_pod.values() {
             self.reporters.report(&Report::ContainersHealed { source, heals });
+        }
+    }
+
+    /// Waits for the next mount change in `retry`'s namespace to retry it;
+    /// hands it back where that cannot be watched (it backs off then).
+    fn wait_for_change(&mut self, retry: ContainerRetry) -> Option<ContainerRetry> {
+        let refusals = &mut self.refusals;
+        if refusals.unavailable {
+            return Some(retry);
+        }
+        if refusals.watch.is_none() {
+            let events = self.events.clone();
+            match NamespaceChanges::start(move || {
+                let _ = events.send(Event::NamespacesChanged);
+            }) {
+                Ok(watch) => refusals.watch = Some(watch),
+                Err(err) => {
+                    info!(err = %error_chain(&err), "refused container heals are retried with back-off");
+                    refusals.unavailable = true;
+                    return Some(retry);
+                }
+            }
+        }
+        let namespace = retry.foreign.namespace;
+        if !refusals.watched.contains_key(&namespace) {
+            let marked = containers::open_namespace(&retry.foreign).map_err(|err| err.to_string()).and_then(|fd| {
+                refusals.watch.as_ref().map_or(Ok(()), |watch| watch.watch(fd.as_fd()).map_err(|err| err.to_string()))
+            });
+            if let Err(err) = marked {
+                debug!(namespace, %err, "cannot watch a namespace for its next change; its refused heal backs off");
+                return Some(retry);
+            }
+            refusals.watched.insert(namespace, retry.foreign.clone());
+        }
+        refusals.waiting.push(retry);
+        None
+    }
+
+    /// A namespace where heals were refused changed: they are tried again
+    /// now, and namespaces none is left waiting in are no longer watched.
+    pub(super) fn retry_refused(&mut self) {
+        let now = Instant::now();
+        let waiting = std::mem::take(&mut self.refusals.waiting);
+        self.container_retries.extend(waiting.into_iter().map(|retry| ContainerRetry { retry_at: now, ..retry }));
+        self.retry_containers();
+        let still: BTreeSet<u64> = self.refusals.waiting.iter().map(|retry| retry.foreign.namespace).collect();
+        let refusals = &mut self.refusals;
+        let done: Vec<u64> = refusals.watched.keys().filter(|namespace| !still.contains(namespace)).copied().collect();
+        for namespace in done {
+            let Some(foreign) = refusals.watched.remove(&namespace) else { continue };
+            // A namespace gone takes its mark with it.
+            if let (Some(watch), Ok(fd)) = (&refusals.watch, containers::open_namespace(&foreign)) {
+                let _ = watch.unwatch(fd.as_fd());
+            }
         }
     }
 
@@ -212,6 +289,8 @@ struct Failures {
     first: String,
     mounts: usize,
     attempts: u32,
+    /// Retried on a timer; else at the namespace's next mount change.
+    backs_off: bool,
 }
 
 /// Counts a container heal into its pod's, by pod UID.

@@ -172,6 +172,8 @@ enum Event {
     Pods(PodChange),
     Daemon(DaemonEvent),
     WatchFailed(crate::watch::mount_table::WatchError),
+    /// A mount changed in a namespace where a container heal was refused.
+    NamespacesChanged,
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
     Shutdown,
@@ -244,6 +246,8 @@ struct Supervisor<E: Executor> {
     held: BTreeMap<PathBuf, degraded::Held>,
     /// Container heals that failed, waiting for their retry.
     container_retries: Vec<containers::ContainerRetry>,
+    /// Container heals the tenant refused, waiting for its next change.
+    refusals: containers::Refusals,
     /// Heals per source, to tell a crash loop.
     flapping: Flapping,
     /// The journal changed since the state file was last written: written
@@ -310,6 +314,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::Daemon(event)) => self.on_daemon(event),
                 Ok(Event::Ping(pong)) => pong.answer(),
+                Ok(Event::NamespacesChanged) => self.retry_refused(),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");
                     return;

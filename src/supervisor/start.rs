@@ -315,6 +315,7 @@ impl<E: Executor> Supervisor<E> {
             daemons: None,
             held: BTreeMap::new(),
             container_retries: Vec::new(),
+            refusals: Default::default(),
             flapping: Flapping::new(config.daemons.flapping),
             state_dirty: false,
             state_writer: None,

@@ -8,6 +8,7 @@
 //! stopped the same way.
 pub mod dir_changes;
 pub mod mount_table;
+pub mod namespace_changes;
 pub mod pods;
 pub mod processes;
 pub mod thread;
