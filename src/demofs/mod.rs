@@ -119,7 +119,9 @@ pub enum DemoFsRole {
     /// Mounts and serves, but holds every lookup's answer until `SIGUSR1`.
     HoldLookupsUntilSignal,
     /// Mounts and serves until `answered` lookups were answered, then holds
-    /// every request from the next lookup on until `SIGUSR1`.
+    /// every request from the next lookup on until `SIGUSR1`. Its entries
+    /// and attributes are valid for no time, so a second walk of a path the
+    /// probe looked up asks the daemon again.
     HangAfterLookups { answered: u32 },
     /// Mounts and serves with entries and attributes valid for no time,
     /// holding every lookup of `name` after the first `answered_first` until
@@ -334,6 +336,7 @@ fn serve_device(
             PassthroughFs::new(backing).holding_lookups_at(Arc::clone(gate)).with_ttl(Duration::ZERO)
         }
         (_, Some(gate)) => PassthroughFs::new(backing).holding_lookups_at(Arc::clone(gate)),
+        (DemoFsRole::HangAfterLookups { .. }, None) => PassthroughFs::new(backing).with_ttl(Duration::ZERO),
         (DemoFsRole::OddReplies, None) => PassthroughFs::new(backing).with_odd_replies(),
         _ => PassthroughFs::new(backing),
     };
