@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo bench --bench slow_loris [-- --seconds 20 --byte-every-ms 4000 --probe-every-ms 200
-//!     --attacks 16x1,64x1,64x8]
+//!     --attacks 16x1,64x1,64x8,256x32]
 //! ```
 //!
 //! An attack `CxP` is C connections spread over P peer addresses
@@ -44,7 +44,7 @@ fn main() {
     let window = Duration::from_secs(flags.number("seconds", "20"));
     let byte_every = Duration::from_millis(flags.number("byte-every-ms", "4000"));
     let probe_every = Duration::from_millis(flags.number("probe-every-ms", "200"));
-    let attacks = flags.list("attacks", "16x1,64x1,64x8", |item| {
+    let attacks = flags.list("attacks", "16x1,64x1,64x8,256x32", |item| {
         let (connections, peers) = item.split_once('x')?;
         Some(Attack { connections: connections.parse().ok()?, peers: peers.parse().ok()? })
     });
