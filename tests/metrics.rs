@@ -1,6 +1,7 @@
 //! The metrics and health endpoints of a real `fuse-supervisor run`,
 //! scraped over HTTP while a FUSE daemon crashes and comes back in a
-//! private mount namespace. Needs root, /dev/fuse and bindfs.
+//! private mount namespace, and probed while slow clients attack them.
+//! Needs root, /dev/fuse and bindfs.
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};

@@ -20,12 +20,17 @@
 //!   full. Refusing would hand the table to whoever fills it first (and
 //!   the probes come from the node's address, which every host-network pod
 //!   shares); replacing the oldest leaves an attacker only its own slots.
-//!   A probe sends its head in one segment and is read at its first
-//!   wake-up, so pushing it out takes [`HEADS_PENDING`] new connections in
-//!   that moment, a flood rather than a slow attack;
+//!   A probe sends its head in one segment, mostly read whole at the
+//!   accept (it then takes no room at all), else at its first wake-up, so
+//!   pushing it out takes [`HEADS_PENDING`] new connections in that moment,
+//!   a flood rather than a slow attack;
 //! - `/healthz` and `/readyz` are answered from a budget of their own
 //!   ([`PROBE_ANSWERS`]): scrapers that never read their answer hold only
 //!   the other one ([`OTHER_ANSWERS`]), each for at most [`ANSWER_DEADLINE`].
+//!   A spent budget answers 503 at once; a probe's answer takes
+//!   microseconds while the loop is well, so spending it takes a flood of
+//!   complete requests, which a NetworkPolicy keeps out
+//!   (`deploy/examples/networkpolicy.yaml`).
 //!
 //! No timer while idle: epoll waits without a timeout when no head is
 //! pending, and until the earliest head's deadline otherwise.
