@@ -3,11 +3,12 @@
 //! seconds, reconnecting whenever the server closes one, while a probe asks
 //! `/healthz` as the kubelet does. Prints, per attack, what the probes got
 //! (status codes, resets, timeouts) and how many attack connections the
-//! server closed. A measurement, not a test: it prints numbers.
+//! server closed. Then a flood: clients sending complete `/healthz`
+//! requests back to back. A measurement, not a test: it prints numbers.
 //!
 //! ```text
 //! cargo bench --bench slow_loris [-- --seconds 20 --byte-every-ms 4000 --probe-every-ms 200
-//!     --attacks 16x1,64x1,64x8,256x32]
+//!     --attacks 16x1,64x1,64x8,256x32 --flood 8]
 //! ```
 //!
 //! An attack `CxP` is C connections spread over P peer addresses
@@ -61,6 +62,7 @@ fn main() {
         "slow loris on {addr}: one byte every {byte_every:?}, reconnecting when closed; /healthz every \
          {probe_every:?} for {window:?}"
     );
+    let flooders: usize = flags.number("flood", "8");
     for attack in &attacks {
         let (probes, closed) = run(addr, attack, window, byte_every, probe_every);
         let total: usize = probes.values().sum();
@@ -74,7 +76,53 @@ fn main() {
         // The next attack starts on an empty server.
         std::thread::sleep(byte_every.max(Duration::from_secs(6)));
     }
+    if flooders > 0 {
+        let probes = flood(addr, flooders, window, probe_every);
+        let seen: Vec<String> = probes.iter().map(|(outcome, count)| format!("{outcome}: {count}")).collect();
+        println!("flood of complete /healthz requests on {flooders} connections: {}", seen.join(", "));
+    }
     server.stop();
+}
+
+/// `flooders` clients sending complete `GET /healthz` requests back to back
+/// from 127.0.0.2 while the probe asks as before; the probes' outcomes.
+fn flood(addr: SocketAddr, flooders: usize, window: Duration, probe_every: Duration) -> BTreeMap<String, usize> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..flooders)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let Ok(mut stream) = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr) else { continue };
+                    let _ = stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n");
+                    let _ = stream.read_to_end(&mut Vec::new());
+                }
+            })
+        })
+        .collect();
+    probe_through(addr, window, probe_every, &stop, clients)
+}
+
+/// Probes `/healthz` every `probe_every` for `window`, then stops the
+/// attackers and waits for them; the probes' outcomes.
+fn probe_through(
+    addr: SocketAddr,
+    window: Duration,
+    probe_every: Duration,
+    stop: &AtomicBool,
+    attackers: Vec<std::thread::JoinHandle<()>>,
+) -> BTreeMap<String, usize> {
+    let mut probes = BTreeMap::new();
+    let end = Instant::now() + window;
+    while Instant::now() < end {
+        *probes.entry(probe(addr)).or_insert(0) += 1;
+        std::thread::sleep(probe_every);
+    }
+    stop.store(true, Ordering::SeqCst);
+    for attacker in attackers {
+        let _ = attacker.join();
+    }
+    probes
 }
 
 /// The probes' outcomes by name and how many attack connections were closed.
@@ -96,16 +144,7 @@ fn run(
         .collect();
     // Let every attacker connect and send its first bytes.
     std::thread::sleep(Duration::from_millis(500));
-    let mut probes = BTreeMap::new();
-    let end = Instant::now() + window;
-    while Instant::now() < end {
-        *probes.entry(probe(addr)).or_insert(0) += 1;
-        std::thread::sleep(probe_every);
-    }
-    stop.store(true, Ordering::SeqCst);
-    for attacker in attackers {
-        let _ = attacker.join();
-    }
+    let probes = probe_through(addr, window, probe_every, &stop, attackers);
     (probes, closed.load(Ordering::SeqCst))
 }
 

@@ -5,6 +5,8 @@
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use fuse_supervisor::testbed::scenario::{
@@ -173,15 +175,20 @@ const SLOW_ROUNDS: usize = 3;
 const SLOW_HEAD: &[u8] =
     b"GET /metrics HTTP/1.1\r\nHost: node\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
+/// A connection to `addr` from `peer` (any of 127.0.0.0/8).
+fn connect_from(peer: Ipv4Addr, addr: SocketAddr) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&SocketAddr::from((peer, 0)).into()).unwrap();
+    socket.connect(&addr.into()).unwrap();
+    socket.into()
+}
+
 /// A slow-loris client: from `peer`, one byte of a head every
 /// [`SLOW_BYTE`]; when the server closes the connection, a new one, for
 /// [`SLOW_ROUNDS`] closes. False if a connection outlived `patience`.
 fn slow_client(addr: SocketAddr, peer: Ipv4Addr, patience: Duration) -> bool {
     for _ in 0..SLOW_ROUNDS {
-        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        socket.bind(&SocketAddr::from((peer, 0)).into()).unwrap();
-        socket.connect(&addr.into()).unwrap();
-        let mut stream: TcpStream = socket.into();
+        let mut stream = connect_from(peer, addr);
         // The read's timeout paces the bytes and sees the close at once.
         stream.set_read_timeout(Some(SLOW_BYTE)).unwrap();
         let opened = std::time::Instant::now();
@@ -207,9 +214,10 @@ fn slow_client(addr: SocketAddr, peer: Ipv4Addr, patience: Duration) -> bool {
 /// shares the kubelet's), then 64 from eight other addresses, each sending
 /// a byte of a head every 2 s and coming back whenever it is closed. Every
 /// `GET /healthz` meanwhile answers 200, and every slow connection is
-/// closed by the server.
+/// closed by the server. Then a flood of complete `/healthz` requests,
+/// which does not starve the probe either.
 #[test]
-fn slow_request_heads_never_starve_healthz_and_are_closed() {
+fn neither_slow_heads_nor_a_flood_starve_healthz_and_slow_heads_are_closed() {
     let sandbox = Sandbox::new().expect("sandbox");
     let supervisor = SupervisorProcess::start(&sandbox, binary(), &sandbox.root().join("state")).expect("supervisor");
     let _dump = DumpOnPanic(&supervisor);
@@ -236,6 +244,36 @@ fn slow_request_heads_never_starve_healthz_and_are_closed() {
             assert!(attacker.join().unwrap(), "a slow connection from {peer} was not closed within {patience:?}");
         }
     }
+    // A flood of complete `/healthz` requests, back to back on 8
+    // connections: the probe still gets its 200 every time.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooders: Vec<_> = (0..8)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut answered = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let mut stream = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr);
+                    stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n").unwrap();
+                    let mut response = String::new();
+                    stream.read_to_string(&mut response).unwrap();
+                    answered += usize::from(response.starts_with("HTTP/1.1 200 "));
+                }
+                answered
+            })
+        })
+        .collect();
+    let probes: Vec<_> = (0..50)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            supervisor.http_get("/healthz").map(|(status, _)| status).map_err(|err| err.to_string())
+        })
+        .collect();
+    stop.store(true, Ordering::SeqCst);
+    let flooded: usize = flooders.into_iter().map(|flooder| flooder.join().unwrap()).sum();
+    assert!(probes.iter().all(|probe| *probe == Ok(200)), "during a flood: {probes:?}");
+    assert!(flooded > probes.len(), "the flood was no flood: {flooded} answers");
+
     let log = supervisor.log();
     assert!(log.iter().any(|line| line.contains("request head not complete in time")), "no head met its deadline");
     assert!(log.iter().any(|line| line.contains("request head closed to make room")), "no head made room");

@@ -3,10 +3,10 @@
 //! One thread sleeps in epoll on the listener, a shutdown eventfd and the
 //! connections whose request head is still arriving, and reads those heads
 //! itself, without blocking: a slow client costs a buffer, not a thread.
-//! A complete head is answered on a short-lived thread of its own (a
-//! liveness check waits up to [`LIVENESS_WAIT`] for the loop). One request
-//! per connection (`Connection: close`); scrapers and probes open one per
-//! request anyway.
+//! Probes (`/healthz`, `/readyz`) are answered by one thread, started when
+//! one comes and gone when none waits; anything else on a short-lived
+//! thread of its own. One request per connection (`Connection: close`);
+//! scrapers and probes open one per request anyway.
 //!
 //! Anything that reaches the pod's IP can connect, so the kubelet's probes
 //! must get through whatever other clients do (a liveness probe starved
@@ -24,13 +24,14 @@
 //!   accept (it then takes no room at all), else at its first wake-up, so
 //!   pushing it out takes [`HEADS_PENDING`] new connections in that moment,
 //!   a flood rather than a slow attack;
-//! - `/healthz` and `/readyz` are answered from a budget of their own
-//!   ([`PROBE_ANSWERS`]): scrapers that never read their answer hold only
-//!   the other one ([`OTHER_ANSWERS`]), each for at most [`ANSWER_DEADLINE`].
-//!   A spent budget answers 503 at once; a probe's answer takes
-//!   microseconds while the loop is well, so spending it takes a flood of
-//!   complete requests, which a NetworkPolicy keeps out
-//!   (`deploy/examples/networkpolicy.yaml`).
+//! - probes are answered in rounds, one ping of the supervisor loop (at
+//!   most [`LIVENESS_WAIT`]) answering every `/healthz` that waits, so a
+//!   flood of them costs the loop one ping per round, and a probe waits
+//!   for the round under way and its own at most; their answers are small
+//!   enough to write without blocking. Beyond [`PROBES_WAITING`] waiting, a probe is answered 503;
+//! - `/metrics` (and errors) are answered on at most [`OTHER_ANSWERS`]
+//!   threads, each writing for at most [`ANSWER_DEADLINE`], so scrapers that
+//!   never read their answer hold none of the probes' way (503 beyond).
 //!
 //! No timer while idle: epoll waits without a timeout when no head is
 //! pending, and until the earliest head's deadline otherwise.
@@ -38,8 +39,8 @@ use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
@@ -64,9 +65,10 @@ pub const ANSWER_DEADLINE: Duration = Duration::from_secs(5);
 pub const HEADS_PENDING: usize = 64;
 /// Request heads being read at once from one address.
 pub const HEADS_PER_PEER: usize = 8;
-/// `/healthz` and `/readyz` answered at once: the kubelet sends one of
-/// each per period, and an answer takes at most [`LIVENESS_WAIT`].
-pub const PROBE_ANSWERS: usize = 4;
+/// `/healthz` and `/readyz` requests waiting for the probe answerer, which
+/// answers all that wait in one round of at most [`LIVENESS_WAIT`]: the
+/// kubelet sends one of each per period, so only a flood fills it.
+pub const PROBES_WAITING: usize = 256;
 /// Other answers (`/metrics`, errors) at once: a scraper or two.
 pub const OTHER_ANSWERS: usize = 4;
 /// Longest request head read; a probe's or scraper's is a few hundred bytes.
@@ -109,7 +111,7 @@ pub struct MetricsServer {
 struct Shared {
     metrics: Arc<Metrics>,
     health: Arc<Health>,
-    probes_answering: AtomicUsize,
+    probes: Mutex<Probes>,
     others_answering: AtomicUsize,
 }
 
@@ -124,12 +126,8 @@ impl MetricsServer {
         let stop = Watching::stop_waker("metrics")?;
         let mut waiting = Waiting::new(&stop).map_err(setup("epoll"))?;
         waiting.add_readable(listener.as_fd(), LISTENER).map_err(setup("watch the listener"))?;
-        let shared = Arc::new(Shared {
-            metrics,
-            health,
-            probes_answering: AtomicUsize::new(0),
-            others_answering: AtomicUsize::new(0),
-        });
+        let shared =
+            Arc::new(Shared { metrics, health, probes: Mutex::default(), others_answering: AtomicUsize::new(0) });
         let watching = Watching::start("metrics", stop, move || {
             Heads::new(shared).serve(&listener, &mut waiting);
         })?;
@@ -327,26 +325,28 @@ impl Pending {
     }
 }
 
-/// Answers a complete request on a thread of its own, from the probes'
-/// budget or the other one; a spent budget is answered 503 at once.
+/// Answers a complete request: probes through the one probe answerer,
+/// anything else on a thread of its own while [`OTHER_ANSWERS`] allows
+/// (503 at once beyond).
 fn answer(stream: TcpStream, peer: SocketAddr, method: String, path: String, shared: &Arc<Shared>) {
-    let probe = matches!(path.as_str(), "/healthz" | "/readyz");
-    let (answering, budget) =
-        if probe { (&shared.probes_answering, PROBE_ANSWERS) } else { (&shared.others_answering, OTHER_ANSWERS) };
     let head_only = method == "HEAD";
-    if answering.fetch_add(1, Ordering::SeqCst) >= budget {
+    if matches!(path.as_str(), "/healthz" | "/readyz") {
+        return queue_probe(Request { stream, peer, method, path }, shared);
+    }
+    let answering = &shared.others_answering;
+    if answering.fetch_add(1, Ordering::SeqCst) >= OTHER_ANSWERS {
         answering.fetch_sub(1, Ordering::SeqCst);
         debug!(%peer, %path, "metrics server busy; answered 503");
         return reply_now(&stream, peer, &Response::text(503, "busy: too many requests being answered\n"), head_only);
     }
     let worker = Arc::clone(shared);
     let spawned = std::thread::Builder::new().name("metrics-conn".into()).spawn(move || {
-        let response = route(&method, &path, &worker);
+        // Never asked: probes go to the probe answerer.
+        let response = route(&method, &path, &worker, &mut || false);
         if let Err(err) = write_response(&stream, &response, head_only) {
             debug!(%peer, ?err, "cannot write a metrics answer");
         }
-        let answering = if probe { &worker.probes_answering } else { &worker.others_answering };
-        answering.fetch_sub(1, Ordering::SeqCst);
+        worker.others_answering.fetch_sub(1, Ordering::SeqCst);
     });
     if let Err(err) = spawned {
         answering.fetch_sub(1, Ordering::SeqCst);
@@ -354,8 +354,79 @@ fn answer(stream: TcpStream, peer: SocketAddr, method: String, path: String, sha
     }
 }
 
-/// A short answer written from the epoll thread without blocking: a few
-/// hundred bytes into the empty send buffer of a fresh connection fit.
+/// A complete request for `/healthz` or `/readyz`, waiting for its answer.
+struct Request {
+    stream: TcpStream,
+    peer: SocketAddr,
+    method: String,
+    path: String,
+}
+
+/// The probe requests waiting, and whether the answerer thread runs.
+#[derive(Default)]
+struct Probes {
+    waiting: Vec<Request>,
+    answering: bool,
+}
+
+/// Queues a probe for the answerer, starting it if it is not running.
+fn queue_probe(request: Request, shared: &Arc<Shared>) {
+    let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
+    if probes.waiting.len() >= PROBES_WAITING {
+        drop(probes);
+        debug!(peer = %request.peer, "too many probes waiting; answered 503");
+        let busy = Response::text(503, "busy: too many probes waiting\n");
+        return reply_now(&request.stream, request.peer, &busy, request.method == "HEAD");
+    }
+    probes.waiting.push(request);
+    if probes.answering {
+        return;
+    }
+    probes.answering = true;
+    drop(probes);
+    let worker = Arc::clone(shared);
+    if let Err(err) = std::thread::Builder::new().name("metrics-probes".into()).spawn(move || answer_probes(&worker)) {
+        let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
+        probes.answering = false;
+        let dropped = std::mem::take(&mut probes.waiting).len();
+        warn!(?err, dropped, "cannot start the thread that answers probes; their connections are closed");
+    }
+}
+
+/// Answers the waiting probes in rounds until none is left: one ping of
+/// the loop per round answers every `/healthz` of it, however many. Each
+/// answer is a ping sent after its request came.
+fn answer_probes(shared: &Shared) {
+    loop {
+        let round = {
+            let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
+            if probes.waiting.is_empty() {
+                probes.answering = false;
+                return;
+            }
+            std::mem::take(&mut probes.waiting)
+        };
+        let mut alive = None;
+        let mut is_alive = || {
+            *alive.get_or_insert_with(|| {
+                let answered = shared.health.is_alive(LIVENESS_WAIT);
+                if !answered {
+                    let wait_ms = LIVENESS_WAIT.as_millis() as u64;
+                    warn!(wait_ms, "liveness check: the supervisor loop did not answer");
+                }
+                answered
+            })
+        };
+        for request in round {
+            let response = route(&request.method, &request.path, shared, &mut is_alive);
+            reply_now(&request.stream, request.peer, &response, request.method == "HEAD");
+        }
+    }
+}
+
+/// A short answer written without blocking (from the epoll thread or the
+/// probe answerer): a few hundred bytes fit in the empty send buffer of a
+/// fresh connection.
 fn reply_now(stream: &TcpStream, peer: SocketAddr, response: &Response, head_only: bool) {
     let mut bytes = response_head(response).into_bytes();
     if !head_only {
@@ -431,7 +502,9 @@ fn response_head(response: &Response) -> String {
     head
 }
 
-fn route(method: &str, path: &str, shared: &Shared) -> Response {
+/// The answer to `method` on `path`; `is_alive` asks the loop (only
+/// `/healthz` calls it).
+fn route(method: &str, path: &str, shared: &Shared, is_alive: &mut dyn FnMut() -> bool) -> Response {
     if !matches!(path, "/metrics" | "/healthz" | "/readyz") {
         return Response::text(404, "not found: try /metrics, /healthz or /readyz\n");
     }
@@ -446,11 +519,8 @@ fn route(method: &str, path: &str, shared: &Shared) -> Response {
                 Response::text(500, format!("{err}\n"))
             }
         },
-        "/healthz" if shared.health.is_alive(LIVENESS_WAIT) => Response::text(200, "ok\n"),
-        "/healthz" => {
-            warn!(wait_ms = LIVENESS_WAIT.as_millis() as u64, "liveness check: the supervisor loop did not answer");
-            Response::text(503, format!("the supervisor loop did not answer within {LIVENESS_WAIT:?}\n"))
-        }
+        "/healthz" if is_alive() => Response::text(200, "ok\n"),
+        "/healthz" => Response::text(503, format!("the supervisor loop did not answer within {LIVENESS_WAIT:?}\n")),
         _ if shared.health.is_ready() => match shared.health.state_problem() {
             None => Response::text(200, "ok\n"),
             Some(problem) => Response::text(
