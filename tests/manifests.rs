@@ -840,6 +840,52 @@ fn the_opt_in_nodes_proxy_rule_covers_the_kubelet_call_it_is_for() {
     );
 }
 
+/// The example NetworkPolicy selects the DaemonSet's pods, in their
+/// namespace, and admits to their metrics port (the one the agent is told
+/// to listen on) only a pod selector and an address block, for the
+/// scraper and the kubelet's probes.
+#[test]
+fn the_example_network_policy_guards_the_metrics_port_of_the_node_agent() {
+    let base = render(&deploy(""));
+    let daemonset = base.iter().find(|object| object["kind"] == "DaemonSet").expect("a DaemonSet in deploy/");
+    let path = deploy("examples/networkpolicy.yaml");
+    let policies: Vec<Value> =
+        yaml_documents(&path).into_iter().filter(|object| object["kind"] == "NetworkPolicy").collect();
+    let [policy] = policies.as_slice() else { panic!("{}: one NetworkPolicy, not {}", path.display(), policies.len()) };
+    assert_eq!(policy["metadata"]["namespace"], daemonset["metadata"]["namespace"]);
+    let labels = &daemonset["spec"]["template"]["metadata"]["labels"];
+    let selector = policy["spec"]["podSelector"]["matchLabels"].as_object().expect("a podSelector by labels");
+    assert!(!selector.is_empty() && selector.iter().all(|(key, value)| labels[key] == *value), "{selector:?}");
+    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]), "egress must stay open");
+
+    let agent = containers(pod_spec(daemonset).unwrap()).find(|container| container["name"] == "fuse-supervisor");
+    let agent = agent.expect("the fuse-supervisor container");
+    let env = container_env(agent).unwrap();
+    let listen = env.iter().find(|(name, _)| name == "FUSE_SUPERVISOR_METRICS_ADDR").expect("a metrics address");
+    let rules = policy["spec"]["ingress"].as_array().expect("ingress rules");
+    let [rule] = rules.as_slice() else { panic!("one ingress rule, not {rules:?}") };
+    for port in rule["ports"].as_array().expect("the rule names its ports") {
+        let number = match &port["port"] {
+            Value::String(name) => agent["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|declared| declared["name"] == *name)
+                .unwrap_or_else(|| panic!("no container port named {name}"))["containerPort"]
+                .clone(),
+            number => number.clone(),
+        };
+        assert!(listen.1.ends_with(&format!(":{number}")), "port {number}, but the agent listens on {}", listen.1);
+    }
+    let from = rule["from"].as_array().expect("the rule names its sources");
+    let kinds: BTreeSet<&str> = from
+        .iter()
+        .flat_map(|source| source.as_object().into_iter().flat_map(|fields| fields.keys()))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(kinds, BTreeSet::from(["ipBlock", "namespaceSelector", "podSelector"]), "{from:?}");
+}
+
 /// The checks themselves: each way of breaking the DaemonSet that they
 /// claim to catch must be caught, or they would pass anything.
 #[test]

@@ -11,8 +11,8 @@ use fuse_supervisor::testbed::admission::{
     EBS_DRIVER, JUICEFS_CLASS, JUICEFS_DRIVER, JUICEFS_PV, claim, class, fixture_cache, list_fixture_cluster, volume,
 };
 use fuse_supervisor::webhook::{
-    self, CertStore, DEFAULT_OPT_OUT_ANNOTATION, Metrics, Outcome, Selection, Server, State, Unresolved, Verdict,
-    VolumeCache,
+    self, CertStore, DEFAULT_OPT_OUT_ANNOTATION, Limits, Metrics, Outcome, Selection, Server, State, Unresolved,
+    Verdict, VolumeCache,
 };
 use http::{Request, Response};
 use kube::client::Body;
@@ -467,6 +467,323 @@ fn https_round_trip_with_certificate_rotation() {
 fn leaf(pair: &Pair) -> CertificateDer<'static> {
     use rustls::pki_types::pem::PemObject as _;
     CertificateDer::from_pem_slice(pair.cert_pem.as_bytes()).unwrap()
+}
+
+// --- The server's limits, against clients that take too much ---
+
+/// The default limits with the timeouts shortened to seconds.
+fn short_limits() -> Limits {
+    let second = Duration::from_secs(1);
+    Limits {
+        handshake_timeout: second,
+        header_timeout: second,
+        idle_timeout: 2 * second,
+        request_deadline: 2 * second,
+        max_streams: 4,
+        ..Limits::default()
+    }
+}
+
+/// A server within `limits`, its runtime and its certificate; shut down
+/// when dropped.
+struct LimitedServer {
+    runtime: tokio::runtime::Runtime,
+    server: Option<Server>,
+    pair: Pair,
+    _dir: tempfile::TempDir,
+}
+
+impl LimitedServer {
+    fn start(limits: Limits) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pair = pair("limits-ca");
+        publish(dir.path(), &pair.cert_pem, &pair.key_pem, 1);
+        let certs = CertStore::load(dir.path().join("tls.crt"), dir.path().join("tls.key")).unwrap();
+        let state = Arc::new(State::new(juicefs(), Arc::new(fixture_cache()), Arc::new(Metrics::new())));
+        let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let tls = certs.server_config().unwrap();
+        let server = runtime.block_on(Server::start_with(local, local, tls, state, limits)).unwrap();
+        LimitedServer { runtime, server: Some(server), pair, _dir: dir }
+    }
+
+    fn server(&self) -> &Server {
+        self.server.as_ref().unwrap()
+    }
+
+    /// A TCP connection to the HTTPS port that gives up reading after a
+    /// generous while, so a server that never closes fails the test.
+    fn connect(&self) -> TcpStream {
+        let sock = TcpStream::connect(self.server().https_addr()).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        sock
+    }
+
+    /// A TLS connection to the HTTPS port offering `alpn`, handshake done.
+    fn tls(&self, alpn: &[u8]) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.pair.ca.clone()).unwrap();
+        let mut config =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        config.alpn_protocols = vec![alpn.to_vec()];
+        let name = ServerName::try_from("127.0.0.1").unwrap();
+        let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+        let mut tls = rustls::StreamOwned::new(conn, self.connect());
+        while tls.conn.is_handshaking() {
+            tls.conn.complete_io(&mut tls.sock).unwrap();
+        }
+        assert_eq!(tls.conn.alpn_protocol(), Some(alpn), "ALPN not agreed");
+        tls
+    }
+}
+
+impl Drop for LimitedServer {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take() {
+            self.runtime.block_on(server.shutdown());
+        }
+    }
+}
+
+/// Reads one HTTP/1.1 response with a Content-Length: its status and body.
+/// Reads no further, so a connection the server closes afterwards (with a
+/// reset, for bytes it left unread) does not matter.
+fn read_response(stream: &mut impl std::io::Read) -> (u16, Value) {
+    let mut raw = Vec::new();
+    let mut byte = [0u8; 1];
+    while !raw.ends_with(b"\r\n\r\n") {
+        stream.read_exact(&mut byte).expect("a response head");
+        raw.push(byte[0]);
+    }
+    let head = String::from_utf8(raw).unwrap().to_ascii_lowercase();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .and_then(|length| length.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no Content-Length in {head}"));
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).expect("the response body");
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// Whether the server closed the connection: a read ends (end of file or
+/// reset) instead of timing out. Reads and drops whatever comes first.
+fn closed_by_server(stream: &mut impl std::io::Read) -> bool {
+    let mut sink = [0u8; 4096];
+    loop {
+        match stream.read(&mut sink) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(err) => return !matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        }
+    }
+}
+
+fn mutate_head(length: &str, extra: &str) -> String {
+    format!("POST /mutate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{length}{extra}\r\n")
+}
+
+#[test]
+fn a_body_over_the_limit_is_refused_with_413() {
+    let limited = LimitedServer::start(short_limits());
+    let max = Limits::default().max_body;
+
+    // Declared: refused before a byte of it is sent (curl waits for the
+    // answer to its Expect before it sends a large body).
+    let mut tls = limited.tls(b"http/1.1");
+    let declared = format!("Content-Length: {}\r\n", 2 * max);
+    tls.write_all(mutate_head(&declared, "Expect: 100-continue\r\n").as_bytes()).unwrap();
+    tls.flush().unwrap();
+    let (status, body) = read_response(&mut tls);
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(body["kind"], "Status");
+    assert_eq!(body["code"], 413);
+    assert_eq!(body["reason"], "RequestEntityTooLarge");
+    let message = body["message"].as_str().unwrap();
+    assert!(message.contains(&format!("{} bytes; at most {max}", 2 * max)), "{message}");
+
+    // Undeclared (chunked): refused once the limit is passed. The chunks
+    // stop right past it, so the server reads all that was sent.
+    let mut tls = limited.tls(b"http/1.1");
+    tls.write_all(mutate_head("Transfer-Encoding: chunked\r\n", "").as_bytes()).unwrap();
+    let chunk = vec![b' '; 64 * 1024];
+    for _ in 0..max / chunk.len() {
+        tls.write_all(format!("{:x}\r\n", chunk.len()).as_bytes()).unwrap();
+        tls.write_all(&chunk).unwrap();
+        tls.write_all(b"\r\n").unwrap();
+    }
+    tls.write_all(b"1\r\n \r\n").unwrap();
+    tls.flush().unwrap();
+    let (status, body) = read_response(&mut tls);
+    assert_eq!(status, 413, "{body}");
+    assert!(body["message"].as_str().unwrap().contains(&format!("longer than {max} bytes")), "{body}");
+
+    // A review within the limit is still answered.
+    let review = fixture("pvc-selected-driver.json");
+    let answer =
+        call(limited.server().https_addr(), Some(std::slice::from_ref(&limited.pair.ca)), "POST", "/mutate", &review);
+    assert_eq!(answer.status, 200);
+}
+
+#[test]
+fn a_body_that_trickles_in_is_answered_408_at_the_request_deadline() {
+    let limited = LimitedServer::start(short_limits());
+    let mut tls = limited.tls(b"http/1.1");
+    tls.write_all(mutate_head("Content-Length: 100\r\n", "").as_bytes()).unwrap();
+    tls.write_all(b"{\"kind\":").unwrap();
+    tls.flush().unwrap();
+    let (status, body) = read_response(&mut tls);
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(body["code"], 408);
+    assert!(body["message"].as_str().unwrap().contains("did not arrive within 2s"), "{body}");
+}
+
+#[test]
+fn idle_and_silent_connections_are_closed() {
+    let limited = LimitedServer::start(short_limits());
+    // No TLS handshake at all.
+    assert!(closed_by_server(&mut limited.connect()), "a silent TCP connection stayed open");
+    // Plain HTTP, not a byte sent (neither HTTP/1 nor HTTP/2 yet).
+    let mut plain = TcpStream::connect(limited.server().metrics_addr()).unwrap();
+    plain.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    assert!(closed_by_server(&mut plain), "a silent plain connection stayed open");
+    // HTTP/1: a head that never ends.
+    let mut tls = limited.tls(b"http/1.1");
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n").unwrap();
+    tls.flush().unwrap();
+    assert!(closed_by_server(&mut tls), "an unfinished head kept its connection");
+    // HTTP/1: kept alive after an answer, then nothing.
+    let mut tls = limited.tls(b"http/1.1");
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    tls.flush().unwrap();
+    let mut head = [0u8; 12];
+    tls.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    assert!(closed_by_server(&mut tls), "an idle kept-alive connection stayed open");
+    // HTTP/2: settings exchanged, then nothing: a GOAWAY, then the close.
+    let mut h2 = limited.tls(b"h2");
+    h2_start(&mut h2);
+    let frames = h2_frames_until_closed(&mut h2);
+    assert!(frames.iter().any(|frame| frame.kind == GOAWAY), "no GOAWAY before the close: {frames:?}");
+}
+
+#[test]
+fn http2_streams_beyond_the_limit_are_refused() {
+    let limits = short_limits();
+    let limited = LimitedServer::start(limits);
+    let mut h2 = limited.tls(b"h2");
+    let settings = h2_start(&mut h2);
+    assert_eq!(settings.get(&SETTINGS_MAX_CONCURRENT_STREAMS), Some(&limits.max_streams), "{settings:?}");
+    assert_eq!(settings.get(&SETTINGS_MAX_HEADER_LIST_SIZE), Some(&limits.max_head), "{settings:?}");
+
+    // Reviews whose bodies never come hold their streams; one more than
+    // the limit is refused at once, the others answered at the deadline.
+    let streams: Vec<u32> = (0..=limits.max_streams).map(|i| 2 * i + 1).collect();
+    for &stream in &streams {
+        h2.write_all(&h2_frame(HEADERS, END_HEADERS, stream, &post_mutate_headers())).unwrap();
+    }
+    h2.flush().unwrap();
+    let extra = *streams.last().unwrap();
+    let mut answered = Vec::new();
+    let mut refused = Vec::new();
+    while answered.len() < streams.len() - 1 {
+        let frame = h2_read_frame(&mut h2).expect("the server answers every stream");
+        match frame.kind {
+            RST_STREAM if frame.payload == REFUSED_STREAM.to_be_bytes() => refused.push(frame.stream),
+            // After an answer, the body the client never ended is not wanted.
+            RST_STREAM => {
+                assert!(answered.contains(&frame.stream), "stream {} reset unanswered: {frame:?}", frame.stream)
+            }
+            HEADERS => answered.push(frame.stream),
+            _ => {}
+        }
+    }
+    assert_eq!(refused, [extra], "the stream over the limit, and only it, is refused");
+    answered.sort_unstable();
+    assert_eq!(answered, streams[..streams.len() - 1], "each held stream is answered (408) at the deadline");
+}
+
+// A client of HTTP/2 frames (RFC 9113), only as far as these tests go.
+
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const GOAWAY: u8 = 0x7;
+const END_HEADERS: u8 = 0x4;
+const ACK: u8 = 0x1;
+const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+const SETTINGS_MAX_HEADER_LIST_SIZE: u16 = 0x6;
+const REFUSED_STREAM: u32 = 0x7;
+
+#[derive(Debug)]
+struct Frame {
+    kind: u8,
+    stream: u32,
+    payload: Vec<u8>,
+}
+
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    frame.extend([kind, flags]);
+    frame.extend(stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// The next frame; None once the server closed the connection.
+fn h2_read_frame(stream: &mut impl std::io::Read) -> Option<Frame> {
+    let mut head = [0u8; 9];
+    stream.read_exact(&mut head).ok()?;
+    let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let mut payload = vec![0u8; length];
+    stream.read_exact(&mut payload).ok()?;
+    let stream_id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    Some(Frame { kind: head[3], stream: stream_id, payload })
+}
+
+fn h2_frames_until_closed(stream: &mut impl std::io::Read) -> Vec<Frame> {
+    std::iter::from_fn(|| h2_read_frame(stream)).collect()
+}
+
+/// The preface and settings both ways; returns the server's settings.
+fn h2_start(stream: &mut (impl std::io::Read + std::io::Write)) -> std::collections::BTreeMap<u16, u32> {
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    stream.write_all(&h2_frame(SETTINGS, 0, 0, &[])).unwrap();
+    stream.flush().unwrap();
+    let settings = loop {
+        let frame = h2_read_frame(stream).expect("the server's settings");
+        if frame.kind == SETTINGS && frame.stream == 0 && !frame.payload.is_empty() {
+            break frame.payload;
+        }
+    };
+    stream.write_all(&h2_frame(SETTINGS, ACK, 0, &[])).unwrap();
+    stream.flush().unwrap();
+    settings
+        .chunks_exact(6)
+        .map(|setting| {
+            (
+                u16::from_be_bytes([setting[0], setting[1]]),
+                u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]),
+            )
+        })
+        .collect()
+}
+
+/// `POST /mutate` in HPACK: static-table names, literal values, no Huffman.
+fn post_mutate_headers() -> Vec<u8> {
+    let mut block = vec![0x83, 0x87]; // :method POST, :scheme https
+    for (name_index, value) in [(4u8, "/mutate"), (1, "127.0.0.1")] {
+        // Literal without indexing, indexed name (:path, :authority).
+        block.push(name_index);
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
 }
 
 // --- The watches, against kube's mock service ---

@@ -33,7 +33,7 @@ pub use cache::{Unresolved, Verdict, VolumeCache};
 pub use metrics::Metrics;
 pub use policy::{DEFAULT_OPT_OUT_ANNOTATION, Selection};
 pub use review::{Outcome, ReviewError, Reviewed, review};
-pub use server::{Server, ServerError, State};
+pub use server::{Limits, Server, ServerError, State};
 pub use tls::{CertStore, TlsError};
 
 #[derive(Debug, thiserror::Error)]
