@@ -558,6 +558,24 @@ mod tests {
         assert!(third.iter().all(|(_, outcome)| outcome.is_ok()), "{third:?}");
     }
 
+    /// A namespace with the recorded inode but another ID is one that got a
+    /// freed namespace's inode: not the one the mount was found in.
+    #[test]
+    fn a_namespace_is_known_again_by_its_inode_and_its_id() {
+        let proc_root = Path::new("/proc");
+        let pid = std::process::id();
+        let inode = fs::metadata("/proc/self/ns/mnt").unwrap().ino();
+        let own = open_namespace_of(proc_root, pid, inode, None).expect("this process's namespace");
+        let Ok(id) = ns::mount_namespace_id(own.as_fd()) else {
+            panic!("this kernel names no mount namespace by ID (NS_GET_MNTNS_ID, Linux 6.11+)")
+        };
+        assert!(open_namespace_of(proc_root, pid, inode, Some(id)).is_ok());
+        let reused = open_namespace_of(proc_root, pid, inode, Some(id + 1));
+        assert!(matches!(reused, Err(ContainerHealError::NamespaceGone { .. })), "{reused:?}");
+        let other_inode = open_namespace_of(proc_root, pid, inode + 1, None);
+        assert!(matches!(other_inode, Err(ContainerHealError::NamespaceGone { .. })), "{other_inode:?}");
+    }
+
     #[test]
     fn a_worker_that_panics_fails_its_namespace_only() {
         let workers = NamespaceWorkers::new(HealPriority::OFF, Duration::from_secs(60));
