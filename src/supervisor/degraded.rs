@@ -5,7 +5,7 @@
 //! covers it on every root-level target) does not leave it unreachable.
 //! A death is retracted when the discovery that follows it finds another
 //! process holding the connection: the targets are healthy again.
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
+use crate::heal::containers::{ContainerHealError, ForeignMount};
 use crate::heal::{Executor, Prepared};
 use crate::model::state::{DaemonDeath, TargetState};
 use crate::model::table::{Classified, Dev};
@@ -291,8 +292,13 @@ impl<E: Executor> Supervisor<E> {
         let started = Instant::now();
         let Some(isolated) = self.executor.isolate_containers(dev) else { return };
         let took_us = started.elapsed().as_micros() as u64;
+        // One line per namespace, however many mounts a tenant made there.
+        let mut by_namespace: BTreeMap<u64, (&ForeignMount, &ContainerHealError, usize)> = BTreeMap::new();
         for (foreign, err) in &isolated.failed {
-            warn!(connection = %dev, namespace = foreign.namespace, pid = foreign.pid, mount_point = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mount; the host heal may stack onto it");
+            by_namespace.entry(foreign.namespace).or_insert((foreign, err, 0)).2 += 1;
+        }
+        for (namespace, (foreign, err, mounts)) in by_namespace {
+            warn!(connection = %dev, namespace, pid = foreign.pid, mounts, first = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mounts; the host heal may stack onto them");
         }
         info!(
             connection = %dev,
