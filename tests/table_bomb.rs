@@ -24,17 +24,20 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 const BINDS: usize = 6_000;
 const PATH_BYTES: usize = 29_000;
 
-/// The bound: the DaemonSet's limit is 128 MiB, and the agent on
-/// a quiet node peaks near 10 MiB. The bound is a behaviour (the agent
-/// must not grow with a tenant's table; before the caps it peaked near
-/// 100 MiB at 3,000 binds), set with room to spare for a loaded machine's
-/// allocator.
-const PEAK_BOUND_KIB: u64 = 32 * 1024;
+/// The bound: the DaemonSet's limit is 128 MiB, and the release
+/// agent on a quiet node peaks near 10 MiB; before the caps it peaked near
+/// 100 MiB at 3,000 binds, nearly all of it memory it made (a table read
+/// whole). The test runs the debug build, whose own code is ~26 MiB of file
+/// pages (`RssFile`) and ~3 MiB of memory it made on a quiet node: what a
+/// tenant can grow, the memory the agent made, is checked against 16 MiB
+/// (half the 32 MiB for the whole agent), so that the size of a
+/// debug binary does not decide the test; the whole peak is printed.
+const PEAK_ANONYMOUS_BOUND_KIB: u64 = 16 * 1024;
 
 const OVER_CAP: &str = "\"mount namespace over a table cap\"";
 
-fn peak_kib(supervisor: &SupervisorProcess) -> u64 {
-    Usage::of(supervisor.pid()).expect("the agent's /proc status").peak_rss_kib
+fn usage(supervisor: &SupervisorProcess) -> Usage {
+    Usage::of(supervisor.pid()).expect("the agent's /proc status")
 }
 
 fn warnings_naming(supervisor: &SupervisorProcess, namespace: u64) -> usize {
@@ -75,8 +78,12 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     let supervisor = SupervisorProcess::start_with(&sandbox, Path::new(BINARY), &state_dir, args).expect("agent");
     let walked = |line: &str| line.contains("\"mount namespaces walked\"");
     supervisor.wait_for_log(TIMEOUT, walked).expect("the start-up walk");
-    let at_start = peak_kib(&supervisor);
-    println!("agent VmHWM after the start-up walk: {at_start} KiB");
+    let at_start = usage(&supervisor);
+    println!(
+        "agent VmHWM after the start-up walk: {} KiB ({} KiB made by itself)",
+        at_start.peak_rss_kib,
+        at_start.peak_anonymous_kib()
+    );
 
     // Learnt at its first exec in its new namespace, maybe before its
     // binds are made (the connector's events are read in batches); read
@@ -104,13 +111,18 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
         runc::print_failure(Some(&supervisor), &sandbox, [&container]);
         panic!("no warning names the second bomb: {err}");
     }
-    let after_heal = peak_kib(&supervisor);
-    println!("agent VmHWM after the heal: {after_heal} KiB");
+    let after_heal = usage(&supervisor);
+    println!(
+        "agent VmHWM after the heal: {} KiB ({} KiB made by itself)",
+        after_heal.peak_rss_kib,
+        after_heal.peak_anonymous_kib()
+    );
     for bomb in [&before_start, &after_start] {
         assert_eq!(warnings_naming(&supervisor, bomb.namespace()), 1, "one warning names bomb {}", bomb.pid());
     }
-    assert!(at_start < PEAK_BOUND_KIB, "the start-up walk peaked at {at_start} KiB");
-    assert!(after_heal < PEAK_BOUND_KIB, "the agent peaked at {after_heal} KiB");
+    for (when, usage) in [("the start-up walk", at_start), ("the heal", after_heal)] {
+        assert!(usage.peak_anonymous_kib() < PEAK_ANONYMOUS_BOUND_KIB, "{when}: the agent made {usage:?}");
+    }
     drop((before_start, after_start));
     supervisor.stop().expect("stop the agent");
 }

@@ -510,11 +510,21 @@ pub struct Usage {
     pub rss_kib: u64,
     /// The resident peak since the process started (`VmHWM`).
     pub peak_rss_kib: u64,
+    /// Of the resident set now, the pages of files (`RssFile`, `RssShmem`):
+    /// mostly the binary's own code, which a debug build makes large.
+    pub file_kib: u64,
     pub descriptors: usize,
     pub threads: u64,
 }
 
 impl Usage {
+    /// The peak of memory the process made itself (heap, stacks): its
+    /// resident peak less the file pages it holds now. File pages are only
+    /// added as code runs, so this never overstates that peak.
+    pub fn peak_anonymous_kib(&self) -> u64 {
+        self.peak_rss_kib.saturating_sub(self.file_kib)
+    }
+
     pub fn of(pid: u32) -> Result<Usage, ScenarioError> {
         let status_path = format!("/proc/{pid}/status");
         let status = fs::read_to_string(&status_path).map_err(io_step(format!("read {status_path}")))?;
@@ -529,9 +539,11 @@ impl Usage {
         let rss_kib = field("VmRSS:").ok_or_else(|| missing("VmRSS"))?;
         let peak_rss_kib = field("VmHWM:").ok_or_else(|| missing("VmHWM"))?;
         let threads = field("Threads:").ok_or_else(|| missing("Threads"))?;
+        let file_kib = field("RssFile:").ok_or_else(|| missing("RssFile"))?
+            + field("RssShmem:").ok_or_else(|| missing("RssShmem"))?;
         let fd_dir = format!("/proc/{pid}/fd");
         let descriptors = fs::read_dir(&fd_dir).map_err(io_step(format!("list {fd_dir}")))?.count();
-        Ok(Usage { rss_kib, peak_rss_kib, descriptors, threads })
+        Ok(Usage { rss_kib, peak_rss_kib, file_kib, descriptors, threads })
     }
 }
 
