@@ -108,6 +108,10 @@ pub struct ForeignMount {
     /// back within three container starts), so the heal checks both. None
     /// where the kernel has no such ID, or the namespace's process had left.
     pub namespace_id: Option<u64>,
+    /// The mount's 64-bit unique ID (never reused) where the read gave it:
+    /// the heal checks it finds that mount, not one with its reused 32-bit
+    /// ID and its device.
+    pub unique_id: Option<u64>,
 }
 
 /// How one foreign mount came out of a heal.
@@ -137,6 +141,7 @@ pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<
             namespace: read.namespace,
             pid: read.anchor.pid,
             propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
+            unique_id: read.unique_ids.get(&mount.mount_id).copied(),
             mount,
             namespace_id,
         })
@@ -184,7 +189,7 @@ pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(Fore
         }
         let mut failed = Vec::new();
         for foreign in mounts {
-            let made_private = in_namespace::open_recorded(foreign.pid, &foreign.mount)
+            let made_private = in_namespace::open_recorded(foreign.pid, &foreign.mount, foreign.unique_id)
                 .map_err(ContainerHealError::from)
                 .and_then(|stale| {
                     mount::make_private(stale.as_fd()).map_err(|source| ContainerHealError::Isolate {
@@ -279,6 +284,7 @@ fn replace_one(
         namespace: foreign.namespace,
         pid: foreign.pid,
         target: foreign.mount.clone(),
+        target_unique_id: foreign.unique_id,
     };
     let source_namespace =
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
@@ -508,6 +514,7 @@ mod tests {
             mount: fuse(mount_id, 1, 50, "/data", "/"),
             propagation: Propagation::Private,
             namespace_id: None,
+            unique_id: None,
         }
     }
 

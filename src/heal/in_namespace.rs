@@ -42,6 +42,8 @@ pub struct InNamespaceHeal {
     pub namespace: u64,
     pub pid: u32,
     pub target: FuseMount,
+    /// The target's 64-bit unique mount ID, where its read gave it.
+    pub target_unique_id: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -167,7 +169,7 @@ pub fn heal_in_namespaces(
     let from = match live {
         Some(live) => live,
         None => {
-            let live = open_recorded(source_pid, &heal.source.mount)?;
+            let live = open_recorded(source_pid, &heal.source.mount, None)?;
             opened =
                 if heal.subdir.as_os_str().is_empty() {
                     live
@@ -191,7 +193,7 @@ pub fn heal_in_namespaces(
     let pid = heal.pid;
     let target_path = &heal.target.mount_point;
     enter(namespaces.target.as_fd(), pid)?;
-    let stale = open_recorded(pid, &heal.target)?;
+    let stale = open_recorded(pid, &heal.target, heal.target_unique_id)?;
     let replaced =
         mount::make_private(stale.as_fd()).and_then(|()| mount::move_mount_beneath(clone.as_fd(), stale.as_fd()));
     match replaced {
@@ -237,7 +239,15 @@ fn enter(namespace: BorrowedFd<'_>, pid: u32) -> Result<(), InNamespaceError> {
 /// mount asks its filesystem nothing; only the lookup of a name inside it
 /// would, and that is refused. The mount point itself may be FUSE: it is
 /// the recorded mount, checked without asking its server.
-pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, InNamespaceError> {
+///
+/// With `unique_id` (the mount's 64-bit ID, never reused), the mount found
+/// must have it too: a 32-bit mount ID comes back for the next mount once
+/// the kernel freed it.
+pub(crate) fn open_recorded(
+    pid: u32,
+    recorded: &FuseMount,
+    unique_id: Option<u64>,
+) -> Result<OwnedFd, InNamespaceError> {
     let path = &recorded.mount_point;
     let resolve_error = |source| InNamespaceError::Resolve { pid, path: path.clone(), source };
     let mut at = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
@@ -257,7 +267,11 @@ pub(crate) fn open_recorded(pid: u32, recorded: &FuseMount) -> Result<OwnedFd, I
         (at, at_mount) = (next, next_mount);
     }
     let found_dev = Dev::from(resolve::device_of(at.as_fd()).map_err(resolve_error)?);
-    if at_mount != recorded.mount_id || found_dev != recorded.dev {
+    // Where the kernel cannot tell (a FUSE inode marked bad answers statx
+    // with EIO), the 32-bit ID and the device decide alone.
+    let another =
+        unique_id.is_some_and(|recorded| resolve::unique_mount_id_of(at.as_fd()).is_ok_and(|found| found != recorded));
+    if another || at_mount != recorded.mount_id || found_dev != recorded.dev {
         return Err(InNamespaceError::Changed {
             pid,
             path: path.clone(),
@@ -303,6 +317,30 @@ fn lookups_may_stall(fs_type: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The mount found must carry the recorded unique ID: the 32-bit ID and
+    /// the device alike are not enough.
+    #[test]
+    fn a_mount_with_the_recorded_id_and_device_but_another_unique_id_has_changed() {
+        let root = resolve::open_dir(Path::new("/")).unwrap();
+        let recorded = FuseMount {
+            mount_id: resolve::mount_id_of(root.as_fd()).unwrap(),
+            parent_id: 0,
+            dev: Dev::from(resolve::device_of(root.as_fd()).unwrap()),
+            root: "/".into(),
+            mount_point: "/".into(),
+            peer_group: None,
+            master: None,
+            fs_type: "ext4".into(),
+            source: String::new(),
+            table_order: 0,
+        };
+        let unique = resolve::unique_mount_id_of(root.as_fd()).expect("STATX_MNT_ID_UNIQUE (Linux 6.8+)");
+        assert!(open_recorded(1, &recorded, None).is_ok());
+        assert!(open_recorded(1, &recorded, Some(unique)).is_ok());
+        let reused = open_recorded(1, &recorded, Some(unique + 1));
+        assert!(matches!(reused, Err(InNamespaceError::Changed { .. })), "{reused:?}");
+    }
 
     #[test]
     fn fuse_network_and_overlay_mounts_may_stall_a_lookup() {

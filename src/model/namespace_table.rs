@@ -136,6 +136,9 @@ pub struct NamespaceTable {
     pub fuse_mounts: Vec<FuseMount>,
     /// Each kept FUSE mount's ancestry, by mount ID.
     pub ancestry: BTreeMap<u32, Ancestry>,
+    /// Each kept FUSE mount's 64-bit unique ID (never reused, unlike the
+    /// mount ID), by mount ID: read by listmount only.
+    pub unique_ids: BTreeMap<u32, u64>,
     /// Whether any of its mounts receives mounts by propagation.
     pub receives: bool,
     pub total_mounts: usize,
@@ -236,6 +239,7 @@ impl Kept {
     fn into_table(
         self,
         ancestry: BTreeMap<u32, Ancestry>,
+        unique_ids: BTreeMap<u32, u64>,
         receives: bool,
         total_mounts: usize,
         read_by: ReadBy,
@@ -243,6 +247,7 @@ impl Kept {
         NamespaceTable {
             fuse_mounts: self.fuse_mounts,
             ancestry,
+            unique_ids,
             receives,
             total_mounts,
             overflow: self.overflow,
@@ -276,6 +281,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
     let mut after = 0;
     let mut kept = Kept::default();
     let mut ancestry = BTreeMap::new();
+    let mut unique_ids = BTreeMap::new();
     let (mut receives, mut total_mounts) = (false, 0usize);
     loop {
         let listed = listmount::mount_ids_page(namespace, after, &mut page)?;
@@ -318,6 +324,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             let mount_id = mount.mount_id;
             if kept.keep(mount, caps) {
                 ancestry.insert(mount_id, ancestry_by_statmount(stat.parent_unique_id, unique_id, namespace, caps));
+                unique_ids.insert(mount_id, unique_id);
             }
         }
         match page[..listed].last() {
@@ -325,7 +332,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             _ => break,
         }
     }
-    Ok(kept.into_table(ancestry, receives, total_mounts, ReadBy::Listmount))
+    Ok(kept.into_table(ancestry, unique_ids, receives, total_mounts, ReadBy::Listmount))
 }
 
 /// The ancestry of the mount `child` whose parent is `parent`, asked of
@@ -469,7 +476,7 @@ pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable>
             (mount.mount_id, ancestry)
         })
         .collect();
-    Ok(kept.into_table(ancestry, receives, total_mounts, ReadBy::Mountinfo))
+    Ok(kept.into_table(ancestry, BTreeMap::new(), receives, total_mounts, ReadBy::Mountinfo))
 }
 
 #[cfg(test)]

@@ -83,6 +83,7 @@ pub fn plan(namespaces: &[NamespaceView]) -> SidecarPlan {
                     namespace: namespace.id,
                     pid: namespace.pid,
                     target: target.clone(),
+                    target_unique_id: None,
                 }),
                 None => plan.waiting.push((namespace.id, target.clone())),
             }

@@ -471,6 +471,7 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
         },
         propagation: Propagation::Private,
         namespace_id: None,
+        unique_id: None,
     };
     harness.supervisor.executor.containers = vec![
         (foreign(4242, 1), Ok(ForeignHealed::Replaced)),

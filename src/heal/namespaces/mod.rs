@@ -70,6 +70,9 @@ pub struct NamespaceRead {
     pub receives: bool,
     /// What each FUSE mount (by mount ID) is mounted below.
     pub ancestry: BTreeMap<u32, Ancestry>,
+    /// Each FUSE mount's 64-bit unique ID, by mount ID, where the read had
+    /// them (listmount).
+    pub unique_ids: BTreeMap<u32, u64>,
     /// What the read left out for the caps (see [`crate::model::namespace_table`]).
     pub overflow: Overflow,
 }
@@ -502,6 +505,7 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
         fuse_mounts: table.fuse_mounts,
         receives: table.receives,
         ancestry: table.ancestry,
+        unique_ids: table.unique_ids,
         overflow: table.overflow,
     }))
 }
