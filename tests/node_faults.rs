@@ -31,10 +31,18 @@ fn or_describe<T>(node: &Node, result: Result<T, ScenarioError>) -> T {
     result.unwrap_or_else(|err| panic!("{err:?}\n{}", node.describe()))
 }
 
+/// Started, and its start-up walk of the node's mount namespaces done: a
+/// fault set up after it (a lower open-file limit) must not meet the walk
+/// (seen once in a loaded run: the walk ran out of descriptors, and every
+/// search walked `/proc` after).
 fn start(node: &mut Node, wrapper: &[OsString]) {
     if let Err(err) = node.start_supervisor(wrapper, &[]) {
         panic!("{err:?}\n{}", node.describe());
     }
+    let walked =
+        |line: &str| line.contains("\"mount namespaces walked\"") || line.contains("cannot walk the mount namespaces");
+    let supervisor = node.supervisor().expect("running");
+    or_describe(node, supervisor.wait_for_log(TIMEOUT, walked));
 }
 
 fn crash_and_restart(node: &mut Node) {
