@@ -1,7 +1,10 @@
 //! The heal inside containers after a host heal (see
 //! [`crate::heal::containers`]), how each went, and the retries of those
 //! that failed: a failed container heal stays in the work set, retried with
-//! the targets' back-off, until it succeeds or its namespace is gone.
+//! the targets' back-off, until it succeeds or its namespace is gone; one
+//! the container refused by its own doing waits for its namespace's next
+//! mount change instead, and one whose namespace missed the deadline for
+//! its source's next heal.
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -123,6 +126,7 @@ impl<E: Executor> Supervisor<E> {
         // line per namespace.
         let now = Instant::now();
         let mut by_pod = BTreeMap::new();
+        let mut owners: BTreeMap<u32, Option<PodContainer>> = BTreeMap::new();
         let mut failures: BTreeMap<(u64, &'static str), Failures> = BTreeMap::new();
         for (foreign, outcome) in outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
@@ -130,7 +134,8 @@ impl<E: Executor> Supervisor<E> {
                 Propagation::Slave => "slave",
                 _ => "private",
             };
-            let owner = self.owner(pid);
+            // A namespace's mounts share its process: its cgroup is read once.
+            let owner = owners.entry(pid).or_insert_with(|| self.owner(pid)).clone();
             let pod = owner.as_ref().map(|owner| format!("{}/{}", owner.namespace, owner.pod));
             let (pod, container) = (pod.as_deref(), owner.as_ref().map(|owner| owner.container.as_str()));
             let failed_before = attempts.iter().find(|(retried, _)| *retried == foreign).map_or(0, |(_, n)| *n);
