@@ -3,8 +3,8 @@
 //! A container's mount table is as big as its tenant makes it: 6,000
 //! self-binds at 30 KB mount points are 170 MiB of mountinfo text, which
 //! any container with CAP_SYS_ADMIN can make. The agent keeps only what it
-//! needs of such a table (its FUSE mounts, whether any mount receives
-//! propagation, and what each FUSE mount is mounted below), and reads it so
+//! needs of such a table (its FUSE mounts, and whether any mount receives
+//! propagation), and reads it so
 //! that its memory is bounded by caps, not by the table:
 //!
 //! - **listmount/statmount** (Linux 6.11+, probed once): the namespace is
@@ -50,27 +50,15 @@ pub struct TableCaps {
     /// Bytes of path text (root, mount point, type, source) kept per
     /// namespace, over all its FUSE mounts.
     pub kept_text_bytes: usize,
-    /// Ancestors followed up from each FUSE mount.
-    pub ancestors: usize,
-    /// Mounts whose parent and type a streamed read remembers, to follow
-    /// FUSE mounts' ancestors (12 bytes each).
-    pub mapped_mounts: usize,
 }
 
 impl TableCaps {
     /// A container's FUSE volume sits at a mount point of a few hundred
     /// bytes at most, below a handful of mounts; a node's container holds
     /// a few dozen FUSE mounts. The caps are far above that and keep one
-    /// namespace's read under a few MiB (mostly the parent map of a
-    /// streamed read at its cap).
-    pub const DEFAULT: TableCaps = TableCaps {
-        line_bytes: 16 * 1024,
-        mount_text_bytes: 8 * 1024,
-        fuse_mounts: 512,
-        kept_text_bytes: 512 * 1024,
-        ancestors: 64,
-        mapped_mounts: 128 * 1024,
-    };
+    /// namespace's read under a MiB.
+    pub const DEFAULT: TableCaps =
+        TableCaps { line_bytes: 16 * 1024, mount_text_bytes: 8 * 1024, fuse_mounts: 512, kept_text_bytes: 512 * 1024 };
 }
 
 /// What a read left out.
@@ -94,34 +82,6 @@ impl Overflow {
     }
 }
 
-/// What a FUSE mount of another namespace is mounted below, up to its
-/// namespace's root: what tells whether a path walk to it can be taken
-/// by another FUSE daemon or hang on a network filesystem.
-///
-/// Overlay (a container's root filesystem) counts as local: its layers
-/// are directories the runtime chose; an overlay a tenant made over its
-/// own FUSE mount is the tenant's own hang, and refusing overlay would
-/// refuse every container. Its presence is kept for a caller that judges
-/// otherwise.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Ancestry {
-    /// The nearest ancestor that is a FUSE or network filesystem: its type
-    /// (`fuse`, `fuse.sshfs`, `nfs4`, …; statmount names FUSE ones `fuse`).
-    pub remote_or_fuse: Option<String>,
-    /// Whether an ancestor is an overlay.
-    pub overlay: bool,
-    /// Whether every ancestor up to the root was seen: false past
-    /// [`TableCaps::ancestors`], or through a mount a cap left out.
-    pub complete: bool,
-}
-
-impl Ancestry {
-    /// Every ancestor known, none a FUSE or network filesystem.
-    pub fn local(&self) -> bool {
-        self.complete && self.remote_or_fuse.is_none()
-    }
-}
-
 /// How a namespace was read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadBy {
@@ -134,8 +94,6 @@ pub enum ReadBy {
 pub struct NamespaceTable {
     /// In table order.
     pub fuse_mounts: Vec<FuseMount>,
-    /// Each kept FUSE mount's ancestry, by mount ID.
-    pub ancestry: BTreeMap<u32, Ancestry>,
     /// Each kept FUSE mount's 64-bit unique ID (never reused, unlike the
     /// mount ID), by mount ID: read by listmount only.
     pub unique_ids: BTreeMap<u32, u64>,
@@ -238,7 +196,6 @@ impl Kept {
 
     fn into_table(
         self,
-        ancestry: BTreeMap<u32, Ancestry>,
         unique_ids: BTreeMap<u32, u64>,
         receives: bool,
         total_mounts: usize,
@@ -246,7 +203,6 @@ impl Kept {
     ) -> NamespaceTable {
         NamespaceTable {
             fuse_mounts: self.fuse_mounts,
-            ancestry,
             unique_ids,
             receives,
             total_mounts,
@@ -280,7 +236,6 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
     let mut page = [0u64; LIST_PAGE];
     let mut after = 0;
     let mut kept = Kept::default();
-    let mut ancestry = BTreeMap::new();
     let mut unique_ids = BTreeMap::new();
     let (mut receives, mut total_mounts) = (false, 0usize);
     loop {
@@ -323,7 +278,6 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             };
             let mount_id = mount.mount_id;
             if kept.keep(mount, caps) {
-                ancestry.insert(mount_id, ancestry_by_statmount(stat.parent_unique_id, unique_id, namespace, caps));
                 unique_ids.insert(mount_id, unique_id);
             }
         }
@@ -332,73 +286,13 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             _ => break,
         }
     }
-    Ok(kept.into_table(ancestry, unique_ids, receives, total_mounts, ReadBy::Listmount))
-}
-
-/// The ancestry of the mount `child` whose parent is `parent`, asked of
-/// statmount one ancestor at a time (no path): the namespace's root is its
-/// own parent.
-fn ancestry_by_statmount(mut parent: u64, mut child: u64, namespace: Namespace, caps: &TableCaps) -> Ancestry {
-    let mut ancestry = Ancestry::default();
-    for _ in 0..caps.ancestors {
-        if parent == child {
-            ancestry.complete = true;
-            return ancestry;
-        }
-        let Ok(kind) = statmount::mount_kind(parent, namespace) else { return ancestry };
-        note_ancestor(&mut ancestry, &kind.fs_type);
-        (child, parent) = (parent, kind.parent_unique_id);
-    }
-    ancestry
-}
-
-fn note_ancestor(ancestry: &mut Ancestry, fs_type: &str) {
-    match classify(fs_type) {
-        Class::RemoteOrFuse if ancestry.remote_or_fuse.is_none() => ancestry.remote_or_fuse = Some(fs_type.to_owned()),
-        Class::Overlay => ancestry.overlay = true,
-        _ => {}
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
-    Local,
-    Overlay,
-    RemoteOrFuse,
-}
-
-/// Network filesystems, whose lookups can wait on a server: `nfs`,
-/// `nfs4`, `cifs`, `smb3`, `9p`, `ceph`, `glusterfs`, `lustre`, `afs`,
-/// and `virtiofs` (a FUSE server on the host of a VM sandbox).
-const REMOTE_TYPES: &[&str] =
-    &["nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "virtiofs"];
-
-fn classify(fs_type: &str) -> Class {
-    if mountinfo::is_fuse_type(fs_type) || REMOTE_TYPES.contains(&fs_type) {
-        Class::RemoteOrFuse
-    } else if fs_type == "overlay" {
-        Class::Overlay
-    } else {
-        Class::Local
-    }
-}
-
-/// A mount as a streamed read remembers it, to follow ancestors: 12 bytes.
-#[derive(Debug, Clone, Copy)]
-struct Mapped {
-    mount_id: u32,
-    parent_id: u32,
-    /// 0 local, 1 overlay, 2 + n: the nth remote or FUSE type seen.
-    class: u8,
+    Ok(kept.into_table(unique_ids, receives, total_mounts, ReadBy::Listmount))
 }
 
 /// A mountinfo text read from `source` line by line within `caps`.
 pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable> {
     let mut lines = CappedLines::new(source, caps.line_bytes);
     let mut kept = Kept::default();
-    let mut map: Vec<Mapped> = Vec::new();
-    let mut remote_types: Vec<String> = Vec::new();
-    let mut map_full = false;
     let (mut receives, mut total_mounts) = (false, 0usize);
     while let Some(line) = lines.next_line()? {
         total_mounts += 1;
@@ -414,69 +308,12 @@ pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable>
             continue;
         };
         receives |= entry.propagation.shared.is_some() || entry.propagation.master.is_some();
-        let class = match classify(entry.fs_type) {
-            Class::Local => Some(0),
-            Class::Overlay => Some(1),
-            Class::RemoteOrFuse => match remote_types.iter().position(|known| known == entry.fs_type) {
-                Some(index) => u8::try_from(index + 2).ok(),
-                None if remote_types.len() < usize::from(u8::MAX - 2) => {
-                    remote_types.push(entry.fs_type.to_owned());
-                    u8::try_from(remote_types.len() + 1).ok()
-                }
-                None => None,
-            },
-        };
-        match class {
-            Some(class) if map.len() < caps.mapped_mounts => {
-                map.push(Mapped { mount_id: entry.mount_id, parent_id: entry.parent_id, class })
-            }
-            _ => map_full = true,
-        }
         if entry.is_fuse() && kept.has_room(caps) {
             let table_order = u32::try_from(total_mounts).unwrap_or(u32::MAX);
             kept.keep(FuseMount::of_line(&entry, table_order), caps);
         }
     }
-    // The last line of each mount ID (a mount listed twice was read twice).
-    map.reverse();
-    map.sort_by_key(|mapped| mapped.mount_id);
-    map.dedup_by_key(|mapped| mapped.mount_id);
-    // A parent missing from a whole table is outside the reader's root:
-    // the chain is complete there. Missing from a table with holes, it is
-    // unknown.
-    let holes = map_full || kept.overflow.long_mounts > 0 || kept.overflow.malformed_lines > 0;
-    let find = |mount_id: u32| map.binary_search_by_key(&mount_id, |mapped| mapped.mount_id).ok().map(|at| map[at]);
-    let ancestry = kept
-        .fuse_mounts
-        .iter()
-        .map(|mount| {
-            let mut ancestry = Ancestry::default();
-            let mut parent = mount.parent_id;
-            let mut child = mount.mount_id;
-            for _ in 0..caps.ancestors {
-                if parent == child {
-                    ancestry.complete = true;
-                    break;
-                }
-                let Some(mapped) = find(parent) else {
-                    ancestry.complete = !holes;
-                    break;
-                };
-                match mapped.class {
-                    0 => {}
-                    1 => ancestry.overlay = true,
-                    remote => {
-                        if ancestry.remote_or_fuse.is_none() {
-                            ancestry.remote_or_fuse = remote_types.get(usize::from(remote - 2)).cloned();
-                        }
-                    }
-                }
-                (child, parent) = (parent, mapped.parent_id);
-            }
-            (mount.mount_id, ancestry)
-        })
-        .collect();
-    Ok(kept.into_table(ancestry, BTreeMap::new(), receives, total_mounts, ReadBy::Mountinfo))
+    Ok(kept.into_table(BTreeMap::new(), receives, total_mounts, ReadBy::Mountinfo))
 }
 
 #[cfg(test)]

@@ -46,7 +46,7 @@ use tracing::{debug, info, warn};
 
 use super::containers::{ContainerHealError, ForeignMount, foreign_mounts};
 use super::priority::{HealActivity, HealPriority};
-use crate::model::namespace_table::{self, Ancestry, Overflow, TableCaps};
+use crate::model::namespace_table::{self, Overflow, TableCaps};
 use crate::model::table::{Dev, FuseMount};
 use crate::watch::processes::{
     ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
@@ -68,20 +68,11 @@ pub struct NamespaceRead {
     pub fuse_mounts: Vec<FuseMount>,
     /// Whether any of its mounts receives mounts by propagation.
     pub receives: bool,
-    /// What each FUSE mount (by mount ID) is mounted below.
-    pub ancestry: BTreeMap<u32, Ancestry>,
     /// Each FUSE mount's 64-bit unique ID, by mount ID, where the read had
     /// them (listmount).
     pub unique_ids: BTreeMap<u32, u64>,
     /// What the read left out for the caps (see [`crate::model::namespace_table`]).
     pub overflow: Overflow,
-}
-
-impl NamespaceRead {
-    /// What `mount`, one of its FUSE mounts, is mounted below.
-    pub fn ancestry_of(&self, mount: &FuseMount) -> Option<&Ancestry> {
-        self.ancestry.get(&mount.mount_id)
-    }
 }
 
 impl NamespaceRead {
@@ -504,7 +495,6 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
         anchor: ProcessId { pid, start_time: before.start_time },
         fuse_mounts: table.fuse_mounts,
         receives: table.receives,
-        ancestry: table.ancestry,
         unique_ids: table.unique_ids,
         overflow: table.overflow,
     }))

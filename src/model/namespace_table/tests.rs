@@ -49,32 +49,6 @@ fn fuse_mounts_past_a_namespace_cap_are_left_out_and_counted() {
     assert!(!streamed(ROOT, &TableCaps::DEFAULT).overflow.any());
 }
 
-#[test]
-fn a_fuse_mount_knows_what_it_is_mounted_below() {
-    let table = format!(
-        "{ROOT}2 1 0:30 / /var rw - overlay overlay rw\n3 2 0:31 / /var/nfs rw - nfs4 server:/x rw\n{}{}{}",
-        fuse_line(20, 2, 50, "/var/volume"),
-        fuse_line(21, 3, 51, "/var/nfs/volume"),
-        fuse_line(22, 20, 52, "/var/volume/inner"),
-    );
-    let read = streamed(&table, &TableCaps::DEFAULT);
-    let of = |id: u32| read.ancestry.get(&id).cloned().unwrap();
-    assert_eq!(of(20), Ancestry { remote_or_fuse: None, overlay: true, complete: true });
-    assert!(of(20).local());
-    assert_eq!(of(21).remote_or_fuse.as_deref(), Some("nfs4"));
-    assert_eq!(of(22).remote_or_fuse.as_deref(), Some("fuse.bindfs"));
-    assert!(!of(22).local());
-
-    // A parent whose line was skipped is unknown: not vouched for.
-    let long_parent = format!("2 1 0:30 / /{} rw - tmpfs tmpfs rw\n", "p".repeat(200));
-    let holed = format!("{ROOT}{long_parent}{}", fuse_line(20, 2, 50, "/volume"));
-    let read = streamed(&holed, &TableCaps { line_bytes: 128, ..TableCaps::DEFAULT });
-    assert_eq!(read.ancestry.get(&20), Some(&Ancestry::default()));
-    // Past the ancestors' cap, likewise.
-    let read = streamed(&table, &TableCaps { ancestors: 1, ..TableCaps::DEFAULT });
-    assert!(!read.ancestry.get(&20).unwrap().complete);
-}
-
 /// This process's own namespace, read both ways, says the same.
 #[test]
 fn listmount_and_the_stream_agree_on_a_real_namespace() {
