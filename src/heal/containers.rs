@@ -211,10 +211,10 @@ pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(Fore
 /// root, and the subdirectories subPath targets needed, by their path
 /// inside it. A container's mount of a subdirectory not among them is
 /// cloned from the source opened again.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct LiveHandles {
-    root: Arc<OwnedFd>,
-    subdirs: BTreeMap<PathBuf, Arc<OwnedFd>>,
+    root: OwnedFd,
+    subdirs: BTreeMap<PathBuf, OwnedFd>,
 }
 
 impl LiveHandles {
@@ -225,9 +225,9 @@ impl LiveHandles {
             .subdirs
             .iter()
             .filter_map(|(path, opened)| opened.as_ref().ok().map(|fd| (path, fd)))
-            .map(|(path, fd)| Some((path.clone(), Arc::new(fd.try_clone().ok()?))))
+            .map(|(path, fd)| Some((path.clone(), fd.try_clone().ok()?)))
             .collect::<Option<_>>()?;
-        Some(LiveHandles { root: Arc::new(handles.root.try_clone().ok()?), subdirs })
+        Some(LiveHandles { root: handles.root.try_clone().ok()?, subdirs })
     }
 
     fn for_subdir(&self, subdir: &Path) -> Option<BorrowedFd<'_>> {

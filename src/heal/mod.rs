@@ -320,14 +320,17 @@ impl MountExecutor {
 
     /// Replaces `mounts` with clones of `source` (see
     /// [`containers::replace`]); each namespace healed now holds a mount
-    /// of `source`'s connection, which the known namespaces are told.
+    /// of `source`'s connection, which the known namespaces are told. The
+    /// workers get copies of the probe's handles `live`, if any, taken only
+    /// now that there are mounts to heal.
     fn replace_in_containers(
         &self,
         source: &FuseMount,
-        live: Option<&containers::LiveHandles>,
+        live: Option<&SourceHandles>,
         mounts: &[containers::ForeignMount],
     ) -> Vec<ContainerOutcome> {
-        let outcomes = containers::replace(&self.watched, source, live.cloned(), mounts, &self.workers);
+        let live = live.and_then(containers::LiveHandles::of);
+        let outcomes = containers::replace(&self.watched, source, live, mounts, &self.workers);
         for (foreign, _) in outcomes.iter().filter(|(_, healed)| healed.is_ok()) {
             self.namespaces.healed_onto(foreign.namespace, source.dev);
         }
@@ -496,8 +499,6 @@ impl Executor for MountExecutor {
         live: Option<&SourceHandles>,
     ) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
-        let live = live.and_then(containers::LiveHandles::of);
-        let live = live.as_ref();
         let generation = self.namespaces.generation();
         let mut isolated = Vec::new();
         // The oldest search among the dead connections'.
