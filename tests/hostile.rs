@@ -144,6 +144,66 @@ fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
     node.source.end_held_lookups().expect("end the hung daemon");
 }
 
+/// Attack 2, earlier. A new daemon answers `statfs` and then holds the
+/// probe's lookup of the subPath directory: a request its server has read,
+/// which no signal ends. The probe is made by the agent's FUSE call helper,
+/// so the thread the daemon holds is the helper's: the probe is reported
+/// overdue, another source heals meanwhile, `/healthz` answers 200, and
+/// SIGTERM ends the agent while the daemon still holds it. Released, the
+/// helper ends too.
+#[test]
+fn a_new_daemon_that_hangs_during_its_probe_holds_up_neither_the_loop_nor_the_exit() {
+    let options = NodeOptions { daemon: Daemon::DemoFs, volumes: 1, subpaths: 1 };
+    let mut node = Node::new(Path::new(BINARY), options).expect("node");
+    let mut other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
+    let other_reader =
+        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
+            .expect("reader");
+    check(&node, node.converge(TIMEOUT));
+    node.start_supervisor(&[], &[]).expect("supervisor");
+    check(&node, node.converge(TIMEOUT));
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)));
+    let helper = lines(&node, |line| line.contains("FUSE calls are made by a helper process"));
+    let helper =
+        helper.first().and_then(|line| pid_in(line)).unwrap_or_else(|| panic!("no helper: {}", node.describe()));
+
+    // Its statfs answers; the lookup of the subPath directory is held.
+    let restarted = node.source.restart_hanging_after_lookups(&node.sandbox, Restart::UnmountThenMount, 0);
+    check(&node, restarted);
+    let overdue = |line: &str| line.contains("source does not answer");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 1, overdue)));
+
+    other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
+    let expected = other.expected_content();
+    let read = other_reader.wait_until(TIMEOUT, |seen: &Observation| seen.content() == Some(expected.as_str()));
+    read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
+    healthy(&node);
+
+    let supervisor = node.supervisor.take().expect("supervisor running");
+    let status = supervisor.terminate_within(TIMEOUT);
+    // Released only now: the agent must have exited while it held the probe.
+    node.source.answer().expect("release the hung daemon");
+    let status = status.unwrap_or_else(|err| panic!("{err}\n{}", node.describe()));
+    assert!(status.success(), "{status:?}");
+    let ended = scenario::wait_for("the FUSE call helper's end", TIMEOUT, || !running(helper));
+    ended.unwrap_or_else(|err| panic!("{err}: process {helper} is left"));
+    node.source.end_held_lookups().expect("end the hung daemon");
+}
+
+/// The `pid` field of a JSON log line.
+fn pid_in(line: &str) -> Option<u32> {
+    let value: serde_json::Value = serde_json::from_str(line).ok()?;
+    value.get("fields")?.get("pid")?.as_u64().and_then(|pid| u32::try_from(pid).ok())
+}
+
+/// Whether process `pid` runs (a zombie has ended).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+}
+
 /// Runs `script` with `sh` in the mount namespace `namespace` (a
 /// container's): what its tenant does there. Whether it succeeded.
 fn in_namespace(node: &Node, namespace: &Path, script: String) -> bool {

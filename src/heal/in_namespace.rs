@@ -19,8 +19,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
-use fuse_supervisor_sys::{ns, probe, resolve, statmount};
+use fuse_supervisor_sys::{ns, resolve, statmount};
 
+use crate::heal::fuse_calls;
 use crate::model::table::{Dev, FuseMount};
 
 /// A live mount in the FUSE container's namespace.
@@ -145,7 +146,8 @@ fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, 
 /// directory in it) that the caller already holds, the probe's: then
 /// nothing of the source is looked up again, so a new daemon that answered
 /// its probe and hangs since holds no thread here. Without it the source is
-/// opened through its mount point.
+/// opened through its mount point, and a subPath's directory in it by the
+/// FUSE call helper ([`fuse_calls`]).
 pub fn heal_in_namespaces(
     heal: &InNamespaceHeal,
     namespaces: &HealNamespaces,
@@ -175,7 +177,7 @@ pub fn heal_in_namespaces(
                     live
                 } else {
                     let path = heal.source.mount.mount_point.join(&heal.subdir);
-                    probe::open_within_mount(live.as_fd(), &heal.subdir)
+                    fuse_calls::open_beneath(live.as_fd(), &heal.subdir)
                         .map_err(|source| InNamespaceError::Resolve { pid: source_pid, path, source })?
                 };
             opened.as_fd()

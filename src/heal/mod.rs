@@ -29,6 +29,7 @@ pub use fuse_supervisor_sys::mount::Propagation;
 
 pub mod containers;
 mod dead_source;
+pub mod fuse_calls;
 pub mod in_namespace;
 mod isolations;
 mod mounter;

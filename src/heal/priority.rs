@@ -37,6 +37,11 @@ impl HealPriority {
         self.0.is_none()
     }
 
+    /// The `SCHED_FIFO` priority; None when off.
+    pub fn value(self) -> Option<u8> {
+        self.0
+    }
+
     /// Lowers the calling thread to the lowest CPU priority (nice 19), for
     /// background work that must take no CPU a heal or another process
     /// wants.

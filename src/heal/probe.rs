@@ -3,7 +3,9 @@
 //! Any access to a FUSE path can hang for as long as its daemon is stopped,
 //! so the loop only ever hands a probe an fd and goes on; the worker reports
 //! back on the loop's channel. A probe stuck in a stopped daemon is never
-//! duplicated: one probe per source is in flight at a time.
+//! duplicated: one probe per source is in flight at a time. The probe's
+//! calls themselves are made by the FUSE call helper ([`fuse_calls`]), so a
+//! daemon that holds one holds no thread of the agent's and not its exit.
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -12,8 +14,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::probe as sys;
-
+use crate::heal::fuse_calls::{self, Answer};
 use crate::heal::priority::HealPriority;
 
 /// Handles on a live source, opened by a probe: its root, and every
@@ -188,15 +189,17 @@ pub fn open_mount_root(source: &Path) -> io::Result<(u32, OwnedFd)> {
     Ok((fuse_supervisor_sys::resolve::mount_id_of(root.as_fd())?, root))
 }
 
+/// `statfs` of the source, then its subdirectories opened: through the
+/// FUSE call helper, so that a daemon that never answers holds none of the
+/// agent's threads.
 fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> ProbeOutcome {
-    if let Err(err) = sys::statfs(root.as_fd()) {
-        return ProbeOutcome::Failed(err);
+    match fuse_calls::ask(root.as_fd(), true, subdirs) {
+        Answer::StatfsFailed(err) => ProbeOutcome::Failed(err),
+        Answer::Opened(opened) => {
+            let opened = subdirs.iter().cloned().zip(opened.into_iter().map(|result| result.map_err(Arc::new)));
+            ProbeOutcome::Live(SourceHandles { root, subdirs: opened.collect() })
+        }
     }
-    let opened = subdirs
-        .iter()
-        .map(|subdir| (subdir.clone(), sys::open_within_mount(root.as_fd(), subdir).map_err(Arc::new)))
-        .collect();
-    ProbeOutcome::Live(SourceHandles { root, subdirs: opened })
 }
 
 #[cfg(test)]

@@ -13,8 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::{probe, resolve};
+use fuse_supervisor_sys::resolve;
 use tracing::debug;
+
+use crate::heal::fuse_calls;
 
 use super::SidecarError;
 use super::plan::{NamespaceView, ObservedMount, Serving};
@@ -115,7 +117,7 @@ pub fn confirm_dead(proc_root: &Path, heals: &[InNamespaceHeal], timeout: Durati
         for (index, (path, mount_id)) in targets.into_iter().enumerate() {
             let dead = resolve::open_path(&path).is_ok_and(|fd| {
                 resolve::mount_id_of(fd.as_fd()).is_ok_and(|id| id == mount_id)
-                    && probe::statfs(fd.as_fd()).is_err_and(|err| {
+                    && fuse_calls::statfs(fd.as_fd()).is_err_and(|err| {
                         matches!(err.kind(), io::ErrorKind::NotConnected | io::ErrorKind::ConnectionAborted)
                     })
             });

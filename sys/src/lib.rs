@@ -8,6 +8,7 @@
 mod bytes;
 
 pub mod fanotify;
+pub mod fd_messages;
 pub mod fds;
 pub mod fuse;
 pub mod inotify;

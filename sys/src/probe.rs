@@ -24,3 +24,14 @@ pub fn open_within_mount(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd
     )
     .map_err(io::Error::from)
 }
+
+/// `ENAMETOOLONG`: what a lookup of a path longer than `PATH_MAX` fails with,
+/// before it asks any filesystem.
+pub fn name_too_long() -> io::Error {
+    io::Error::from(rustix::io::Errno::NAMETOOLONG)
+}
+
+/// `EIO`'s number, for an error that has none.
+pub fn eio() -> i32 {
+    rustix::io::Errno::IO.raw_os_error()
+}

@@ -71,6 +71,17 @@ pub(crate) enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
+    /// Makes the node agent's calls that wait on FUSE servers, in a process
+    /// of its own: a server that never answers then holds a thread of this
+    /// helper, never the agent's exit. Started by `run`; not for users.
+    #[command(hide = true)]
+    FuseCalls {
+        /// `SCHED_FIFO` priority of the call threads; 0 is off.
+        #[arg(long, default_value_t = 0)]
+        realtime_priority: u8,
+        #[command(flatten)]
+        log: LogArgs,
+    },
     /// The mutating admission webhook (a Deployment, not the node agent):
     /// gives the volume mounts of selected FUSE volumes
     /// `mountPropagation: HostToContainer`, so heals reach running containers.
@@ -137,6 +148,15 @@ pub(crate) struct LogArgs {
 }
 
 impl LogArgs {
+    /// The flags that give a child process the same log.
+    pub(crate) fn flags(&self) -> [String; 4] {
+        let format = match self.log_format {
+            LogFormat::Json => "json",
+            LogFormat::Text => "text",
+        };
+        ["--log-format".into(), format.into(), "--log".into(), self.log.clone()]
+    }
+
     pub(crate) fn init(&self) {
         let filter = tracing_subscriber::EnvFilter::new(&self.log);
         let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);

@@ -27,6 +27,10 @@ fn main() -> ExitCode {
             node::prepare_process();
             node.config().and_then(|config| heal::heal_once(&config, dry_run))
         }
+        Command::FuseCalls { realtime_priority, log } => {
+            log.init();
+            run::serve_fuse_calls(realtime_priority)
+        }
         Command::Webhook { webhook, log } => {
             log.init();
             fuse_supervisor::webhook::run(webhook.config()).map_err(Into::into)

@@ -1,11 +1,14 @@
 //! `run`: the node agent (or a sidecar), with its watchers, the Job
 //! lifecycle, the metrics server and Events.
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
+use fuse_supervisor::heal::fuse_calls;
+use fuse_supervisor::heal::priority::HealPriority;
 use fuse_supervisor::kube::events::Events;
 use fuse_supervisor::kube::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
@@ -364,6 +367,7 @@ pub(crate) fn command(
 ) -> anyhow::Result<()> {
     log.init();
     prepare_process();
+    start_fuse_call_helper(&log, node.realtime_priority);
     set_table_reads(watch.namespace_tables());
     let (sidecar_namespaces, proc_root) = (job.sidecar.sidecar_namespaces, job.sidecar.proc_root.clone());
     let pod_uid = job.sidecar.pod_uid.clone().unwrap_or_default();
@@ -397,4 +401,21 @@ pub(crate) fn command(
             let events = events.start(&kubelet, config.kubelet.as_ref())?;
             run(config, sidecar, serve.metrics_addr, events)
         })
+}
+
+/// Starts the helper that makes the calls waiting on FUSE servers
+/// ([`fuse_calls`]); without it they are made here, as before.
+fn start_fuse_call_helper(log: &LogArgs, realtime_priority: u8) {
+    let mut helper = std::process::Command::new("/proc/self/exe");
+    helper.arg(fuse_calls::SUBCOMMAND).args(log.flags());
+    if let Err(err) = fuse_calls::start_helper(helper, HealPriority::realtime(realtime_priority)) {
+        tracing::warn!(%err, "cannot start the FUSE call helper; the agent makes its FUSE calls itself");
+    }
+}
+
+/// `fuse-calls`: serves the agent's FUSE calls on standard input, the
+/// socket the agent started it with, until the agent ends.
+pub(crate) fn serve_fuse_calls(realtime_priority: u8) -> anyhow::Result<()> {
+    let control = std::io::stdin().as_fd().try_clone_to_owned().context("cannot take the agent's socket")?;
+    fuse_calls::serve(control, HealPriority::realtime(realtime_priority)).context("cannot serve the agent's FUSE calls")
 }
