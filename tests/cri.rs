@@ -290,9 +290,12 @@ impl Node {
         broken
     }
 
-    /// One FUSE layer at each container's volume.
+    /// One FUSE layer at each container's volume, and at each host target.
     fn one_layer_each(&self, when: &str) {
         for running in &self.running {
+            let on_host = || scenario::layers_at(&self.sandbox, &running.target);
+            scenario::wait_for("one layer at the host target", HEAL_TIMEOUT, || on_host() == 1)
+                .unwrap_or_else(|err| panic!("{when}: host target of {}: {err}: {}", running.ask.name, on_host()));
             let fuse_layers = || {
                 let mounts = running.container.mounts_at(Path::new(VOLUME)).expect("the container's mount table");
                 mounts.into_iter().filter(|mount| mount.fs_type.starts_with("fuse")).collect::<Vec<_>>()
@@ -310,12 +313,12 @@ impl Node {
         match self.restart {
             Restart::UnmountThenMount | Restart::InPlace => {
                 let root = self.sandbox.root();
-                let containerd = root.join("containerd");
+                let containerd = self.containerd().dir();
                 let table = self.sandbox.mountinfo();
                 table
                     .lines()
                     .filter_map(|line| line.split(' ').nth(4))
-                    .filter(|point| Path::new(point).starts_with(root) && !Path::new(point).starts_with(&containerd))
+                    .filter(|point| Path::new(point).starts_with(root) && !Path::new(point).starts_with(containerd))
                     .count()
             }
             Restart::MountOverStale => self.sandbox.count_mounts_under(&self.sandbox.kubelet_root()),

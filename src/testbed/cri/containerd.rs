@@ -33,7 +33,7 @@ static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(0);
 
 /// A private containerd with the CRI plugin, running in a sandbox.
 ///
-/// Everything it writes is under `<sandbox>/containerd` and a tmpfs on the
+/// Everything it writes is under `<sandbox>/containerd-<n>` and a tmpfs on the
 /// sandbox's `/run`; it, its shims and its pods' containers are in cgroups
 /// under one parent named after it, in every hierarchy, so that every
 /// process it started can be found and killed. (Not a pid namespace of its
@@ -97,7 +97,9 @@ impl Containerd {
     /// its pause image); returns once the CRI lists both.
     pub fn start(sandbox: &Sandbox) -> Result<Containerd, CriError> {
         let n = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed);
-        let dir = sandbox.root().join("containerd");
+        // Its own directory: a socket left by an earlier instance would be
+        // found before this one listens.
+        let dir = sandbox.root().join(format!("containerd-{n}"));
         let config_path = dir.join("config.toml");
         let log = dir.join("containerd.log");
         let config = config_toml(&dir);
@@ -193,6 +195,11 @@ impl Containerd {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Where its root, state, socket, configuration and log are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     pub fn client(&self) -> &CriClient {
