@@ -99,14 +99,16 @@ const fn ask(name: &'static str, volume: Volume, propagation: Propagation) -> As
     Ask { name, volume, propagation, read_only: false, read_only_target: false, nested: false }
 }
 
-/// Whole and subPath, HostToContainer and None, a readOnly one, one with
-/// a volume nested in it, one on a target published read-only.
-const ASKS: [Ask; 6] = [
+/// Whole and subPath, HostToContainer and None, a readOnly one, two with
+/// a volume nested in theirs (HostToContainer and None), one on a target
+/// published read-only.
+const ASKS: [Ask; 7] = [
     ask("whole-htc", Volume::Whole, Propagation::HostToContainer),
     ask("whole-none", Volume::Whole, Propagation::None),
     ask("subpath-none", Volume::SubPath, Propagation::None),
     Ask { read_only: true, ..ask("ro-whole", Volume::Whole, Propagation::None) },
-    Ask { nested: true, ..ask("nested", Volume::Whole, Propagation::HostToContainer) },
+    Ask { nested: true, ..ask("nested-htc", Volume::Whole, Propagation::HostToContainer) },
+    Ask { nested: true, ..ask("nested-none", Volume::Whole, Propagation::None) },
     Ask { read_only: true, read_only_target: true, ..ask("ro-target", Volume::Whole, Propagation::None) },
 ];
 
