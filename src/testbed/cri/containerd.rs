@@ -393,9 +393,9 @@ impl std::fmt::Debug for Containerd {
 }
 
 /// containerd's process, and the cgroups every process it starts is in:
-/// `/fuse-supervisor-cri-<pid>-<n>` in every hierarchy, its own
-/// (`containerd`, which its shims inherit) and each pod's below it. Killed
-/// and removed on drop, unless [`Processes::kill`] did it already.
+/// `/fuse-supervisor-cri-<pid>-<n>`, its own (`containerd`, which its shims
+/// inherit) and each pod's below it. Killed and removed on drop, unless
+/// [`Processes::kill`] did it already.
 struct Processes {
     cgroup: String,
     containerd: Option<SandboxChild>,
@@ -403,21 +403,32 @@ struct Processes {
 }
 
 impl Processes {
-    /// Creates `<cgroup>/containerd` in every hierarchy; returns the files
-    /// that move a process into them.
+    /// Creates `<cgroup>/containerd` in every hierarchy where the test runs
+    /// in the root cgroup; returns the files that move a process into
+    /// them. Where the test runs in a cgroup of its own (a memory limit of
+    /// whatever runs the tests), containerd stays in it: one hierarchy is
+    /// enough to find its processes, and it is not taken out of that limit.
     fn create_cgroups(&self) -> Result<Vec<PathBuf>, CriError> {
-        hierarchies()
-            .iter()
-            .map(|hierarchy| {
-                let top = hierarchy.join(self.cgroup.trim_start_matches('/'));
-                let dir = top.join("containerd");
-                fs::create_dir_all(&dir)?;
-                inherit_cpuset(&top)?;
-                inherit_cpuset(&dir)?;
-                Ok(dir.join("cgroup.procs"))
-            })
-            .collect::<io::Result<Vec<_>>>()
-            .map_err(io_step(format!("create the cgroups of containerd under {}", self.cgroup)))
+        let step = || io_step(format!("create the cgroups of containerd under {}", self.cgroup));
+        let own = std::process::id().to_string();
+        let mut procs = Vec::new();
+        for hierarchy in hierarchies() {
+            let at_root = fs::read_to_string(hierarchy.join("cgroup.procs")).map_err(step())?;
+            if !at_root.lines().any(|pid| pid.trim() == own) {
+                continue;
+            }
+            let top = hierarchy.join(self.cgroup.trim_start_matches('/'));
+            let dir = top.join("containerd");
+            fs::create_dir_all(&dir)
+                .and_then(|()| inherit_cpuset(&top))
+                .and_then(|()| inherit_cpuset(&dir))
+                .map_err(step())?;
+            procs.push(dir.join("cgroup.procs"));
+        }
+        if procs.is_empty() {
+            return Err(step()(io::Error::other("the tests run in no hierarchy's root cgroup")));
+        }
+        Ok(procs)
     }
 
     /// Kills containerd, then every process of its cgroups (shims and
@@ -625,4 +636,36 @@ fn remove_cgroups(cgroup: &str) -> Vec<PathBuf> {
         }
     }
     left
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configuration_keeps_everything_in_its_directory_and_avoids_the_known_traps() {
+        let config = config_toml(Path::new("/sandbox/containerd-0"));
+        for line in [
+            r#"root = "/sandbox/containerd-0/root""#,
+            r#"state = "/sandbox/containerd-0/state""#,
+            r#"address = "/sandbox/containerd-0/containerd.sock""#,
+            r#"path = "/sandbox/containerd-0/opt""#,
+            r#"conf_dir = "/sandbox/containerd-0/cni/conf""#,
+            "restrict_oom_score_adj = true",
+            r#"stream_server_port = "0""#,
+            &format!(r#"sandbox_image = "{}""#, image::PAUSE),
+        ] {
+            assert!(config.lines().any(|known| known.trim() == line), "{line} missing from\n{config}");
+        }
+        let parsed: toml::Table = config.parse().expect("valid TOML");
+        assert_eq!(parsed["version"].as_integer(), Some(2));
+    }
+
+    #[test]
+    fn a_host_network_pod_shares_the_nodes_network_only() {
+        let namespaces = host_network();
+        assert_eq!(namespaces.network(), NamespaceMode::Node);
+        assert_eq!(namespaces.pid(), NamespaceMode::Container);
+        assert_eq!(namespaces.ipc(), NamespaceMode::Pod);
+    }
 }
