@@ -112,7 +112,10 @@ impl Containerd {
                 }
                 fs::write(&config_path, config)?;
                 image::write_archive(&busybox, &archive)?;
-                // Its runc state and shim sockets, whatever `state` says.
+                // Its runc state and shim sockets go to /run/containerd,
+                // whatever `state` says. The tmpfs is on /run itself: the
+                // host may have no /run/containerd, and one made there for
+                // a mount point would be left behind.
                 mount::mount_tmpfs(Path::new("/run"))?;
                 fs::File::create(&log_at)
             })
