@@ -112,9 +112,8 @@ impl Node {
     /// The supervisor watches the current daemon: its death will be seen
     /// (and the containers' dead mounts isolated) before the new mount.
     fn daemon_watched(&self) {
-        let daemon = format!("[{}]", self.source.pid().expect("daemon running"));
-        let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);
-        self.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, watched).unwrap();
+        let pid = self.source.pid().expect("daemon running");
+        self.supervisor.as_ref().expect("supervisor running").wait_watching_daemon(pid, HEAL_TIMEOUT).unwrap();
     }
 
     /// The supervisor has isolated the containers' dead mounts `count`
@@ -143,13 +142,7 @@ impl Node {
     /// containers first if the death was not seen yet.
     fn death_seen(&self, pid: u32, cycle: usize) {
         let supervisor = self.supervisor.as_ref().expect("supervisor running");
-        let pid = format!("\"pid\":{pid},");
-        let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"") && line.contains(&pid);
-        supervisor.wait_for_log(HEAL_TIMEOUT, died).unwrap();
-        // Counted: device numbers are reused from one cycle to the next.
-        let detached =
-            || supervisor.log().iter().filter(|line| line.contains("\"message\":\"dead source detached")).count();
-        scenario::wait_for("the dead source detached", HEAL_TIMEOUT, || detached() >= cycle).unwrap();
+        supervisor.wait_death_detached(pid, cycle, HEAL_TIMEOUT).unwrap();
     }
 
     /// The host's mounts: all of the sandbox's, or, after a restart over

@@ -14,6 +14,7 @@ pub mod apiserver;
 pub mod bomb;
 pub mod cgroup;
 pub mod container;
+pub mod cri;
 pub mod fuzz;
 pub mod kubelet;
 mod logs;

@@ -349,6 +349,8 @@ pub struct ContainerMount {
     pub propagation: String,
     /// `major:minor` of the filesystem.
     pub device: String,
+    /// The per-mount options (`ro`/`rw`, `nosuid`, the atime mode, …).
+    pub options: String,
 }
 
 impl RuncContainer {
@@ -471,7 +473,7 @@ fn unix_nanos(at: SystemTime) -> u128 {
 
 /// The mounts of a mountinfo text (escapes in paths left as they are: the
 /// test bed's paths have none).
-fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
+pub(crate) fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
     text.lines()
         .filter_map(|line| {
             let (head, tail) = line.split_once(" - ")?;
@@ -480,6 +482,7 @@ fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
                 mount_id: fields.first()?.parse().ok()?,
                 device: (*fields.get(2)?).to_owned(),
                 mount_point: PathBuf::from(fields.get(4)?),
+                options: (*fields.get(5)?).to_owned(),
                 propagation: fields.get(6..).map(|optional| optional.join(" ")).unwrap_or_default(),
                 fs_type: tail.split(' ').next()?.to_owned(),
             })
@@ -530,6 +533,7 @@ mod tests {
         assert_eq!(mounts[1].fs_type, "fuse.bindfs");
         assert_eq!(mounts[1].propagation, "master:7 shared:9");
         assert_eq!(mounts[1].device, "0:52");
+        assert_eq!(mounts[1].options, "rw,nosuid");
         assert_eq!(mounts[2].propagation, "");
     }
 

@@ -197,6 +197,26 @@ impl SupervisorProcess {
         }
     }
 
+    /// Waits until it watches the FUSE daemon `pid`: that daemon's death
+    /// will be seen (and the containers' dead mounts isolated) before its
+    /// new mount.
+    pub fn wait_watching_daemon(&self, pid: u32, timeout: Duration) -> Result<String, ScenarioError> {
+        let daemon = format!("[{pid}]");
+        self.wait_for_log(timeout, |line| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon))
+    }
+
+    /// Waits until it has seen the death of daemon `pid` and detached a
+    /// dead source from its path `detaches` times in all (counted: device
+    /// numbers are reused from one crash to the next). A restart over the
+    /// stale mount must wait for both (`tests/containers.rs` says why).
+    pub fn wait_death_detached(&self, pid: u32, detaches: usize, timeout: Duration) -> Result<(), ScenarioError> {
+        let pid = format!("\"pid\":{pid},");
+        let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"") && line.contains(&pid);
+        self.wait_for_log(timeout, died)?;
+        let detached = || self.log().iter().filter(|line| line.contains("\"message\":\"dead source detached")).count();
+        super::scenario::wait_for("the dead source detached", timeout, || detached() >= detaches)
+    }
+
     /// Its exit status, if it has exited (reaped then).
     pub fn try_wait(&self) -> Result<Option<std::process::ExitStatus>, ScenarioError> {
         self.process.try_wait().map_err(io_step("check the supervisor's exit"))

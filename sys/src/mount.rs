@@ -207,6 +207,14 @@ pub fn bind(source: &Path, target: &Path) -> io::Result<()> {
     Ok(rustix::mount::mount_bind(source, target)?)
 }
 
+/// `mount(NULL, target, NULL, MS_REMOUNT|MS_BIND|MS_RDONLY)`: the bind at
+/// `target` made read-only, its filesystem left as it is, as a CSI driver
+/// publishes a read-only volume. For tests.
+pub fn remount_bind_read_only(target: &Path) -> io::Result<()> {
+    let flags = rustix::mount::MountFlags::BIND | rustix::mount::MountFlags::RDONLY;
+    Ok(rustix::mount::mount_remount(target, flags, c"")?)
+}
+
 /// `mount("tmpfs", target, "tmpfs", 0, NULL)`.
 pub fn mount_tmpfs(target: &Path) -> io::Result<()> {
     const TMPFS: &CStr = c"tmpfs";

@@ -112,6 +112,20 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         used_for: "the SFTP server that sshfs talks to over a pipe in the heal tests",
         also_in: &["/usr/lib/openssh", "/usr/libexec/openssh", "/usr/libexec"],
     },
+    SystemPackage {
+        program: "containerd",
+        deb: "containerd",
+        rpm: "containerd",
+        used_for: "the container runtime of the CRI tier of the heal tests (a private instance per test)",
+        also_in: &[],
+    },
+    SystemPackage {
+        program: "ctr",
+        deb: "containerd",
+        rpm: "containerd",
+        used_for: "importing the CRI tier's locally built image into that containerd",
+        also_in: &[],
+    },
 ];
 
 /// The distribution's package manager, which names the packages.
