@@ -143,6 +143,19 @@ fn a_real_heal_is_published_as_events_on_the_pod_and_the_daemon_pod() {
     assert_eq!(restarted.body["regarding"]["uid"], "owner-uid");
     assert!(restarted.path.starts_with(EVENTS));
 
+    // The daemon's pod is known now (the kubelet named it at the restart):
+    // at the next crash the dead mount at the source, detached so that the
+    // restart mounts on a directory, is told to that pod.
+    source.crash().expect("crash again");
+    let detached = api.wait_for(TIMEOUT, |request| reason(request, "FuseSourceDetached")).expect("FuseSourceDetached");
+    assert_eq!(detached.body["regarding"]["name"], "fuse-owner");
+    assert_eq!((detached.body["type"].as_str(), detached.body["action"].as_str()), (Some("Normal"), Some("Detach")));
+    let note = detached.body["note"].as_str().unwrap();
+    assert!(note.contains(&source.path.display().to_string()) && note.contains("can mount there again"), "{note}");
+    source.restart(&sandbox, Restart::UnmountThenMount).expect("restart again");
+    kubelet.set_pods(pods(2, SystemTime::now()));
+    reads(source.expected_content());
+
     drop(on_failure);
     supervisor.stop().expect("stop the supervisor");
 }
@@ -179,6 +192,8 @@ fn a_daemon_that_keeps_crashing_is_a_warning_on_its_pod() {
     assert_eq!(flapping.body["type"], "Warning");
     let note = flapping.body["note"].as_str().unwrap();
     assert!(note.contains("3 restarts within 10m"), "{note}");
+    // Counted once per window, as the Event is sent.
+    assert_eq!(supervisor.metric("fuse_supervisor_daemon_flapping_total").expect("metrics"), Some(1.0));
 
     drop(on_failure);
     supervisor.stop().expect("stop the supervisor");
