@@ -27,6 +27,7 @@ use crate::plan::{HealBatch, TargetHeal};
 /// heal's outcome names it).
 pub use fuse_supervisor_sys::mount::Propagation;
 
+pub mod carry;
 pub mod containers;
 mod dead_source;
 pub mod in_namespace;
