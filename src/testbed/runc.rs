@@ -123,6 +123,13 @@ pub struct RuncSpec {
     pub read: PathBuf,
     /// Pause between reads.
     pub interval: Duration,
+    /// Options after the propagation's on the volume's bind: `ro` for a
+    /// `readOnly` volumeMount (what containerd appends), `nosuid`…
+    pub options: Vec<String>,
+    /// A directory of the volume (relative to it) where the container gets
+    /// a tmpfs of its own, as a configMap or an emptyDir nested in the
+    /// volume is mounted; it must exist in the volume.
+    pub nested_tmpfs: Option<PathBuf>,
 }
 
 /// The runc of one sandbox: its binary, its private state directory and
@@ -318,7 +325,7 @@ done"#,
                 "destination": VOLUME_IN_CONTAINER,
                 "type": "bind",
                 "source": spec.volume,
-                "options": spec.propagation.options(),
+                "options": spec.propagation.options().iter().map(|option| (*option).to_owned()).chain(spec.options.iter().cloned()).collect::<Vec<_>>(),
             },
         ],
         "linux": {
@@ -326,6 +333,15 @@ done"#,
             "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
         },
     });
+    let mut config = config;
+    if let (Some(nested), Some(mounts)) = (&spec.nested_tmpfs, config["mounts"].as_array_mut()) {
+        mounts.push(serde_json::json!({
+            "destination": Path::new(VOLUME_IN_CONTAINER).join(nested),
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=755"],
+        }));
+    }
     config.to_string()
 }
 
@@ -349,6 +365,8 @@ pub struct ContainerMount {
     pub propagation: String,
     /// `major:minor` of the filesystem.
     pub device: String,
+    /// The per-mount options (`ro,nosuid,nodev,relatime`).
+    pub options: String,
 }
 
 impl RuncContainer {
@@ -481,6 +499,7 @@ fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
                 device: (*fields.get(2)?).to_owned(),
                 mount_point: PathBuf::from(fields.get(4)?),
                 propagation: fields.get(6..).map(|optional| optional.join(" ")).unwrap_or_default(),
+                options: (*fields.get(5)?).to_owned(),
                 fs_type: tail.split(' ').next()?.to_owned(),
             })
         })
@@ -541,14 +560,18 @@ mod tests {
             propagation: VolumePropagation::HostToContainer,
             read: "data.txt".into(),
             interval: Duration::from_millis(10),
+            options: vec!["ro".into()],
+            nested_tmpfs: Some("config".into()),
         };
         let config: serde_json::Value = serde_json::from_str(&config_json(&spec, Path::new("/img"), "abc")).unwrap();
         let volume = config["mounts"].as_array().unwrap().iter().find(|m| m["destination"] == "/volume").unwrap();
-        assert_eq!(volume["options"], serde_json::json!(["rbind", "rslave"]));
+        assert_eq!(volume["options"], serde_json::json!(["rbind", "rslave", "ro"]));
+        let nested = config["mounts"].as_array().unwrap().iter().find(|m| m["destination"] == "/volume/config");
+        assert_eq!(nested.unwrap()["type"], "tmpfs", "a tmpfs nested in the volume, after it");
         assert_eq!(volume["source"], "/k/pods/p/volumes/v/mount");
         assert_eq!(config["linux"]["cgroupsPath"], "/fuse-supervisor-abc.scope");
         assert!(config["process"]["args"][2].as_str().unwrap().contains("F='/volume/data.txt'"));
-        let none = RuncSpec { propagation: VolumePropagation::None, ..spec };
+        let none = RuncSpec { propagation: VolumePropagation::None, options: Vec::new(), ..spec };
         let config: serde_json::Value = serde_json::from_str(&config_json(&none, Path::new("/img"), "abc")).unwrap();
         assert_eq!(config["mounts"][3]["options"], serde_json::json!(["rbind", "rprivate"]));
     }
