@@ -49,6 +49,9 @@ struct Asked {
     /// A tmpfs of its own at [`NESTED`] in the volume (a configMap's
     /// place), with [`NESTED_FILE`] written in it.
     nested: bool,
+    /// Its reader looks the nested mount up at every read, as an
+    /// application using its configMap does.
+    nested_in_use: bool,
 }
 
 /// Where a volume nests another mount, and what is written in it.
@@ -137,6 +140,7 @@ impl Node {
             interval: READ_INTERVAL,
             options: asked.options.iter().map(|option| (*option).to_owned()).collect(),
             nested_tmpfs: asked.nested.then(|| PathBuf::from(NESTED)),
+            walk_nested: asked.nested_in_use,
         };
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         let baseline = table_of(&container);
@@ -783,17 +787,21 @@ fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, 
     node.sandbox.run(move || std::fs::create_dir_all(nested_dir)).expect("the nested mount's directory");
     let entries = [NESTED, DATA_FILE, SUBDIR];
     let volumes = [
-        ("nested-host-to-container", VolumePropagation::HostToContainer, Asked { nested: true, ..Asked::default() }),
-        ("nested-none", VolumePropagation::None, Asked { nested: true, ..Asked::default() }),
+        (
+            "nested-host-to-container",
+            VolumePropagation::HostToContainer,
+            Asked { nested: true, nested_in_use: true, ..Asked::default() },
+        ),
+        ("nested-none", VolumePropagation::None, Asked { nested: true, nested_in_use: true, ..Asked::default() }),
         (
             "ro-host-to-container",
             VolumePropagation::HostToContainer,
-            Asked { options: &["ro"], read_only: true, nested: true },
+            Asked { options: &["ro"], read_only: true, nested: true, nested_in_use: true },
         ),
         (
             "ro-none",
             VolumePropagation::None,
-            Asked { options: &["ro", "nosuid", "nodev", "noexec"], read_only: true, nested: false },
+            Asked { options: &["ro", "nosuid", "nodev", "noexec"], read_only: true, ..Asked::default() },
         ),
     ];
     for (name, propagation, asked) in volumes {
@@ -813,7 +821,7 @@ fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, 
             set_attributes_of(std::os::fd::AsFd::as_fd(&fd), now.union(MountAttributes::READ_ONLY), None)
         })
         .expect("remount the target read-only");
-    let asked = Asked { options: &["ro"], read_only: true, nested: false };
+    let asked = Asked { options: &["ro"], read_only: true, ..Asked::default() };
     let propagation = VolumePropagation::HostToContainer;
     node.add_container_with("z-published-ro", read_only_target.clone(), propagation, DATA_FILE, None, &entries, asked);
     node.all_read(0);
@@ -835,6 +843,17 @@ fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, 
     let supervisor = node.supervisor.as_ref().expect("supervisor running");
     let lost = supervisor.log().iter().filter(|line| line.contains("not carried over")).cloned().collect::<Vec<_>>();
     assert!(lost.is_empty(), "{lost:?}");
+    // Healed by its own stack, never by a writable peer's propagated copy
+    // set read-only afterwards (which a process could write through
+    // meanwhile). A daemon mounting over its stale mount propagates its own
+    // mount by the kernel, which no heal can prevent (README).
+    let copied = |line: &&String| line.contains("has other attributes than its stale layer had");
+    let set_back = supervisor.log().iter().filter(copied).cloned().collect::<Vec<_>>();
+    if restart != Restart::MountOverStale {
+        assert!(set_back.is_empty(), "{set_back:?}");
+    } else {
+        assert!(set_back.len() <= cycles, "one copy set back per cycle at most: {set_back:?}");
+    }
 }
 
 #[test]
@@ -845,4 +864,45 @@ fn read_only_and_nested_volumes_survive_bindfs_restarts() {
 #[test]
 fn read_only_and_nested_volumes_survive_demofs_mounting_over_its_stale_mount() {
     what_the_pod_asked_for_survives_every_heal(Daemon::DemoFs, Restart::MountOverStale, 5);
+}
+
+/// A mount nested in a volume whose entry in the dead volume had timed out
+/// at the death (nobody looked it up within the daemon's entry timeout,
+/// 1 s for demofs, which does no readdirplus): no handle can be had on it,
+/// so it goes with the dead layer, and the heal says so, naming the
+/// namespace and the mount point, instead of dropping it silently. The
+/// volume itself is healed as ever.
+#[test]
+fn a_nested_mount_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
+    let mut node = Node::new(Daemon::DemoFs, Restart::UnmountThenMount);
+    let nested_dir = node.source.backing.join(NESTED);
+    node.sandbox.run(move || std::fs::create_dir_all(nested_dir)).expect("the nested mount's directory");
+    let target = node.source.bind_volume(&node.sandbox, "idle-config", "data").expect("bind volume");
+    let asked = Asked { nested: true, ..Asked::default() };
+    let entries = [NESTED, DATA_FILE, SUBDIR];
+    let propagation = VolumePropagation::HostToContainer;
+    node.add_container_with("idle-config", target, propagation, DATA_FILE, None, &entries, asked);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+    let namespace = node.containers[0].container.namespace_inode().expect("the container's namespace");
+    node.daemon_watched();
+    // Past demofs's entry timeout since the nested mount was last looked up.
+    std::thread::sleep(Duration::from_millis(1500));
+    let dead_minor = node.crash(1);
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    node.all_read(1);
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let namespace_field = format!("\"namespace\":{namespace},");
+    let reported = |line: &str| {
+        line.contains("\"not carried over to the container's new mount by its heal\"")
+            && line.contains(&namespace_field)
+            && line.contains("\"mount_point\":\"/volume/config\"")
+    };
+    supervisor.wait_for_log(HEAL_TIMEOUT, reported).unwrap();
+    // Gone with the dead layer: the container's table lacks it, and only it.
+    let mut baseline = node.containers[0].baseline.clone();
+    baseline.remove(&(Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED), "tmpfs".to_owned()));
+    node.containers[0].baseline = baseline;
+    node.settled(1, host_baseline, dead_minor);
 }

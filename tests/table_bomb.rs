@@ -59,6 +59,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
         interval: Duration::from_millis(10),
         options: Vec::new(),
         nested_tmpfs: None,
+        walk_nested: false,
     };
     let container = runc.start(&spec).expect("start the container");
     let reads_current = |source: &FuseSource| {

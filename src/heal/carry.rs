@@ -129,13 +129,15 @@ pub fn give_attributes(
     Ok(attributes.contains(MountAttributes::IDMAP))
 }
 
-/// A mount made on a dead mount, held by a handle on it.
+/// A mount made on a dead mount, held by a detached copy of it and of
+/// every mount below it.
 #[derive(Debug)]
 pub struct NestedMount {
+    /// The original's: the order mounts were made in.
     pub unique_id: u64,
     /// Its mount point relative to the dead mount's root.
     pub relative: PathBuf,
-    pub handle: OwnedFd,
+    pub copy: OwnedFd,
 }
 
 /// A mount on a dead mount that no handle could be had on (or that could
@@ -158,14 +160,14 @@ pub struct Nested {
 /// many it makes.
 const MOST_NESTED: usize = 4096;
 
-/// Takes a handle on each mount made directly on the dead mount `dead`
+/// Takes a copy of each mount made directly on the dead mount `dead`
 /// (unique ID `dead_unique`, mounted at `dead_point` in the calling
 /// thread's namespace), in creation order, except those in `held`. Found
 /// by `listmount` of the namespace; each is reached from `dead` without
 /// leaving the dead mount until its own mount point (`RESOLVE_NO_XDEV`):
 /// the names looked up are the dead connection's, whose lookups are
 /// answered from the dentry cache or fail at once, never a tenant's FUSE
-/// server's. Each handle is checked to be on the mount listed.
+/// server's. Each is checked to be the mount listed before it is copied.
 pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, held: &BTreeSet<u64>) -> Nested {
     let mut nested = Nested::default();
     let listed = match listmount::children(dead_unique, MOST_NESTED) {
@@ -183,9 +185,10 @@ pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, he
         }
     };
     if listed.len() == MOST_NESTED {
-        nested
-            .missed
-            .push(NotCarried { mount_point: dead_point.join("*"), why: format!("more than {MOST_NESTED} mounts on it") });
+        nested.missed.push(NotCarried {
+            mount_point: dead_point.join("*"),
+            why: format!("more than {MOST_NESTED} mounts on it"),
+        });
     }
     for unique in listed.into_iter().filter(|unique| !held.contains(unique)) {
         // listmount lists every mount below (6.10+) or those on it (6.8):
@@ -204,7 +207,7 @@ pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, he
         let relative = stat.mount_point.strip_prefix(dead_point).map(Path::to_path_buf);
         let taken = match relative {
             Ok(relative) if relative.file_name().is_some() => {
-                open_nested(dead, &relative, unique).map(|handle| NestedMount { unique_id: unique, relative, handle })
+                open_nested(dead, &relative, unique).map(|copy| NestedMount { unique_id: unique, relative, copy })
             }
             _ => Err(io::Error::other("its mount point is not below the dead mount's")),
         };
@@ -216,9 +219,10 @@ pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, he
     nested
 }
 
-/// Opens the mount `unique` at `relative` below the dead mount `dead`:
-/// the directory holding it without crossing any mount, then the last name,
-/// which crosses onto it (asking its filesystem nothing).
+/// Copies the mount `unique` at `relative` below the dead mount `dead`,
+/// with the mounts below it: reached through the directory holding it
+/// without crossing any mount, then the last name, which crosses onto it
+/// (asking its filesystem nothing).
 fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result<OwnedFd> {
     let (Some(parent), Some(name)) = (relative.parent(), relative.file_name()) else {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -235,27 +239,27 @@ fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result
     if found != unique {
         return Err(io::Error::other(format!("another mount ({found}) is there now")));
     }
-    Ok(opened)
+    // A copy, not the mount itself: a lookup of its mount point in the
+    // dead mount once the entry timed out (anybody's, during the outage)
+    // makes the kernel invalidate that dentry and detach the mounts on it,
+    // and a detached mount can be neither moved nor copied any more.
+    mount::clone_tree(opened.as_fd())
 }
 
-/// Moves each held mount onto the same directory of `replacement` (an
-/// attached mount of the calling thread's namespace), in creation order,
-/// so that one that covered another covers it again. A mount moved keeps
-/// everything on it. The dead mount must be private (a mount whose parent
-/// is shared cannot be moved), and so must `replacement`, or a slave: a
-/// move onto a shared mount would propagate a copy to its peers. Returns
-/// those that could not be moved; the rest are consumed.
-pub fn carry_nested(
-    held: Vec<NestedMount>,
-    replacement: BorrowedFd<'_>,
-    replacement_point: &Path,
-) -> Vec<NotCarried> {
+/// Attaches the copy of each held mount onto the same directory of
+/// `replacement` (an attached mount of the calling thread's namespace), in
+/// the order the originals were made, so that one that covered another
+/// covers it again; each brings the mounts that were below its original.
+/// `replacement` must be private or a slave: an attach onto a shared mount
+/// would propagate a copy to its peers. The originals go with the dead
+/// mount. Returns those that could not be attached.
+pub fn carry_nested(held: Vec<NestedMount>, replacement: BorrowedFd<'_>, replacement_point: &Path) -> Vec<NotCarried> {
     let mut held = held;
     held.sort_by_key(|mount| mount.unique_id);
     let mut missed = Vec::new();
     for mount in held {
         let moved = probe::open_within_mount(replacement, &mount.relative)
-            .and_then(|onto| mount::move_mount(mount.handle.as_fd(), onto.as_fd()));
+            .and_then(|onto| mount::move_mount(mount.copy.as_fd(), onto.as_fd()));
         if let Err(err) = moved {
             missed.push(NotCarried {
                 mount_point: replacement_point.join(&mount.relative),

@@ -273,7 +273,9 @@ fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> 
             ),
             // Its stack then fails to tell its copy from its own: see
             // `Mounter::stack`, which sets the copy's attributes.
-            Err(err) => warn!(target = %target.path.display(), %err, "cannot take a target whose attributes differ from its peers' out of their group"),
+            Err(err) => {
+                warn!(target = %target.path.display(), %err, "cannot take a target whose attributes differ from its peers' out of their group")
+            }
         }
     }
     Stacking { stale: prepared.stale, attributes }
@@ -649,7 +651,9 @@ impl Executor for MountExecutor {
         let mut slid = Vec::new();
         let source_root = &batch.source.top().root;
         let prepared = own_stacks_where_attributes_differ(batch, prepared);
-        for (index, ((target, opened), attributes)) in batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).enumerate() {
+        for (index, ((target, opened), attributes)) in
+            batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).enumerate()
+        {
             if target
                 .beneath_top
                 .as_ref()

@@ -130,6 +130,10 @@ pub struct RuncSpec {
     /// a tmpfs of its own, as a configMap or an emptyDir nested in the
     /// volume is mounted; it must exist in the volume.
     pub nested_tmpfs: Option<PathBuf>,
+    /// The reader also looks the nested tmpfs up at every read, as an
+    /// application using its configMap does: its entry in the volume is
+    /// then never older than the daemon's entry timeout.
+    pub walk_nested: bool,
 }
 
 /// The runc of one sandbox: its binary, its private state directory and
@@ -285,7 +289,7 @@ fn config_json(spec: &RuncSpec, image: &Path, id: &str) -> String {
     let script = format!(
         r#"F='{file}'; D='{VOLUME_IN_CONTAINER}'; last=; i=0
 while :; do
-  c=; {{ read -r c < "$F"; }} 2>/tmp/err
+  c=; {{ read -r c < "$F"; }} 2>/tmp/err{walk}
   if [ -n "$c" ]; then
     set -- "$D"/*; e=; for p; do e="$e${{e:+,}}${{p##*/}}"; done; now="ok $c | $e"
     [ "$1" = "$D/*" ] && now="err cannot list $D"
@@ -298,6 +302,10 @@ while :; do
 done"#,
         file = file.display(),
         beats = (Duration::from_secs(1).as_micros() / spec.interval.as_micros().max(1)).max(1),
+        walk = match (&spec.nested_tmpfs, spec.walk_nested) {
+            (Some(nested), true) => format!("; [ -d \"$D/{}\" ]", nested.display()),
+            _ => String::new(),
+        },
         micros = spec.interval.as_micros(),
     );
     let config = serde_json::json!({
@@ -562,6 +570,7 @@ mod tests {
             interval: Duration::from_millis(10),
             options: vec!["ro".into()],
             nested_tmpfs: Some("config".into()),
+            walk_nested: true,
         };
         let config: serde_json::Value = serde_json::from_str(&config_json(&spec, Path::new("/img"), "abc")).unwrap();
         let volume = config["mounts"].as_array().unwrap().iter().find(|m| m["destination"] == "/volume").unwrap();
@@ -571,6 +580,7 @@ mod tests {
         assert_eq!(volume["source"], "/k/pods/p/volumes/v/mount");
         assert_eq!(config["linux"]["cgroupsPath"], "/fuse-supervisor-abc.scope");
         assert!(config["process"]["args"][2].as_str().unwrap().contains("F='/volume/data.txt'"));
+        assert!(config["process"]["args"][2].as_str().unwrap().contains(r#"[ -d "$D/config" ]"#));
         let none = RuncSpec { propagation: VolumePropagation::None, options: Vec::new(), ..spec };
         let config: serde_json::Value = serde_json::from_str(&config_json(&none, Path::new("/img"), "abc")).unwrap();
         assert_eq!(config["mounts"][3]["options"], serde_json::json!(["rbind", "rprivate"]));

@@ -9,8 +9,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use linux_raw_sys::general::{
-    MOUNT_ATTR__ATIME, MOUNT_ATTR_IDMAP, MOUNT_ATTR_NOATIME, MOUNT_ATTR_NODEV, MOUNT_ATTR_NODIRATIME, MOUNT_ATTR_NOEXEC,
-    MOUNT_ATTR_NOSUID, MOUNT_ATTR_NOSYMFOLLOW, MOUNT_ATTR_RDONLY, MOUNT_ATTR_STRICTATIME,
+    MOUNT_ATTR__ATIME, MOUNT_ATTR_IDMAP, MOUNT_ATTR_NOATIME, MOUNT_ATTR_NODEV, MOUNT_ATTR_NODIRATIME,
+    MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NOSYMFOLLOW, MOUNT_ATTR_RDONLY, MOUNT_ATTR_STRICTATIME,
 };
 use rustix::mount::{
     FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
@@ -45,6 +45,21 @@ impl Propagation {
 /// attached.
 pub fn clone_mount(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     let flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH;
+    Ok(rustix::mount::open_tree(at, c"", flags)?)
+}
+
+/// `open_tree(at, "", OPEN_TREE_CLONE|AT_RECURSIVE|OPEN_TREE_CLOEXEC|AT_EMPTY_PATH)`:
+/// a detached copy of the mount `at` is the root of, with every mount
+/// below it, each with its original's attributes and propagation (a peer
+/// of a shared one, a slave of a slave's master). The copy stands on its
+/// own: it stays whole when the original is detached (as the kernel does
+/// to mounts on a dentry it invalidates), and [`move_mount`] attaches it.
+/// Refused (`EINVAL`) for a mount not in the calling thread's namespace.
+pub fn clone_tree(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let flags = OpenTreeFlags::OPEN_TREE_CLONE
+        | OpenTreeFlags::AT_RECURSIVE
+        | OpenTreeFlags::OPEN_TREE_CLOEXEC
+        | OpenTreeFlags::AT_EMPTY_PATH;
     Ok(rustix::mount::open_tree(at, c"", flags)?)
 }
 

@@ -494,7 +494,13 @@ mod tests {
         let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
         assert_eq!(occurrence.reason.as_str(), "FuseContainerMountsNotCarried");
         assert_eq!(occurrence.reason.event_type(), "Warning");
-        assert!(occurrence.note.contains("not carried over to the new mounts (lost with the dead ones): /data/config in app"), "{}", occurrence.note);
+        assert!(
+            occurrence
+                .note
+                .contains("not carried over to the new mounts (lost with the dead ones): /data/config in app"),
+            "{}",
+            occurrence.note
+        );
     }
 
     #[test]
