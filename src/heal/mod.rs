@@ -278,7 +278,34 @@ fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> 
             }
         }
     }
+    for (target, stale) in batch.targets.iter().zip(&prepared.stale) {
+        if let Ok(stale) = stale {
+            warn_of_mounts_on_stale_layer(target, stale.as_fd());
+        }
+    }
     Stacking { stale: prepared.stale, attributes }
+}
+
+/// Says which mounts were made on a target's stale layer on the host
+/// (under the pod's volume): the flatten detaches them with it. Moving
+/// them onto the new top would propagate a copy to every peer of the new
+/// source, on top of the copies the peers' own layers held, so a host heal
+/// does not carry them (README, "What a heal preserves"); containers' own
+/// nested mounts are carried by their heal.
+fn warn_of_mounts_on_stale_layer(target: &TargetHeal, stale: std::os::fd::BorrowedFd<'_>) {
+    let Ok(unique) = resolve::unique_mount_id_of(stale) else { return };
+    let Ok(children) = fuse_supervisor_sys::listmount::children(unique, 64) else { return };
+    let on_it: Vec<String> = children
+        .into_iter()
+        .filter_map(|child| {
+            fuse_supervisor_sys::statmount::mount_stat(child, fuse_supervisor_sys::statmount::Namespace::Current).ok()
+        })
+        .filter(|stat| stat.parent_unique_id == unique)
+        .map(|stat| stat.mount_point.display().to_string())
+        .collect();
+    if !on_it.is_empty() {
+        warn!(target = %target.path.display(), mounts = ?on_it, "mounts on the target's stale layer on the host are not carried over by its heal: they go with it");
+    }
 }
 
 /// Descriptors a stack opens at once: the target resolved, the source's
