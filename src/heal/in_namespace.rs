@@ -5,10 +5,12 @@
 //! On a thread of its own (it moves between namespaces): join the FUSE
 //! container's namespace, clone the live mount (or its subdirectory, for a
 //! subPath target), join the application container's namespace, check that
-//! the target is still the recorded dead mount, and slide the clone beneath
-//! it (`MOVE_MOUNT_BENEATH`) before detaching the dead layer, so the
-//! container is left with exactly one layer. Where sliding beneath is
-//! refused, the clone is stacked on top and the dead layer stays under it.
+//! the target is still the recorded dead mount, give the clone its
+//! attributes, and slide the clone beneath it (`MOVE_MOUNT_BENEATH`), with
+//! the mounts nested in the dead one attached onto it, before detaching the
+//! dead layer, so the container is left with exactly one layer and all it
+//! had (see [`super::carry`]). Where sliding beneath is refused, the clone
+//! is stacked on top and the dead layer stays under it.
 //!
 //! Unlike a node heal there is nothing to propagate: the target is the
 //! container's own mount, and its processes see the change at once.
