@@ -112,7 +112,16 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
                 .expect("dir");
             sandbox.root().join("tmpfs-volumes").join(&name)
         };
-        let spec = RuncSpec { name, volume, propagation: VolumePropagation::None, read: DATA_FILE.into(), interval };
+        let spec = RuncSpec {
+            name,
+            volume,
+            propagation: VolumePropagation::None,
+            read: DATA_FILE.into(),
+            interval,
+            options: Vec::new(),
+            nested_tmpfs: None,
+            walk_nested: false,
+        };
         containers.push(runc.start(&spec).expect("start a container"));
     }
     let state_dir = sandbox.root().join("state");

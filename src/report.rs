@@ -29,6 +29,10 @@ pub struct ContainersHealed {
     /// Mounts given up on for this heal: their namespace did not answer
     /// within the deadline (a tenant's server holding a lookup, say).
     pub given_up: usize,
+    /// What the heals could not take over from the dead mounts they
+    /// replaced (`<mount point> in <container>`): a mount nested in the
+    /// volume no handle could be had on, an idmapping.
+    pub not_carried: Vec<String>,
 }
 
 /// One thing that happened, borrowed from the loop for the call.

@@ -84,6 +84,9 @@ impl Node {
             propagation,
             read: read.into(),
             interval: READ_INTERVAL,
+            options: Vec::new(),
+            nested_tmpfs: None,
+            walk_nested: false,
         };
         self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"))
     }

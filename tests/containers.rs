@@ -33,6 +33,34 @@ struct Watched {
     baseline: BTreeMap<(PathBuf, String), usize>,
     /// HostToContainer: its volume is a slave of the host's mount.
     receives_host_mounts: bool,
+    /// What its pod asked of the volume, which every heal must keep.
+    asked: Asked,
+}
+
+/// What a pod asked of a container's volume besides its propagation.
+#[derive(Debug, Clone, Default)]
+struct Asked {
+    /// Options on the volume's bind (`ro` for `readOnly`), each of which
+    /// its mount must show after every heal.
+    options: &'static [&'static str],
+    /// A container whose volume is read-only, by its own options or its
+    /// target's: a write fails with EROFS.
+    read_only: bool,
+    /// A tmpfs of its own at [`NESTED`] in the volume (a configMap's
+    /// place), with [`NESTED_FILE`] written in it.
+    nested: bool,
+    /// Its reader looks the nested mount up at every read, as an
+    /// application using its configMap does.
+    nested_in_use: bool,
+}
+
+/// Where a volume nests another mount, and what is written in it.
+const NESTED: &str = "config";
+const NESTED_FILE: &str = "nested.txt";
+const NESTED_CONTENT: &str = "nested";
+
+fn nested_file() -> PathBuf {
+    Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED).join(NESTED_FILE)
 }
 
 struct Node {
@@ -89,12 +117,40 @@ impl Node {
         fixed_content: Option<String>,
         entries: &[&str],
     ) {
-        let spec = RuncSpec { name: name.into(), volume, propagation, read: read.into(), interval: READ_INTERVAL };
+        self.add_container_with(name, volume, propagation, read, fixed_content, entries, Asked::default());
+    }
+
+    /// [`Node::add_container`] with what the pod asked of its volume.
+    #[allow(clippy::too_many_arguments)]
+    fn add_container_with(
+        &mut self,
+        name: &str,
+        volume: PathBuf,
+        propagation: VolumePropagation,
+        read: &str,
+        fixed_content: Option<String>,
+        entries: &[&str],
+        asked: Asked,
+    ) {
+        let spec = RuncSpec {
+            name: name.into(),
+            volume,
+            propagation,
+            read: read.into(),
+            interval: READ_INTERVAL,
+            options: asked.options.iter().map(|option| (*option).to_owned()).collect(),
+            nested_tmpfs: asked.nested.then(|| PathBuf::from(NESTED)),
+            walk_nested: asked.nested_in_use,
+        };
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         let baseline = table_of(&container);
         let entries = entries.iter().map(|entry| (*entry).to_owned()).collect();
         let receives_host_mounts = propagation == VolumePropagation::HostToContainer;
-        self.containers.push(Watched { container, fixed_content, entries, baseline, receives_host_mounts });
+        if asked.nested {
+            let write = format!("echo {NESTED_CONTENT} > {}", nested_file().display());
+            container.exec(&["sh", "-c", &write]).expect("write into the nested tmpfs");
+        }
+        self.containers.push(Watched { container, fixed_content, entries, baseline, receives_host_mounts, asked });
     }
 
     /// Started, and its first walk of the node's mount namespaces done:
@@ -668,4 +724,178 @@ fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
         scenario::wait_for("one layer in the process's namespace", HEAL_TIMEOUT, || fuse_layers().len() == 1)
             .unwrap_or_else(|err| panic!("cycle {cycle}: {err}: {:?}", fuse_layers()));
     }
+}
+
+/// What a pod asked of its volume, checked after every heal: each mount
+/// shows its options, a read-only one refuses a write with EROFS (and a
+/// target published read-only does on the host too), and a nested tmpfs is
+/// still there with what was written in it.
+fn asked_for_is_kept(node: &Node, cycle: usize, read_only_target: &Path) {
+    for watched in &node.containers {
+        let name = watched.container.name();
+        let layers = watched.container.volume_mounts().expect("the container's volume mounts");
+        let options: Vec<&str> = layers[0].options.split(',').collect();
+        for option in watched.asked.options {
+            assert!(options.contains(option), "cycle {cycle}: container {name}: {option} lost: {layers:?}");
+        }
+        // Only where it must fail: a file written would change what every
+        // container lists.
+        if watched.asked.read_only {
+            let write = format!("echo written > {}/written-{name}", runc::VOLUME_IN_CONTAINER);
+            let err = watched.container.exec(&["sh", "-c", &write]).expect_err("a write to a read-only volume");
+            assert!(err.to_string().contains("Read-only file system"), "cycle {cycle}: container {name}: {err}");
+        }
+        if watched.asked.nested {
+            let read = watched.container.read_file(&nested_file()).expect("read the nested mount");
+            assert_eq!(read.trim(), NESTED_CONTENT, "cycle {cycle}: container {name}: the nested tmpfs");
+            let nested = watched.container.mounts_at(&Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED)).unwrap();
+            assert_eq!(nested.len(), 1, "cycle {cycle}: container {name}: nested mounts {nested:?}");
+            assert_eq!(nested[0].fs_type, "tmpfs", "cycle {cycle}: container {name}");
+        }
+    }
+    let table = node.sandbox.mountinfo();
+    let line = table
+        .lines()
+        .rfind(|line| line.split(' ').nth(4).map(Path::new) == Some(read_only_target))
+        .expect("the read-only target is mounted");
+    let options = line.split(' ').nth(5).expect("options");
+    assert!(options.split(',').any(|option| option == "ro"), "cycle {cycle}: the target turned {options}: {line}");
+    let probe = read_only_target.join("written-on-host");
+    let written = node.sandbox.run(move || std::fs::write(probe, "x"));
+    let err = written.expect_err("a write to a target published read-only");
+    assert_eq!(err.kind(), std::io::ErrorKind::ReadOnlyFilesystem, "cycle {cycle}: {err}");
+}
+
+/// Containers whose pods asked for more than the volume: `readOnly`
+/// (`rbind,rslave,ro` and `rbind,rprivate,ro`, the latter with nosuid,
+/// nodev and noexec too), a tmpfs nested in the volume (HostToContainer
+/// and None), and a pod whose target the driver published read-only (bind,
+/// then remount `ro`), placed last so that a stack on a writable peer
+/// would reach it by propagation. After each of `cycles` crashes: every
+/// container reads again and keeps all of it, with one layer each and the
+/// host's mount count back to its baseline.
+fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, cycles: usize) {
+    let mut node = Node::new(daemon, restart);
+    let nested_dir = node.source.backing.join(NESTED);
+    node.sandbox.run(move || std::fs::create_dir_all(nested_dir)).expect("the nested mount's directory");
+    let entries = [NESTED, DATA_FILE, SUBDIR];
+    let volumes = [
+        (
+            "nested-host-to-container",
+            VolumePropagation::HostToContainer,
+            Asked { nested: true, nested_in_use: true, ..Asked::default() },
+        ),
+        ("nested-none", VolumePropagation::None, Asked { nested: true, nested_in_use: true, ..Asked::default() }),
+        (
+            "ro-host-to-container",
+            VolumePropagation::HostToContainer,
+            Asked { options: &["ro"], read_only: true, nested: true, nested_in_use: true },
+        ),
+        (
+            "ro-none",
+            VolumePropagation::None,
+            Asked { options: &["ro", "nosuid", "nodev", "noexec"], read_only: true, ..Asked::default() },
+        ),
+    ];
+    for (name, propagation, asked) in volumes {
+        let target = node.source.bind_volume(&node.sandbox, name, "data").expect("bind volume");
+        node.add_container_with(name, target, propagation, DATA_FILE, None, &entries, asked);
+    }
+    // Published read-only by its driver; its container asked nothing more.
+    let read_only_target = node.source.bind_volume(&node.sandbox, "z-published-ro", "data").expect("bind volume");
+    let at = read_only_target.clone();
+    node.sandbox
+        .run(move || {
+            use fuse_supervisor_sys::mount::{MountAttributes, set_attributes_of};
+            use fuse_supervisor_sys::{resolve, statmount};
+            let fd = resolve::open_path(&at)?;
+            let unique = resolve::unique_mount_id_of(std::os::fd::AsFd::as_fd(&fd))?;
+            let now = statmount::mount_attributes(unique, statmount::Namespace::Current)?;
+            set_attributes_of(std::os::fd::AsFd::as_fd(&fd), now.union(MountAttributes::READ_ONLY), None)
+        })
+        .expect("remount the target read-only");
+    let asked = Asked { options: &["ro"], read_only: true, ..Asked::default() };
+    let propagation = VolumePropagation::HostToContainer;
+    node.add_container_with("z-published-ro", read_only_target.clone(), propagation, DATA_FILE, None, &entries, asked);
+    node.all_read(0);
+    asked_for_is_kept(&node, 0, &read_only_target);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+
+    for cycle in 1..=cycles {
+        let daemon = node.source.pid().expect("daemon running");
+        let dead_minor = node.crash(cycle);
+        if restart == Restart::MountOverStale {
+            node.death_seen(daemon, cycle);
+        }
+        node.source.restart(&node.sandbox, restart).expect("restart the daemon");
+        node.all_read(cycle);
+        node.settled(cycle, host_baseline, dead_minor);
+        asked_for_is_kept(&node, cycle, &read_only_target);
+    }
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let lost = supervisor.log().iter().filter(|line| line.contains("not carried over")).cloned().collect::<Vec<_>>();
+    assert!(lost.is_empty(), "{lost:?}");
+    // Healed by its own stack, never by a writable peer's propagated copy
+    // set read-only afterwards (which a process could write through
+    // meanwhile). A daemon mounting over its stale mount propagates its own
+    // mount by the kernel, which no heal can prevent (README).
+    let copied = |line: &&String| line.contains("has other attributes than its stale layer had");
+    let set_back = supervisor.log().iter().filter(copied).cloned().collect::<Vec<_>>();
+    if restart != Restart::MountOverStale {
+        assert!(set_back.is_empty(), "{set_back:?}");
+    } else {
+        assert!(set_back.len() <= cycles, "one copy set back per cycle at most: {set_back:?}");
+    }
+}
+
+#[test]
+fn read_only_and_nested_volumes_survive_bindfs_restarts() {
+    what_the_pod_asked_for_survives_every_heal(Daemon::Bindfs, Restart::UnmountThenMount, 5);
+}
+
+#[test]
+fn read_only_and_nested_volumes_survive_demofs_mounting_over_its_stale_mount() {
+    what_the_pod_asked_for_survives_every_heal(Daemon::DemoFs, Restart::MountOverStale, 5);
+}
+
+/// A mount nested in a volume whose entry in the dead volume had timed out
+/// at the death (nobody looked it up within the daemon's entry timeout,
+/// 1 s for demofs, which does no readdirplus): no handle can be had on it,
+/// so it goes with the dead layer, and the heal says so, naming the
+/// namespace and the mount point, instead of dropping it silently. The
+/// volume itself is healed as ever.
+#[test]
+fn a_nested_mount_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
+    let mut node = Node::new(Daemon::DemoFs, Restart::UnmountThenMount);
+    let nested_dir = node.source.backing.join(NESTED);
+    node.sandbox.run(move || std::fs::create_dir_all(nested_dir)).expect("the nested mount's directory");
+    let target = node.source.bind_volume(&node.sandbox, "idle-config", "data").expect("bind volume");
+    let asked = Asked { nested: true, ..Asked::default() };
+    let entries = [NESTED, DATA_FILE, SUBDIR];
+    let propagation = VolumePropagation::HostToContainer;
+    node.add_container_with("idle-config", target, propagation, DATA_FILE, None, &entries, asked);
+    node.all_read(0);
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+    let namespace = node.containers[0].container.namespace_inode().expect("the container's namespace");
+    node.daemon_watched();
+    // Past demofs's entry timeout since the nested mount was last looked up.
+    std::thread::sleep(Duration::from_millis(1500));
+    let dead_minor = node.crash(1);
+    node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    node.all_read(1);
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let namespace_field = format!("\"namespace\":{namespace},");
+    let reported = |line: &str| {
+        line.contains("\"not carried over to the container's new mount by its heal\"")
+            && line.contains(&namespace_field)
+            && line.contains("\"mount_point\":\"/volume/config\"")
+    };
+    supervisor.wait_for_log(HEAL_TIMEOUT, reported).unwrap();
+    // Gone with the dead layer: the container's table lacks it, and only it.
+    let mut baseline = node.containers[0].baseline.clone();
+    baseline.remove(&(Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED), "tmpfs".to_owned()));
+    node.containers[0].baseline = baseline;
+    node.settled(1, host_baseline, dead_minor);
 }

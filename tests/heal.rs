@@ -629,3 +629,60 @@ fn a_subpath_replaced_by_a_symlink_fails_alone_and_exposes_nothing() {
     let outside_seen = node.readers[1].history().iter().any(|o| o.content() == Some("outside the volume"));
     assert!(!outside_seen, "the subPath container saw a file outside the volume");
 }
+
+/// The per-mount options of the mount on top at `path` on the host.
+fn options_at(sandbox: &Sandbox, path: &Path) -> String {
+    let table = sandbox.mountinfo();
+    let line = table.lines().rfind(|line| line.split(' ').nth(4).map(Path::new) == Some(path));
+    let line = line.unwrap_or_else(|| panic!("nothing mounted at {}", path.display()));
+    line.split(' ').nth(5).unwrap_or_default().to_owned()
+}
+
+/// Three pods on one source, the second's target published read-only and
+/// noexec by its driver (bind, then remount), the third's noatime: after
+/// each of three crashes, every target is healed with the attributes its
+/// stale layer had, the read-only one by its own stack (never by a
+/// propagated writable copy), a write to it fails with EROFS, and the host
+/// is flat again.
+#[test]
+fn each_target_keeps_its_attributes_through_heals_by_propagation() {
+    use fuse_supervisor_sys::mount::{MountAttributes, set_attributes_of};
+    use fuse_supervisor_sys::{resolve, statmount};
+    let mut node = Node::new(Daemon::Bindfs, 3);
+    let remount = |target: &PathBuf, added: MountAttributes| {
+        let at = target.clone();
+        node.sandbox
+            .run(move || {
+                let fd = resolve::open_path(&at)?;
+                let unique = resolve::unique_mount_id_of(std::os::fd::AsFd::as_fd(&fd))?;
+                let now = statmount::mount_attributes(unique, statmount::Namespace::Current)?;
+                set_attributes_of(std::os::fd::AsFd::as_fd(&fd), now.union(added), None)
+            })
+            .expect("remount the target");
+    };
+    remount(&node.targets[1], MountAttributes::READ_ONLY.union(MountAttributes::NOEXEC));
+    remount(&node.targets[2], MountAttributes::NOATIME);
+    let before: Vec<String> = node.targets.iter().map(|target| options_at(&node.sandbox, target)).collect();
+    assert!(before[1].starts_with("ro,") && before[1].contains("noexec"), "{before:?}");
+    assert!(before[2].contains("noatime"), "{before:?}");
+    node.all_read(&node.source.expected_content());
+    node.start_supervisor();
+    let baseline = node.mounts();
+
+    for cycle in 1..=3 {
+        node.source.crash().unwrap();
+        for reader in &node.readers {
+            reader.wait_until(HEAL_TIMEOUT, fails).expect("reader sees the crash");
+        }
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).unwrap();
+        node.all_read(&node.source.expected_content());
+        node.settles_to(baseline, &node.targets.iter().collect::<Vec<_>>());
+        let after: Vec<String> = node.targets.iter().map(|target| options_at(&node.sandbox, target)).collect();
+        assert_eq!(after, before, "cycle {cycle}");
+        let probe = node.targets[1].join("written-on-host");
+        let err = node.sandbox.run(move || std::fs::write(probe, "x")).expect_err("a write to a read-only target");
+        assert_eq!(err.kind(), std::io::ErrorKind::ReadOnlyFilesystem, "cycle {cycle}: {err}");
+    }
+    let set_back = node.supervisor().log().iter().filter(|line| line.contains("has other attributes")).count();
+    assert_eq!(set_back, 0, "a target was reached by a copy with other attributes");
+}

@@ -57,6 +57,9 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
         propagation: VolumePropagation::None,
         read: DATA_FILE.into(),
         interval: Duration::from_millis(10),
+        options: Vec::new(),
+        nested_tmpfs: None,
+        walk_nested: false,
     };
     let container = runc.start(&spec).expect("start the container");
     let reads_current = |source: &FuseSource| {

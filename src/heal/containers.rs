@@ -39,8 +39,9 @@ use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
-use fuse_supervisor_sys::ns;
+use fuse_supervisor_sys::{ns, resolve};
 
+use super::carry::{self, NestedSlot, NotCarried};
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
 use super::namespaces::NamespaceRead;
 use super::priority::HealPriority;
@@ -112,15 +113,20 @@ pub struct ForeignMount {
     /// the heal checks it finds that mount, not one with its reused 32-bit
     /// ID and its device.
     pub unique_id: Option<u64>,
+    /// Handles on the mounts made on it (a configMap at `<volume>/config`),
+    /// taken when it was isolated: its replacement takes them over.
+    pub nested: NestedSlot,
 }
 
 /// How one foreign mount came out of a heal.
 #[derive(Debug)]
 pub enum ForeignHealed {
     /// The dead mount was replaced by a clone of the new source: one layer.
-    Replaced,
+    /// `not_carried`: what of the dead mount it could not take over (a
+    /// nested mount no handle could be had on, an idmapping).
+    Replaced { not_carried: Vec<NotCarried> },
     /// The clone was stacked on the dead mount, which stays under it.
-    Stacked { why: io::Error },
+    Stacked { why: io::Error, not_carried: Vec<NotCarried> },
     /// A mount of the new source was on top there already (the host heal
     /// propagated onto it): nothing to do.
     AlreadyLive,
@@ -144,6 +150,7 @@ pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<
             unique_id: read.unique_ids.get(&mount.mount_id).copied(),
             mount,
             namespace_id,
+            nested: NestedSlot::default(),
         })
         .collect()
 }
@@ -169,7 +176,9 @@ fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
 }
 
 /// Makes every mount of `mounts` private, each namespace on a worker of its
-/// own, so that no heal on the host propagates onto them. Returns the
+/// own, so that no heal on the host propagates onto them, and takes a
+/// handle on each mount made on them (into [`ForeignMount::nested`]) while
+/// their mount points still resolve (see [`super::carry`]). Returns the
 /// mounts that could not be isolated, with why.
 pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(ForeignMount, ContainerHealError)> {
     let isolate_all = |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
@@ -196,10 +205,19 @@ pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(Fore
                         pid: foreign.pid,
                         path: foreign.mount.mount_point.clone(),
                         source,
-                    })
+                    })?;
+                    Ok(stale)
                 });
-            if let Err(err) = made_private {
-                failed.push((foreign.clone(), err));
+            match made_private {
+                Ok(stale) => {
+                    let unique = foreign.unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
+                    // Without it the heal looks for them, and says what it missed.
+                    if let Ok(unique) = unique {
+                        let point = &foreign.mount.mount_point;
+                        foreign.nested.put(carry::take_nested(stale.as_fd(), unique, point, &BTreeSet::new()));
+                    }
+                }
+                Err(err) => failed.push((foreign.clone(), err)),
             }
         }
         failed
@@ -289,9 +307,10 @@ fn replace_one(
     let source_namespace =
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
     let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign)?);
-    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live) {
-        Ok(InNamespaceHealed::Replaced) => Ok(ForeignHealed::Replaced),
-        Ok(InNamespaceHealed::Stacked { why }) => Ok(ForeignHealed::Stacked { why }),
+    let nested = foreign.nested.take();
+    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live, nested) {
+        Ok(InNamespaceHealed::Replaced { not_carried }) => Ok(ForeignHealed::Replaced { not_carried }),
+        Ok(InNamespaceHealed::Stacked { why, not_carried }) => Ok(ForeignHealed::Stacked { why, not_carried }),
         // The host heal's propagation reached it first: live already.
         Err(InNamespaceError::Changed { found_dev, .. }) if found_dev == source.dev => Ok(ForeignHealed::AlreadyLive),
         Err(err) => Err(err.into()),
@@ -515,6 +534,7 @@ mod tests {
             propagation: Propagation::Private,
             namespace_id: None,
             unique_id: None,
+            nested: NestedSlot::default(),
         }
     }
 

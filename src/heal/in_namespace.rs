@@ -5,10 +5,12 @@
 //! On a thread of its own (it moves between namespaces): join the FUSE
 //! container's namespace, clone the live mount (or its subdirectory, for a
 //! subPath target), join the application container's namespace, check that
-//! the target is still the recorded dead mount, and slide the clone beneath
-//! it (`MOVE_MOUNT_BENEATH`) before detaching the dead layer, so the
-//! container is left with exactly one layer. Where sliding beneath is
-//! refused, the clone is stacked on top and the dead layer stays under it.
+//! the target is still the recorded dead mount, give the clone its
+//! attributes, and slide the clone beneath it (`MOVE_MOUNT_BENEATH`), with
+//! the mounts nested in the dead one attached onto it, before detaching the
+//! dead layer, so the container is left with exactly one layer and all it
+//! had (see [`super::carry`]). Where sliding beneath is refused, the clone
+//! is stacked on top and the dead layer stays under it.
 //!
 //! Unlike a node heal there is nothing to propagate: the target is the
 //! container's own mount, and its processes see the change at once.
@@ -21,6 +23,7 @@ use std::path::{Path, PathBuf};
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::{ns, resolve, statmount};
 
+use super::carry::{self, Nested, NotCarried};
 use crate::heal::fuse_calls;
 use crate::model::table::{Dev, FuseMount};
 
@@ -78,6 +81,13 @@ pub enum InNamespaceError {
         "{path} in the mount namespace of process {pid} lies below a {fs_type} mount at {below}, whose lookups its server may never answer; not walked"
     )]
     BelowStalling { pid: u32, path: PathBuf, below: PathBuf, fs_type: String },
+    #[error("cannot read the attributes of {path} in the mount namespace of process {pid}")]
+    Attributes {
+        pid: u32,
+        path: PathBuf,
+        #[source]
+        source: carry::CarryError,
+    },
     #[error("{step} failed for {path} in the mount namespace of process {pid}")]
     Mount {
         step: &'static str,
@@ -91,11 +101,12 @@ pub enum InNamespaceError {
 /// How a target was healed.
 #[derive(Debug)]
 pub enum InNamespaceHealed {
-    /// The clone went beneath the dead mount, which was then detached: one layer.
-    Replaced,
+    /// The clone went beneath the dead mount, which was then detached: one
+    /// layer. `not_carried`: what of the dead mount it could not take over.
+    Replaced { not_carried: Vec<NotCarried> },
     /// The clone was stacked on the dead mount, which stays under it
     /// (`why`: sliding beneath or detaching was refused).
-    Stacked { why: io::Error },
+    Stacked { why: io::Error, not_carried: Vec<NotCarried> },
 }
 
 /// The namespaces one heal moves between, opened before the thread leaves
@@ -136,8 +147,11 @@ fn open_namespace(proc_root: &Path, pid: u32, expected: u64) -> Result<OwnedFd, 
 }
 
 /// Heals one target. Call on a thread dedicated to it: the thread ends in
-/// the application container's namespace. With `clone_propagation`, the
-/// clone gets it before it is attached: a clone comes back a peer of the
+/// the application container's namespace. The clone gets the dead mount's
+/// attributes before it is attached, and the mounts on the dead one are
+/// moved onto it before the dead one goes (`nested`: handles on them taken
+/// at the death; any others are looked for now). With `clone_propagation`,
+/// the clone gets it too, in the same call: a clone comes back a peer of the
 /// live mount, so mounts the container made under it would reach the
 /// source's namespace; `Slave` keeps a `HostToContainer` volume receiving
 /// the host's mounts, `Private` is a `None` volume's.
@@ -153,6 +167,7 @@ pub fn heal_in_namespaces(
     namespaces: &HealNamespaces,
     clone_propagation: Option<Propagation>,
     live: Option<BorrowedFd<'_>>,
+    nested: Option<Nested>,
 ) -> Result<InNamespaceHealed, InNamespaceError> {
     let source_pid = heal.source.pid;
     // The supervisor's /proc: the target namespace's may be another pid
@@ -184,22 +199,54 @@ pub fn heal_in_namespaces(
         }
     };
     let clone = mount::clone_mount(from).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
-    if let Some(propagation) = clone_propagation {
-        mount::set_propagation_of(clone.as_fd(), propagation).map_err(step(
-            "set the clone's propagation",
-            source_pid,
-            &from_path(heal),
-        ))?;
-    }
 
     let pid = heal.pid;
     let target_path = &heal.target.mount_point;
     enter(namespaces.target.as_fd(), pid)?;
     let stale = open_recorded(pid, &heal.target, heal.target_unique_id)?;
+    // The dead mount's attributes, read from its mount (never its dead
+    // filesystem), go onto the clone with its propagation while it is
+    // detached: no process ever sees the replacement with the source's
+    // (a readOnly volume stays read-only throughout).
+    let attributes =
+        carry::attributes_of(stale.as_fd(), heal.target.mount_id, heal.target_unique_id, Some(proc.as_fd()))
+            .map_err(|source| InNamespaceError::Attributes { pid, path: target_path.clone(), source })?;
+    let idmapped = carry::give_attributes(clone.as_fd(), attributes, clone_propagation).map_err(step(
+        "give the clone the dead mount's attributes and propagation",
+        pid,
+        target_path,
+    ))?;
+    let mut not_carried = Vec::new();
+    if idmapped {
+        not_carried.push(NotCarried {
+            mount_point: target_path.clone(),
+            why: "it was idmapped, and its mapping's user namespace cannot be had from the mount: the new mount shows owners unmapped".into(),
+        });
+    }
+    // The mounts on the dead one: those held since its death, and any made
+    // since (reached now if their mount points still resolve).
+    let mut nested = nested.unwrap_or_default();
+    let dead_unique = heal.target_unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
+    match dead_unique {
+        Ok(dead_unique) => {
+            let held = nested.held.iter().map(|mount| mount.unique_id).collect();
+            let found = carry::take_nested(stale.as_fd(), dead_unique, target_path, &held);
+            nested.held.extend(found.held);
+            nested.missed.extend(found.missed);
+        }
+        Err(err) => nested.missed.push(NotCarried {
+            mount_point: target_path.join("*"),
+            why: format!("the dead mount's unique ID cannot be had to list the mounts on it: {err}"),
+        }),
+    }
+    not_carried.extend(nested.missed);
     let replaced =
         mount::make_private(stale.as_fd()).and_then(|()| mount::move_mount_beneath(clone.as_fd(), stale.as_fd()));
     match replaced {
         Ok(()) => {
+            // Beneath the dead mount, out of sight: the nested mounts go onto
+            // it before the dead one is detached (which would take them).
+            not_carried.extend(carry::carry_nested(nested.held, clone.as_fd(), target_path));
             // The dead mount is on top, and private: detaching it reaches no
             // other namespace.
             mount::detach_top_through(proc.as_fd(), stale.as_fd()).map_err(step(
@@ -207,7 +254,7 @@ pub fn heal_in_namespaces(
                 pid,
                 target_path,
             ))?;
-            Ok(InNamespaceHealed::Replaced)
+            Ok(InNamespaceHealed::Replaced { not_carried })
         }
         Err(why) => {
             mount::move_mount(clone.as_fd(), stale.as_fd()).map_err(step(
@@ -215,7 +262,9 @@ pub fn heal_in_namespaces(
                 pid,
                 target_path,
             ))?;
-            Ok(InNamespaceHealed::Stacked { why })
+            // On top already: the nested mounts show once moved onto it.
+            not_carried.extend(carry::carry_nested(nested.held, clone.as_fd(), target_path));
+            Ok(InNamespaceHealed::Stacked { why, not_carried })
         }
     }
 }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use fuse_supervisor_sys::mount::MountAttributes;
 use fuse_supervisor_sys::{fds, mount, ns, resolve};
 use tracing::{debug, info, warn};
 
@@ -27,6 +28,7 @@ use crate::plan::{HealBatch, TargetHeal};
 /// heal's outcome names it).
 pub use fuse_supervisor_sys::mount::Propagation;
 
+pub mod carry;
 pub mod containers;
 mod dead_source;
 pub mod fuse_calls;
@@ -76,6 +78,12 @@ pub enum HealError {
         needed: usize,
         #[source]
         source: std::io::Error,
+    },
+    #[error("cannot read the attributes of the stale layer of target {path}")]
+    Attributes {
+        path: PathBuf,
+        #[source]
+        source: carry::CarryError,
     },
     #[error("{step} failed for target {path}")]
     Mount {
@@ -211,6 +219,93 @@ pub trait Executor {
     /// Heals `mounts` again, whose heal from `source` failed before.
     fn retry_containers(&mut self, _mounts: &[containers::ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
         Vec::new()
+    }
+}
+
+/// What a batch's stacks need of each target before the first: the handle
+/// on its stale top, and that top's own attributes, which its new mount
+/// gets.
+struct Stacking {
+    stale: Vec<Result<OwnedFd, HealError>>,
+    attributes: Vec<Result<MountAttributes, HealError>>,
+}
+
+/// Reads each stale top's attributes (from its mount, never its dead
+/// filesystem), and takes out of the peer group, before any stack, every
+/// target whose attributes differ from the first's.
+///
+/// A stack on one target propagates a copy onto every peer still in the
+/// group, and a copy has the attributes of the mount it copies, not those
+/// of the layer it lands on: a target the driver published read-only
+/// (bind, then remount `ro`) would come back writable the instant a stack
+/// on a writable peer reached it, before anything could set it read-only
+/// again. So the first target's stack, with its attributes, reaches only
+/// the peers with the same ones; each other one, private by then, gets its
+/// own stack with its own attributes, set on the detached clone: no
+/// process ever sees any target with attributes it did not have. (Its
+/// containers' copies, isolated at the death and healed in their own
+/// namespaces, never depended on that propagation.)
+fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> Stacking {
+    let attributes: Vec<Result<MountAttributes, HealError>> = batch
+        .targets
+        .iter()
+        .zip(&prepared.stale)
+        .map(|(target, stale)| match stale {
+            Ok(stale) => carry::attributes_of(stale.as_fd(), target.top_mount_id, None, None)
+                .map_err(|source| HealError::Attributes { path: target.path.clone(), source }),
+            Err(_) => Ok(MountAttributes::default()),
+        })
+        .collect();
+    let first = prepared.stale.iter().zip(&attributes).find_map(|(stale, attributes)| match (stale, attributes) {
+        (Ok(_), Ok(attributes)) => Some(*attributes),
+        _ => None,
+    });
+    for ((target, stale), attributes) in batch.targets.iter().zip(&prepared.stale).zip(&attributes) {
+        let (Ok(stale), Ok(attributes), Some(first)) = (stale, attributes, first) else { continue };
+        if attributes.carried() == first.carried() {
+            continue;
+        }
+        match mount::make_private(stale.as_fd()) {
+            Ok(()) => debug!(
+                target = %target.path.display(),
+                attributes = attributes.bits(),
+                peers = first.bits(),
+                "its attributes differ from its peers': healed by its own stack, not by propagation"
+            ),
+            // Its stack then fails to tell its copy from its own: see
+            // `Mounter::stack`, which sets the copy's attributes.
+            Err(err) => {
+                warn!(target = %target.path.display(), %err, "cannot take a target whose attributes differ from its peers' out of their group")
+            }
+        }
+    }
+    for (target, stale) in batch.targets.iter().zip(&prepared.stale) {
+        if let Ok(stale) = stale {
+            warn_of_mounts_on_stale_layer(target, stale.as_fd());
+        }
+    }
+    Stacking { stale: prepared.stale, attributes }
+}
+
+/// Says which mounts were made on a target's stale layer on the host
+/// (under the pod's volume): the flatten detaches them with it. Moving
+/// them onto the new top would propagate a copy to every peer of the new
+/// source, on top of the copies the peers' own layers held, so a host heal
+/// does not carry them (README, "What a heal preserves"); containers' own
+/// nested mounts are carried by their heal.
+fn warn_of_mounts_on_stale_layer(target: &TargetHeal, stale: std::os::fd::BorrowedFd<'_>) {
+    let Ok(unique) = resolve::unique_mount_id_of(stale) else { return };
+    let Ok(children) = fuse_supervisor_sys::listmount::children(unique, 64) else { return };
+    let on_it: Vec<String> = children
+        .into_iter()
+        .filter_map(|child| {
+            fuse_supervisor_sys::statmount::mount_stat(child, fuse_supervisor_sys::statmount::Namespace::Current).ok()
+        })
+        .filter(|stat| stat.parent_unique_id == unique)
+        .map(|stat| stat.mount_point.display().to_string())
+        .collect();
+    if !on_it.is_empty() {
+        warn!(target = %target.path.display(), mounts = ?on_it, "mounts on the target's stale layer on the host are not carried over by its heal: they go with it");
     }
 }
 
@@ -422,6 +517,15 @@ impl Executor for MountExecutor {
 
     fn flatten_covered(&mut self, target: &TargetHeal, stale: OwnedFd) -> Result<usize, HealError> {
         let top = self.mounter.open_planned(target)?;
+        // The kernel put a copy of the daemon's new mount here, with that
+        // mount's attributes, the moment it was made: a read-only target
+        // was writable from then until now, which no heal can prevent
+        // (README, "What a heal preserves"). Set back at once.
+        let stale_id = resolve::mount_id_of(stale.as_fd())
+            .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
+        let attributes = carry::attributes_of(stale.as_fd(), stale_id, None, None)
+            .map_err(|source| HealError::Attributes { path: target.path.clone(), source })?;
+        mounter::carry_onto_copy(target, top.as_fd(), target.top_mount_id, attributes)?;
         mount::make_private(stale.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
         // The loop thread flattens alone here, on its own parking directory.
         self.mounter.flatten(target, top.as_fd(), 0)
@@ -574,7 +678,10 @@ impl Executor for MountExecutor {
         // (older layers under it, if any, stay under the new mount).
         let mut slid = Vec::new();
         let source_root = &batch.source.top().root;
-        for (index, (target, opened)) in batch.targets.iter().zip(prepared.stale).enumerate() {
+        let prepared = own_stacks_where_attributes_differ(batch, prepared);
+        for (index, ((target, opened), attributes)) in
+            batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).enumerate()
+        {
             if target
                 .beneath_top
                 .as_ref()
@@ -591,7 +698,7 @@ impl Executor for MountExecutor {
             }
             // The stack's own: the target resolved, and the source's clone.
             reserve.release(DESCRIPTORS_PER_STACK);
-            let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev)?)));
+            let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev, attributes?)?)));
             let mut flatten_error = None;
             let result = match stacked {
                 Ok((stale, (how, new_top, placed))) => {

@@ -6,9 +6,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use fuse_supervisor_sys::mount::MountAttributes;
 use fuse_supervisor_sys::{mount, resolve};
 use tracing::{debug, warn};
 
+use super::carry;
 use super::pool::FlattenJob;
 use super::probe::SourceHandles;
 use super::{FLATTEN_THREADS, HealError, Healed};
@@ -65,6 +67,30 @@ pub(super) fn planned_top(target: &TargetHeal, id: u32, dev: Option<Dev>) -> Res
         }
         _ => Ok(()),
     }
+}
+
+/// Gives a copy that propagation put on `target` (mount `top`, attached
+/// and visible already) the stale layer's `attributes` if it has others:
+/// nothing the heal did should make it so, so it is said loudly.
+pub(super) fn carry_onto_copy(
+    target: &TargetHeal,
+    copy: BorrowedFd<'_>,
+    top: u32,
+    attributes: MountAttributes,
+) -> Result<(), HealError> {
+    let found = carry::attributes_of(copy, top, None, None)
+        .map_err(|source| HealError::Attributes { path: target.path.clone(), source })?;
+    if found.carried() == attributes.carried() {
+        return Ok(());
+    }
+    warn!(
+        target = %target.path.display(),
+        found = found.bits(),
+        stale = attributes.bits(),
+        "a copy propagated onto the target has other attributes than its stale layer had; set to those now"
+    );
+    mount::set_attributes_of(copy, attributes, None)
+        .map_err(HealError::mount("give the propagated copy the stale layer's attributes", &target.path))
 }
 
 /// Where a stack put the new source.
@@ -144,12 +170,14 @@ impl Mounter {
     /// Stacks the new source onto the target unless an earlier stack of the
     /// batch reached it by propagation; either way returns a handle on the
     /// target's new top, for flattening. `source_dev` is the device of the
-    /// source's new mount.
+    /// source's new mount; `attributes` the stale top's own, which the new
+    /// top gets (on the clone, before it is attached).
     pub(super) fn stack(
         &self,
         target: &TargetHeal,
         source: &SourceHandles,
         source_dev: Dev,
+        attributes: MountAttributes,
     ) -> Result<(Healed, OwnedFd, Placed), HealError> {
         let (fd, top, dev) = self.resolve_mount(&target.path)?;
         if let Err(changed) = planned_top(target, top, dev) {
@@ -159,7 +187,10 @@ impl Mounter {
             if dev != Some(source_dev) {
                 return Err(changed);
             }
-            // `fd` was resolved onto the copy.
+            // `fd` was resolved onto the copy, whose attributes are the
+            // stacked peer's: the same as this target's, since a target
+            // whose differ was taken out of the group first; made sure of.
+            carry_onto_copy(target, fd.as_fd(), top, attributes)?;
             return Ok((Healed::Propagated, fd, Placed::OnTop));
         }
         let from = match source.for_root(&target.root_in_source) {
@@ -177,6 +208,11 @@ impl Mounter {
             }
         };
         let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
+        let idmapped = carry::give_attributes(clone.as_fd(), attributes, None)
+            .map_err(HealError::mount("give the clone the stale layer's attributes", &target.path))?;
+        if idmapped {
+            warn!(target = %target.path.display(), "the stale layer was idmapped: its new mount is not (the mapping's user namespace cannot be had from the mount)");
+        }
         // Attached, the clone's fd is a handle on the target's new mount.
         match mount::move_mount(clone.as_fd(), fd.as_fd()) {
             Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),

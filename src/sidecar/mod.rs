@@ -340,10 +340,13 @@ impl Sidecar<'_> {
             match self.heal_one(heal) {
                 Ok(how) => {
                     let outage = self.broken.remove(&key);
-                    let (how, kept) = match how {
-                        InNamespaceHealed::Replaced => ("replaced", None),
-                        InNamespaceHealed::Stacked { why } => ("stacked", Some(why)),
+                    let (how, kept, not_carried) = match how {
+                        InNamespaceHealed::Replaced { not_carried } => ("replaced", None, not_carried),
+                        InNamespaceHealed::Stacked { why, not_carried } => ("stacked", Some(why), not_carried),
                     };
+                    for lost in &not_carried {
+                        warn!(pid = heal.pid, namespace = heal.namespace, mount_point = %lost.mount_point.display(), why = %lost.why, "not carried over to the new mount by the heal");
+                    }
                     info!(
                         pid = heal.pid,
                         namespace = heal.namespace,
@@ -411,7 +414,7 @@ impl Sidecar<'_> {
         let job = heal.clone();
         let spawned = std::thread::Builder::new().name("sidecar-heal".into()).spawn(move || {
             // The loop may have given up waiting.
-            let _ = reply.send(in_namespace::heal_in_namespaces(&job, &namespaces, None, None));
+            let _ = reply.send(in_namespace::heal_in_namespaces(&job, &namespaces, None, None, None));
         });
         let thread_error = |source| InNamespaceError::Mount {
             step: "run the heal thread",

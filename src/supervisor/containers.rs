@@ -142,12 +142,17 @@ impl<E: Executor> Supervisor<E> {
             if let Some(owner) = &owner {
                 tally(&mut by_pod, owner, &outcome);
             }
+            if let Ok(ForeignHealed::Replaced { not_carried } | ForeignHealed::Stacked { not_carried, .. }) = &outcome {
+                for lost in not_carried {
+                    warn!(pod, container, namespace, pid, mount_point = %lost.mount_point.display(), why = %lost.why, "not carried over to the container's new mount by its heal");
+                }
+            }
             let result = match &outcome {
-                Ok(ForeignHealed::Replaced) => {
+                Ok(ForeignHealed::Replaced { .. }) => {
                     info!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "replaced", took_us, latency_us = latency, attempts = failed_before, "container healed");
                     "replaced"
                 }
-                Ok(ForeignHealed::Stacked { why }) => {
+                Ok(ForeignHealed::Stacked { why, .. }) => {
                     warn!(pod, container, namespace, pid, mount_point = %mount_point, propagation, how = "stacked", %why, "container healed, but its dead layer remains under the new one");
                     "stacked"
                 }
@@ -310,8 +315,12 @@ fn tally(
         pod_uid: owner.pod_uid.clone(),
         ..ContainersHealed::default()
     });
+    if let Ok(ForeignHealed::Replaced { not_carried } | ForeignHealed::Stacked { not_carried, .. }) = healed {
+        let lost = not_carried.iter().map(|lost| format!("{} in {}", lost.mount_point.display(), owner.container));
+        heals.not_carried.extend(lost);
+    }
     match healed {
-        Ok(ForeignHealed::Replaced) => heals.replaced += 1,
+        Ok(ForeignHealed::Replaced { .. }) => heals.replaced += 1,
         Ok(ForeignHealed::Stacked { .. }) => heals.stacked += 1,
         Err(err) if why_failed(err) == "given_up" => heals.given_up += 1,
         Ok(ForeignHealed::AlreadyLive) | Err(_) => return,
@@ -376,14 +385,14 @@ mod tests {
         };
         let mut by_pod = BTreeMap::new();
         let outcome = |healed| Ok(healed);
-        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced));
+        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced { not_carried: Vec::new() }));
         tally(
             &mut by_pod,
             &owner("a", "sync"),
-            &outcome(ForeignHealed::Stacked { why: std::io::Error::other("busy") }),
+            &outcome(ForeignHealed::Stacked { why: std::io::Error::other("busy"), not_carried: Vec::new() }),
         );
-        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced));
-        tally(&mut by_pod, &owner("b", "app"), &outcome(ForeignHealed::Replaced));
+        tally(&mut by_pod, &owner("a", "app"), &outcome(ForeignHealed::Replaced { not_carried: Vec::new() }));
+        tally(&mut by_pod, &owner("b", "app"), &outcome(ForeignHealed::Replaced { not_carried: Vec::new() }));
         tally(
             &mut by_pod,
             &owner("b", "late"),

@@ -472,11 +472,12 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
         propagation: Propagation::Private,
         namespace_id: None,
         unique_id: None,
+        nested: Default::default(),
     };
     harness.supervisor.executor.containers = vec![
-        (foreign(4242, 1), Ok(ForeignHealed::Replaced)),
-        (foreign(4242, 1), Ok(ForeignHealed::Stacked { why: io::Error::other("busy") })),
-        (foreign(4343, 2), Ok(ForeignHealed::Replaced)),
+        (foreign(4242, 1), Ok(ForeignHealed::Replaced { not_carried: Vec::new() })),
+        (foreign(4242, 1), Ok(ForeignHealed::Stacked { why: io::Error::other("busy"), not_carried: Vec::new() })),
+        (foreign(4343, 2), Ok(ForeignHealed::Replaced { not_carried: Vec::new() })),
     ];
 
     let (replaced, healed) = harness.replaced_and_healed();

@@ -123,6 +123,17 @@ pub struct RuncSpec {
     pub read: PathBuf,
     /// Pause between reads.
     pub interval: Duration,
+    /// Options after the propagation's on the volume's bind: `ro` for a
+    /// `readOnly` volumeMount (what containerd appends), `nosuid`…
+    pub options: Vec<String>,
+    /// A directory of the volume (relative to it) where the container gets
+    /// a tmpfs of its own, as a configMap or an emptyDir nested in the
+    /// volume is mounted; it must exist in the volume.
+    pub nested_tmpfs: Option<PathBuf>,
+    /// The reader also looks the nested tmpfs up at every read, as an
+    /// application using its configMap does: its entry in the volume is
+    /// then never older than the daemon's entry timeout.
+    pub walk_nested: bool,
 }
 
 /// The runc of one sandbox: its binary, its private state directory and
@@ -278,7 +289,7 @@ fn config_json(spec: &RuncSpec, image: &Path, id: &str) -> String {
     let script = format!(
         r#"F='{file}'; D='{VOLUME_IN_CONTAINER}'; last=; i=0
 while :; do
-  c=; {{ read -r c < "$F"; }} 2>/tmp/err
+  c=; {{ read -r c < "$F"; }} 2>/tmp/err{walk}
   if [ -n "$c" ]; then
     set -- "$D"/*; e=; for p; do e="$e${{e:+,}}${{p##*/}}"; done; now="ok $c | $e"
     [ "$1" = "$D/*" ] && now="err cannot list $D"
@@ -291,6 +302,10 @@ while :; do
 done"#,
         file = file.display(),
         beats = (Duration::from_secs(1).as_micros() / spec.interval.as_micros().max(1)).max(1),
+        walk = match (&spec.nested_tmpfs, spec.walk_nested) {
+            (Some(nested), true) => format!("; [ -d \"$D/{}\" ]", nested.display()),
+            _ => String::new(),
+        },
         micros = spec.interval.as_micros(),
     );
     let config = serde_json::json!({
@@ -318,7 +333,7 @@ done"#,
                 "destination": VOLUME_IN_CONTAINER,
                 "type": "bind",
                 "source": spec.volume,
-                "options": spec.propagation.options(),
+                "options": spec.propagation.options().iter().map(|option| (*option).to_owned()).chain(spec.options.iter().cloned()).collect::<Vec<_>>(),
             },
         ],
         "linux": {
@@ -326,6 +341,15 @@ done"#,
             "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
         },
     });
+    let mut config = config;
+    if let (Some(nested), Some(mounts)) = (&spec.nested_tmpfs, config["mounts"].as_array_mut()) {
+        mounts.push(serde_json::json!({
+            "destination": Path::new(VOLUME_IN_CONTAINER).join(nested),
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=755"],
+        }));
+    }
     config.to_string()
 }
 
@@ -545,14 +569,20 @@ mod tests {
             propagation: VolumePropagation::HostToContainer,
             read: "data.txt".into(),
             interval: Duration::from_millis(10),
+            options: vec!["ro".into()],
+            nested_tmpfs: Some("config".into()),
+            walk_nested: true,
         };
         let config: serde_json::Value = serde_json::from_str(&config_json(&spec, Path::new("/img"), "abc")).unwrap();
         let volume = config["mounts"].as_array().unwrap().iter().find(|m| m["destination"] == "/volume").unwrap();
-        assert_eq!(volume["options"], serde_json::json!(["rbind", "rslave"]));
+        assert_eq!(volume["options"], serde_json::json!(["rbind", "rslave", "ro"]));
+        let nested = config["mounts"].as_array().unwrap().iter().find(|m| m["destination"] == "/volume/config");
+        assert_eq!(nested.unwrap()["type"], "tmpfs", "a tmpfs nested in the volume, after it");
         assert_eq!(volume["source"], "/k/pods/p/volumes/v/mount");
         assert_eq!(config["linux"]["cgroupsPath"], "/fuse-supervisor-abc.scope");
         assert!(config["process"]["args"][2].as_str().unwrap().contains("F='/volume/data.txt'"));
-        let none = RuncSpec { propagation: VolumePropagation::None, ..spec };
+        assert!(config["process"]["args"][2].as_str().unwrap().contains(r#"[ -d "$D/config" ]"#));
+        let none = RuncSpec { propagation: VolumePropagation::None, options: Vec::new(), ..spec };
         let config: serde_json::Value = serde_json::from_str(&config_json(&none, Path::new("/img"), "abc")).unwrap();
         assert_eq!(config["mounts"][3]["options"], serde_json::json!(["rbind", "rprivate"]));
     }

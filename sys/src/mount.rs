@@ -8,6 +8,10 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
+use linux_raw_sys::general::{
+    MOUNT_ATTR__ATIME, MOUNT_ATTR_IDMAP, MOUNT_ATTR_NOATIME, MOUNT_ATTR_NODEV, MOUNT_ATTR_NODIRATIME,
+    MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NOSYMFOLLOW, MOUNT_ATTR_RDONLY, MOUNT_ATTR_STRICTATIME,
+};
 use rustix::mount::{
     FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
 };
@@ -41,6 +45,21 @@ impl Propagation {
 /// attached.
 pub fn clone_mount(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     let flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH;
+    Ok(rustix::mount::open_tree(at, c"", flags)?)
+}
+
+/// `open_tree(at, "", OPEN_TREE_CLONE|AT_RECURSIVE|OPEN_TREE_CLOEXEC|AT_EMPTY_PATH)`:
+/// a detached copy of the mount `at` is the root of, with every mount
+/// below it, each with its original's attributes and propagation (a peer
+/// of a shared one, a slave of a slave's master). The copy stands on its
+/// own: it stays whole when the original is detached (as the kernel does
+/// to mounts on a dentry it invalidates), and [`move_mount`] attaches it.
+/// Refused (`EINVAL`) for a mount not in the calling thread's namespace.
+pub fn clone_tree(at: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let flags = OpenTreeFlags::OPEN_TREE_CLONE
+        | OpenTreeFlags::AT_RECURSIVE
+        | OpenTreeFlags::OPEN_TREE_CLOEXEC
+        | OpenTreeFlags::AT_EMPTY_PATH;
     Ok(rustix::mount::open_tree(at, c"", flags)?)
 }
 
@@ -136,6 +155,93 @@ pub fn set_propagation_of(mount: BorrowedFd<'_>, propagation: Propagation) -> io
     // SAFETY: `mount` is a valid open fd for the duration of the call, the path
     // is a NUL-terminated empty string, and `attr` is a live, initialised
     // `mount_attr` whose exact size is passed; the kernel only reads it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            mount.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const libc::mount_attr,
+            size_of::<libc::mount_attr>(),
+        )
+    };
+    if ret == -1 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// A mount's own attributes (`MOUNT_ATTR_*`), as `statmount` reports them
+/// (`mnt_attr`) and `mount_setattr` sets them: per mount, not per
+/// filesystem, so a bind or a clone does not inherit them from the mount
+/// it copies (the clone takes its source's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct MountAttributes(u64);
+
+impl MountAttributes {
+    pub const READ_ONLY: MountAttributes = MountAttributes(MOUNT_ATTR_RDONLY as u64);
+    pub const NOSUID: MountAttributes = MountAttributes(MOUNT_ATTR_NOSUID as u64);
+    pub const NODEV: MountAttributes = MountAttributes(MOUNT_ATTR_NODEV as u64);
+    pub const NOEXEC: MountAttributes = MountAttributes(MOUNT_ATTR_NOEXEC as u64);
+    /// The atime mode is a field, not a flag: relatime is 0.
+    pub const NOATIME: MountAttributes = MountAttributes(MOUNT_ATTR_NOATIME as u64);
+    pub const STRICTATIME: MountAttributes = MountAttributes(MOUNT_ATTR_STRICTATIME as u64);
+    pub const NODIRATIME: MountAttributes = MountAttributes(MOUNT_ATTR_NODIRATIME as u64);
+    pub const NOSYMFOLLOW: MountAttributes = MountAttributes(MOUNT_ATTR_NOSYMFOLLOW as u64);
+    /// The mount shows its files' owners through a user namespace's
+    /// mapping; only `mount_setattr` with that namespace sets it.
+    pub const IDMAP: MountAttributes = MountAttributes(MOUNT_ATTR_IDMAP as u64);
+    /// Everything a replacement takes over by [`set_attributes_of`]: the
+    /// idmapping is not among them (it needs a user namespace, and once
+    /// set it cannot be cleared).
+    const CARRIED: u64 = (MOUNT_ATTR_RDONLY
+        | MOUNT_ATTR_NOSUID
+        | MOUNT_ATTR_NODEV
+        | MOUNT_ATTR_NOEXEC
+        | MOUNT_ATTR__ATIME
+        | MOUNT_ATTR_NODIRATIME
+        | MOUNT_ATTR_NOSYMFOLLOW) as u64;
+
+    pub const fn from_bits(bits: u64) -> Self {
+        MountAttributes(bits)
+    }
+
+    pub const fn bits(self) -> u64 {
+        self.0
+    }
+
+    pub const fn contains(self, other: MountAttributes) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    pub const fn union(self, other: MountAttributes) -> Self {
+        MountAttributes(self.0 | other.0)
+    }
+
+    /// The attributes [`set_attributes_of`] carries: all but the idmapping.
+    pub const fn carried(self) -> Self {
+        MountAttributes(self.0 & Self::CARRIED)
+    }
+}
+
+/// `mount_setattr(mount, "", AT_EMPTY_PATH, {attr_set, attr_clr, propagation})`
+/// (Linux 5.12), non-recursive: gives the mount exactly `attributes`'
+/// read-only, nosuid, nodev, noexec, atime mode, nodiratime and
+/// nosymfollow (each set or cleared), and `propagation` if given, in one
+/// call. Meant for a detached clone, before it is attached: nothing sees
+/// it with its source's attributes. An idmapping in `attributes` is
+/// ignored (see [`MountAttributes::carried`]).
+pub fn set_attributes_of(
+    mount: BorrowedFd<'_>,
+    attributes: MountAttributes,
+    propagation: Option<Propagation>,
+) -> io::Result<()> {
+    let attr = libc::mount_attr {
+        attr_set: attributes.carried().bits(),
+        attr_clr: MountAttributes::CARRIED,
+        propagation: propagation.map_or(0, |propagation| u64::from(propagation.flags().bits())),
+        userns_fd: 0,
+    };
+    // SAFETY: as in `set_propagation_of`: a valid fd for the call, a
+    // NUL-terminated empty path, and a live `mount_attr` of the size passed,
+    // which the kernel only reads.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,

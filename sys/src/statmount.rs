@@ -167,6 +167,16 @@ pub fn mount_kind(unique_id: u64, namespace: Namespace) -> io::Result<MountKind>
     })
 }
 
+/// The per-mount attributes (`mnt_attr`: read-only, nosuid, nodev, noexec,
+/// atime mode, nosymfollow, idmapped) of mount `unique_id` in `namespace`,
+/// asking no path: read from the kernel's mount, never from its
+/// filesystem, so a dead FUSE mount answers as well as a live one.
+pub fn mount_attributes(unique_id: u64, namespace: Namespace) -> io::Result<crate::mount::MountAttributes> {
+    let answer = query(namespace.request(unique_id, u64::from(STATMOUNT_MNT_BASIC)), KIND_BUFFER)?;
+    let answer = Answer::new(&answer, STATMOUNT_MNT_BASIC)?;
+    Ok(crate::mount::MountAttributes::from_bits(answer.u64(offset_of!(statmount, mnt_attr))?))
+}
+
 /// Whether `err` is [`mount_stat_within`]'s refusal of an answer longer
 /// than its buffer (`EOVERFLOW`).
 pub fn did_not_fit(err: &io::Error) -> bool {

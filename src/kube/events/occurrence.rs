@@ -34,6 +34,10 @@ pub enum Reason {
     /// Some containers of a pod were given up on for this heal: their mount
     /// namespace was not done within the deadline (Warning, on the pod).
     ContainersGivenUp,
+    /// Containers of a pod were healed, but their new mounts lack what the
+    /// dead ones had: a mount nested in the volume, an idmapping (Warning,
+    /// on the pod, naming the mount points).
+    ContainersNotCarried,
 }
 
 impl Reason {
@@ -48,6 +52,7 @@ impl Reason {
             Reason::DaemonFlapping => "FuseDaemonFlapping",
             Reason::ContainersHealed => "FuseContainersHealed",
             Reason::ContainersGivenUp => "FuseContainerHealGivenUp",
+            Reason::ContainersNotCarried => "FuseContainerMountsNotCarried",
         }
     }
 
@@ -55,7 +60,11 @@ impl Reason {
     pub fn action(self) -> &'static str {
         match self {
             Reason::MountBroken | Reason::MountRestored => "Detect",
-            Reason::MountHealed | Reason::HealFailed | Reason::ContainersHealed | Reason::ContainersGivenUp => "Heal",
+            Reason::MountHealed
+            | Reason::HealFailed
+            | Reason::ContainersHealed
+            | Reason::ContainersGivenUp
+            | Reason::ContainersNotCarried => "Heal",
             Reason::DaemonRestarted => "Confirm",
             Reason::SourceDetached => "Detach",
             Reason::DaemonFlapping => "Detect",
@@ -65,7 +74,11 @@ impl Reason {
     /// `Normal` or `Warning`.
     pub fn event_type(self) -> &'static str {
         match self {
-            Reason::MountBroken | Reason::HealFailed | Reason::DaemonFlapping | Reason::ContainersGivenUp => "Warning",
+            Reason::MountBroken
+            | Reason::HealFailed
+            | Reason::DaemonFlapping
+            | Reason::ContainersGivenUp
+            | Reason::ContainersNotCarried => "Warning",
             Reason::MountHealed
             | Reason::DaemonRestarted
             | Reason::MountRestored
@@ -216,7 +229,13 @@ impl Occurrence {
                 now,
             ),
             Report::ContainersHealed { source, heals } => (
-                if heals.given_up > 0 { Reason::ContainersGivenUp } else { Reason::ContainersHealed },
+                if heals.given_up > 0 {
+                    Reason::ContainersGivenUp
+                } else if !heals.not_carried.is_empty() {
+                    Reason::ContainersNotCarried
+                } else {
+                    Reason::ContainersHealed
+                },
                 Regarding::Pod(PodRef {
                     namespace: heals.namespace.clone(),
                     name: heals.pod.clone(),
@@ -269,6 +288,12 @@ fn containers_note(source: &Path, heals: &ContainersHealed) -> String {
             "{} given up on: the container's mount namespace was not done in time (its own mounts held the heal); \
              tried again at the source's next heal",
             heals.given_up
+        ));
+    }
+    if !heals.not_carried.is_empty() {
+        hows.push(format!(
+            "not carried over to the new mounts (lost with the dead ones): {}",
+            heals.not_carried.join(", ")
         ));
     }
     format!("FUSE volume mounts from {} healed inside {inside}: {}{listed}", source.display(), hows.join(", "))
@@ -420,6 +445,7 @@ mod tests {
             replaced: 1,
             stacked: 1,
             given_up: 0,
+            not_carried: Vec::new(),
         };
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
         let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
@@ -454,6 +480,30 @@ mod tests {
     }
 
     #[test]
+    fn nested_mounts_not_carried_over_are_a_warning_naming_them() {
+        let heals = ContainersHealed {
+            namespace: "data".into(),
+            pod: "trainer".into(),
+            pod_uid: "uid-1".into(),
+            containers: ["app".to_owned()].into(),
+            replaced: 1,
+            not_carried: vec!["/data/config in app".into()],
+            ..ContainersHealed::default()
+        };
+        let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
+        let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();
+        assert_eq!(occurrence.reason.as_str(), "FuseContainerMountsNotCarried");
+        assert_eq!(occurrence.reason.event_type(), "Warning");
+        assert!(
+            occurrence
+                .note
+                .contains("not carried over to the new mounts (lost with the dead ones): /data/config in app"),
+            "{}",
+            occurrence.note
+        );
+    }
+
+    #[test]
     fn containers_given_up_on_are_a_warning_on_their_pod() {
         let heals = ContainersHealed {
             namespace: "data".into(),
@@ -463,6 +513,7 @@ mod tests {
             replaced: 1,
             stacked: 0,
             given_up: 1,
+            not_carried: Vec::new(),
         };
         let report = Report::ContainersHealed { source: Path::new("/mnt/juicefs"), heals: &heals };
         let occurrence = Occurrence::from_report(&report, SystemTime::now()).unwrap();

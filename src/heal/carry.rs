@@ -1,0 +1,336 @@
+//! What a replacement takes over from the dead mount it replaces, so that a
+//! heal changes the connection and nothing else: the dead mount's own
+//! attributes (read-only, nosuid, nodev, noexec, atime mode, nosymfollow),
+//! and the mounts made on it (a configMap at `<volume>/config`).
+//!
+//! Both are read from the kernel's mount, never through the dead
+//! filesystem: the attributes with `statmount` (Linux 6.8), or from the
+//! per-mount options of the mount table where the kernel has no
+//! `statmount`; the mounts on it with `listmount` (6.8). Handles on those
+//! mounts must be taken while their mount points still resolve: a lookup
+//! in a dead FUSE mount is answered from the dentry cache until the entry
+//! timeout runs out, and fails with ENOTCONN after it. So they are taken
+//! when the death is seen (see [`super::containers::isolate`]), and again
+//! at the heal for any made since.
+use std::collections::BTreeSet;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use fuse_supervisor_sys::mount::{self, MountAttributes};
+use fuse_supervisor_sys::statmount::{self, Namespace};
+use fuse_supervisor_sys::{listmount, probe, resolve};
+use tracing::{info, warn};
+
+use crate::heal::fuse_calls;
+use crate::model::mountinfo::{CappedLine, CappedLines};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CarryError {
+    #[error("cannot read the attributes of mount {mount_id} (statmount, then the mount table)")]
+    Attributes {
+        mount_id: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("mount {mount_id} is not in the mount table of this thread's namespace")]
+    NotInTable { mount_id: u32 },
+}
+
+/// The attributes of the mount `fd` is on (its 32-bit ID `mount_id`, its
+/// 64-bit one `unique_id` where known), in the calling thread's namespace.
+/// `proc` is a `/proc` of the supervisor's, opened before the thread left
+/// its own namespace (the mount table read where `statmount` cannot).
+pub fn attributes_of(
+    fd: BorrowedFd<'_>,
+    mount_id: u32,
+    unique_id: Option<u64>,
+    proc: Option<BorrowedFd<'_>>,
+) -> Result<MountAttributes, CarryError> {
+    let unique = unique_id.map_or_else(|| resolve::unique_mount_id_of(fd), Ok);
+    let stated = unique.and_then(|unique| statmount::mount_attributes(unique, Namespace::Current));
+    match stated {
+        Ok(attributes) => Ok(attributes),
+        Err(err) => {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                info!(%err, "statmount cannot say a mount's attributes (before Linux 6.8?): they are read from the mount table, which costs a read of it per heal");
+            }
+            attributes_from_table(mount_id, proc)
+        }
+    }
+}
+
+/// The per-mount options of mount `mount_id` in `<proc>/thread-self/mountinfo`
+/// (the calling thread's namespace), read a line at a time: a tenant
+/// decides how long its table is.
+fn attributes_from_table(mount_id: u32, proc: Option<BorrowedFd<'_>>) -> Result<MountAttributes, CarryError> {
+    let error = |source| CarryError::Attributes { mount_id, source };
+    let table = match proc {
+        Some(proc) => resolve::open_readable_in(proc, Path::new("thread-self/mountinfo")).map(std::fs::File::from),
+        None => std::fs::File::open("/proc/thread-self/mountinfo"),
+    }
+    .map_err(error)?;
+    let mut lines = CappedLines::new(table, 64 * 1024);
+    let wanted = mount_id.to_string();
+    while let Some(line) = lines.next_line().map_err(error)? {
+        let CappedLine::Line(line) = line else { continue };
+        let mut fields = line.split(|&byte| byte == b' ');
+        if fields.next() != Some(wanted.as_bytes()) {
+            continue;
+        }
+        let options = fields.nth(4).ok_or_else(|| error(io::Error::from(io::ErrorKind::InvalidData)))?;
+        return Ok(attributes_of_options(&String::from_utf8_lossy(options)));
+    }
+    Err(CarryError::NotInTable { mount_id })
+}
+
+/// The attributes mountinfo's per-mount options (`ro,nosuid,nodev,relatime`)
+/// name. No atime option is strictatime (the kernel prints relatime and
+/// noatime, and nothing for strict).
+pub fn attributes_of_options(options: &str) -> MountAttributes {
+    let mut attributes = MountAttributes::STRICTATIME;
+    for option in options.split(',') {
+        let flag = match option {
+            "ro" => MountAttributes::READ_ONLY,
+            "nosuid" => MountAttributes::NOSUID,
+            "nodev" => MountAttributes::NODEV,
+            "noexec" => MountAttributes::NOEXEC,
+            "nodiratime" => MountAttributes::NODIRATIME,
+            "nosymfollow" => MountAttributes::NOSYMFOLLOW,
+            "idmapped" => MountAttributes::IDMAP,
+            "noatime" => {
+                attributes = MountAttributes::from_bits(attributes.bits() & !MountAttributes::STRICTATIME.bits());
+                MountAttributes::NOATIME
+            }
+            "relatime" => {
+                attributes = MountAttributes::from_bits(attributes.bits() & !MountAttributes::STRICTATIME.bits());
+                continue;
+            }
+            _ => continue,
+        };
+        attributes = attributes.union(flag);
+    }
+    attributes
+}
+
+/// Gives the detached `clone` the attributes of the dead mount it replaces
+/// (and `propagation`, in the same call), before it is attached: nothing
+/// ever sees it with its source's. Returns whether the dead mount was
+/// idmapped, which the clone cannot take over (the mapping's user
+/// namespace is not to be had from the mount).
+pub fn give_attributes(
+    clone: BorrowedFd<'_>,
+    attributes: MountAttributes,
+    propagation: Option<mount::Propagation>,
+) -> io::Result<bool> {
+    mount::set_attributes_of(clone, attributes, propagation)?;
+    Ok(attributes.contains(MountAttributes::IDMAP))
+}
+
+/// A mount made on a dead mount, held by a detached copy of it and of
+/// every mount below it.
+#[derive(Debug)]
+pub struct NestedMount {
+    /// The original's: the order mounts were made in.
+    pub unique_id: u64,
+    /// Its mount point relative to the dead mount's root.
+    pub relative: PathBuf,
+    pub copy: OwnedFd,
+}
+
+/// A mount on a dead mount that no handle could be had on (or that could
+/// not be carried over), and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotCarried {
+    /// Where it was, in its namespace (or on the host).
+    pub mount_point: PathBuf,
+    pub why: String,
+}
+
+/// The mounts found on a dead mount: those held, and those missed.
+#[derive(Debug, Default)]
+pub struct Nested {
+    pub held: Vec<NestedMount>,
+    pub missed: Vec<NotCarried>,
+}
+
+/// How many mounts on one dead mount are looked for: a tenant decides how
+/// many it makes.
+const MOST_NESTED: usize = 4096;
+
+/// Takes a copy of each mount made directly on the dead mount `dead`
+/// (unique ID `dead_unique`, mounted at `dead_point` in the calling
+/// thread's namespace), in creation order, except those in `held`. Found
+/// by `listmount` of the namespace; each is reached from `dead` without
+/// leaving the dead mount until its own mount point (`RESOLVE_NO_XDEV`):
+/// the names looked up are the dead connection's, whose lookups are
+/// answered from the dentry cache or fail at once, never a tenant's FUSE
+/// server's. Each is checked to be the mount listed before it is copied.
+pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, held: &BTreeSet<u64>) -> Nested {
+    let mut nested = Nested::default();
+    let listed = match listmount::children(dead_unique, MOST_NESTED) {
+        Ok(listed) => listed,
+        Err(err) => {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                warn!(%err, "listmount cannot list the mounts on a dead mount (before Linux 6.8?): mounts nested in a volume are not carried over by its heal");
+            }
+            nested.missed.push(NotCarried {
+                mount_point: dead_point.join("*"),
+                why: format!("cannot list the mounts on it: {err}"),
+            });
+            return nested;
+        }
+    };
+    if listed.len() == MOST_NESTED {
+        nested.missed.push(NotCarried {
+            mount_point: dead_point.join("*"),
+            why: format!("more than {MOST_NESTED} mounts on it"),
+        });
+    }
+    for unique in listed.into_iter().filter(|unique| !held.contains(unique)) {
+        // listmount lists every mount below (6.10+) or those on it (6.8):
+        // only those on the dead mount itself are moved; the rest go with
+        // them.
+        let stat = match statmount::mount_stat(unique, Namespace::Current) {
+            Ok(stat) if stat.parent_unique_id == dead_unique => stat,
+            Ok(_) => continue,
+            // Gone since it was listed.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) => {
+                nested.missed.push(NotCarried { mount_point: dead_point.join("?"), why: err.to_string() });
+                continue;
+            }
+        };
+        let relative = stat.mount_point.strip_prefix(dead_point).map(Path::to_path_buf);
+        let taken = match relative {
+            Ok(relative) if relative.file_name().is_some() => {
+                open_nested(dead, &relative, unique).map(|copy| NestedMount { unique_id: unique, relative, copy })
+            }
+            _ => Err(io::Error::other("its mount point is not below the dead mount's")),
+        };
+        match taken {
+            Ok(mount) => nested.held.push(mount),
+            Err(err) => nested.missed.push(NotCarried { mount_point: stat.mount_point, why: err.to_string() }),
+        }
+    }
+    nested
+}
+
+/// Copies the mount `unique` at `relative` below the dead mount `dead`,
+/// with the mounts below it: reached through the directory holding it
+/// without crossing any mount, then the last name, which crosses onto it
+/// (asking its filesystem nothing).
+fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result<OwnedFd> {
+    let (Some(parent), Some(name)) = (relative.parent(), relative.file_name()) else {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    };
+    let within;
+    let parent = if parent.as_os_str().is_empty() {
+        dead
+    } else {
+        within = probe::open_within_mount(dead, parent)?;
+        within.as_fd()
+    };
+    let opened = resolve::open_beneath(parent, Path::new(name))?;
+    let found = resolve::unique_mount_id_of(opened.as_fd())?;
+    if found != unique {
+        return Err(io::Error::other(format!("another mount ({found}) is there now")));
+    }
+    // A copy, not the mount itself: a lookup of its mount point in the
+    // dead mount once the entry timed out (anybody's, during the outage)
+    // makes the kernel invalidate that dentry and detach the mounts on it,
+    // and a detached mount can be neither moved nor copied any more.
+    mount::clone_tree(opened.as_fd())
+}
+
+/// Attaches the copy of each held mount onto the same directory of
+/// `replacement` (an attached mount of the calling thread's namespace), in
+/// the order the originals were made, so that one that covered another
+/// covers it again; each brings the mounts that were below its original.
+/// `replacement` must be private or a slave: an attach onto a shared mount
+/// would propagate a copy to its peers. The originals go with the dead
+/// mount. Returns those that could not be attached.
+pub fn carry_nested(held: Vec<NestedMount>, replacement: BorrowedFd<'_>, replacement_point: &Path) -> Vec<NotCarried> {
+    let mut held = held;
+    held.sort_by_key(|mount| mount.unique_id);
+    let mut missed = Vec::new();
+    for mount in held {
+        // A lookup in the new source, which may hang: made by the FUSE call helper.
+        let moved = fuse_calls::open_beneath(replacement, &mount.relative)
+            .and_then(|onto| mount::move_mount(mount.copy.as_fd(), onto.as_fd()));
+        if let Err(err) = moved {
+            missed.push(NotCarried {
+                mount_point: replacement_point.join(&mount.relative),
+                why: format!("cannot move it onto the new mount: {err}"),
+            });
+        }
+    }
+    missed
+}
+
+/// Handles on the mounts nested in a dead mount, taken when its death was
+/// seen and used at its heal: shared by every copy of the record that
+/// found it (the isolation's worker fills it, the heal's takes it).
+#[derive(Debug, Clone, Default)]
+pub struct NestedSlot(Arc<Mutex<Option<Nested>>>);
+
+impl NestedSlot {
+    pub fn put(&self, nested: Nested) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(nested);
+    }
+
+    pub fn take(&self) -> Option<Nested> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// A slot is what a mount's record carries, not what it is: two records of
+/// the same mount are equal whatever their slots hold.
+impl PartialEq for NestedSlot {
+    fn eq(&self, _other: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for NestedSlot {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_options_name_the_attributes() {
+        let read_only = attributes_of_options("ro,nosuid,nodev,noexec,relatime");
+        assert_eq!(
+            read_only,
+            MountAttributes::READ_ONLY
+                .union(MountAttributes::NOSUID)
+                .union(MountAttributes::NODEV)
+                .union(MountAttributes::NOEXEC)
+        );
+        assert_eq!(attributes_of_options("rw,noatime"), MountAttributes::NOATIME);
+        assert_eq!(attributes_of_options("rw"), MountAttributes::STRICTATIME);
+        assert_eq!(
+            attributes_of_options("rw,relatime,nosymfollow,idmapped"),
+            MountAttributes::NOSYMFOLLOW.union(MountAttributes::IDMAP)
+        );
+    }
+
+    /// The table's options and statmount agree on every mount of this
+    /// namespace.
+    #[test]
+    fn the_table_and_statmount_agree() {
+        let mut ids = Vec::new();
+        listmount::mount_ids_after(Namespace::Current, 0, &mut ids).expect("listmount (Linux 6.8+)");
+        for unique in ids {
+            let stat = statmount::mount_stat(unique, Namespace::Current).expect("statmount");
+            let stated = statmount::mount_attributes(unique, Namespace::Current).expect("statmount's attributes");
+            let table = attributes_from_table(stat.mount_id, None).expect("the table's options");
+            assert_eq!(stated.carried(), table.carried(), "{}", stat.mount_point.display());
+        }
+    }
+}
