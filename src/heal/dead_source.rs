@@ -50,15 +50,25 @@ pub(super) fn detach(mounter: &Mounter, source: &Path, dead: Dev) -> Result<bool
         }
     }
     // In use, looked at between the steps every time, or a kernel before
-    // 6.8 (no unique mount IDs): detached lazily, checked a syscall
-    // before. A new daemon mounting there in between would take a
-    // process start and a FUSE handshake, far longer than that.
+    // 6.8 (no unique mount IDs): detached lazily. A detach acts on the top
+    // mount there, and takes the mounts on the dead one with it, so
+    // nothing may be mounted on it: checked the syscall before (a daemon
+    // mounting over its stale mount does so with one `mount(2)`, at any
+    // moment), with nothing in between, not even the log line.
     let (top, _, dev) = mounter.resolve_mount(source)?;
     if dev != Some(dead) {
         return Ok(false);
     }
-    debug!(source = %source.display(), "the dead source is in use: detached lazily");
+    if let Ok(unique) = resolve::unique_mount_id_of(top.as_fd()) {
+        match listmount::children(unique, 1) {
+            Ok(children) if children.is_empty() => {}
+            Ok(_) => return Ok(false),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(err) => return Err(HealError::mount("look for mounts on the dead source", source)(err)),
+        }
+    }
     mount::detach_top(top.as_fd()).map_err(HealError::mount("detach the dead source", source))?;
+    debug!(source = %source.display(), "the dead source is in use: detached lazily");
     Ok(true)
 }
 
