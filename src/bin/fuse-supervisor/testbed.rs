@@ -349,6 +349,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                 node_id,
                 stage_unstage: !no_stage_unstage,
                 trust_proc_mounts,
+                answer_only: false,
             })
             .context("the CSI plugin failed")
         }

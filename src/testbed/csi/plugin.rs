@@ -22,6 +22,7 @@
 //! success.
 use std::collections::HashMap;
 use std::fs;
+use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -52,6 +53,9 @@ pub struct PluginOptions {
     pub stage_unstage: bool,
     /// `NodeStageVolume` answers OK when `/proc/mounts` lists the path.
     pub trust_proc_mounts: bool,
+    /// Answer every call OK after checking its fields, mounting nothing:
+    /// a driver that costs nothing, for the proxy's bench.
+    pub answer_only: bool,
 }
 
 /// Serves until SIGTERM (or until killed).
@@ -69,13 +73,18 @@ pub fn run(options: PluginOptions) -> io::Result<()> {
         }
         let listener = tokio::net::UnixListener::bind(&options.socket)?;
         let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        let plugin = std::sync::Arc::new(Plugin { options: options.clone(), daemons: Mutex::new(HashMap::new()) });
         let shutdown = async move {
             terminate.recv().await;
         };
-        serve_identity_and_node(listener, SharedPlugin(plugin.clone()), SharedPlugin(plugin), shutdown).await;
+        serve(options, listener, shutdown).await;
         Ok(())
     })
+}
+
+/// Serves the plugin on `listener` until `shutdown` completes.
+pub async fn serve(options: PluginOptions, listener: tokio::net::UnixListener, shutdown: impl Future<Output = ()>) {
+    let plugin = std::sync::Arc::new(Plugin { options, daemons: Mutex::new(HashMap::new()) });
+    serve_identity_and_node(listener, SharedPlugin(plugin.clone()), SharedPlugin(plugin), shutdown).await;
 }
 
 /// A volume's daemon and its helper, killed when dropped.
@@ -114,7 +123,7 @@ impl Plugin {
 
     /// Mounts the daemon `context` names at `path`, as a child.
     async fn mount_daemon(&self, context: &HashMap<String, String>, path: &Path) -> Result<(), Status> {
-        if self.serves(path) {
+        if self.options.answer_only || self.serves(path) {
             return Ok(());
         }
         let source = context.get("source").ok_or_else(|| Status::invalid_argument("volume_context has no source"))?;
@@ -143,6 +152,9 @@ impl Plugin {
 
     /// Detaches whatever is mounted at `path` and stops its daemon.
     fn unmount(&self, path: &Path) -> Result<(), Status> {
+        if self.options.answer_only {
+            return Ok(());
+        }
         match mount::detach(path) {
             Ok(()) => {}
             // Not a mount point (EINVAL) or gone (ENOENT): already undone.
@@ -282,7 +294,7 @@ impl Node for SharedPlugin {
                 Some(subdir) => staging.join(subdir),
                 None => staging.to_path_buf(),
             };
-            if !listed_in_proc_mounts(target) {
+            if !(plugin.options.answer_only || listed_in_proc_mounts(target)) {
                 fs::create_dir_all(target)
                     .and_then(|()| mount::bind(&source, target))
                     .map_err(|err| Status::internal(format!("bind onto {}: {err}", target.display())))?;
@@ -290,7 +302,7 @@ impl Node for SharedPlugin {
         } else {
             plugin.mount_daemon(&request.volume_context, target).await?;
         }
-        if request.readonly {
+        if request.readonly && !plugin.options.answer_only {
             mount::remount_bind_read_only(target)
                 .map_err(|err| Status::internal(format!("read-only {}: {err}", target.display())))?;
         }
