@@ -6,10 +6,12 @@
 //! whose loop takes kernel events from [`watch`], decides with [`plan`] over
 //! the [`model`] of the mount table and the state file, carries the plan out
 //! through [`heal`], confirms with the kubelet and reports through [`kube`]
-//! (its API, Events, the Job lifecycle), [`metrics`] and [`report`]. Every
+//! (its API, Events, the Job lifecycle), [`metrics`] and [`report`]; [`csi`]
+//! is the CSI proxy, a sidecar of a driver's node plugin. Every
 //! system call is in the `fuse-supervisor-sys` crate.
 #![forbid(unsafe_code)]
 
+pub mod csi;
 #[cfg(feature = "testbed")]
 pub mod demo;
 #[cfg(feature = "testbed")]

@@ -15,6 +15,7 @@ pub mod bomb;
 pub mod cgroup;
 pub mod container;
 pub mod cri;
+pub mod csi;
 pub mod fuzz;
 pub mod kubelet;
 mod logs;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::csi_proxy::CsiProxyArgs;
 use crate::kubelet::{EventsArgs, KubeletArgs};
 use crate::node::NodeArgs;
 use crate::run::{DaemonArgs, JobArgs, ServeArgs, WatchArgs};
@@ -88,6 +89,16 @@ pub(crate) enum Command {
     Webhook {
         #[command(flatten)]
         webhook: WebhookArgs,
+        #[command(flatten)]
+        log: LogArgs,
+    },
+    /// A sidecar of a CSI driver's node-plugin pod: passes the kubelet's
+    /// CSI calls to the driver unchanged and records every successful
+    /// NodeStageVolume and NodePublishVolume request, so a global mount
+    /// can be staged again after the node plugin restarts.
+    CsiProxy {
+        #[command(flatten)]
+        proxy: CsiProxyArgs,
         #[command(flatten)]
         log: LogArgs,
     },
@@ -193,6 +204,25 @@ mod tests {
     use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
     use super::*;
+
+    #[test]
+    fn csi_proxy_takes_its_sockets_and_records_secrets_unless_told_not_to() {
+        let args = ["fuse-supervisor", "csi-proxy", "--listen", "/k.sock", "--driver-socket", "/d.sock"];
+        let with_dir = |extra: &[&'static str]| {
+            let mut all = args.to_vec();
+            all.extend(["--record-dir", "/run/r"]);
+            all.extend(extra);
+            Cli::try_parse_from(all)
+        };
+        let Command::CsiProxy { proxy, .. } = with_dir(&[]).unwrap().command else { panic!("not csi-proxy") };
+        let config = proxy.config();
+        assert_eq!((config.listen.as_path(), config.record_secrets), (Path::new("/k.sock"), true));
+        let Command::CsiProxy { proxy, .. } = with_dir(&["--record-secrets", "off"]).unwrap().command else {
+            panic!("not csi-proxy")
+        };
+        assert!(!proxy.config().record_secrets);
+        assert!(Cli::try_parse_from(args).is_err(), "--record-dir is required");
+    }
 
     #[test]
     fn metrics_addr_is_an_address_or_off() {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 mod cli;
+mod csi_proxy;
 mod heal;
 mod kubelet;
 mod node;
@@ -30,6 +31,10 @@ fn main() -> ExitCode {
         Command::FuseCalls { realtime_priority, log } => {
             log.init();
             run::serve_fuse_calls(realtime_priority)
+        }
+        Command::CsiProxy { proxy, log } => {
+            log.init();
+            csi_proxy::command(proxy)
         }
         Command::Webhook { webhook, log } => {
             log.init();

@@ -12,6 +12,7 @@ use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole, ReplayedInit};
 use fuse_supervisor::kube::job;
 use fuse_supervisor::testbed::bomb::{self, BombOptions};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
+use fuse_supervisor::testbed::csi::plugin::{self as csi_plugin, PluginOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
 
 use crate::cli::{Cli, Command, OnOff};
@@ -119,6 +120,23 @@ pub(crate) enum Internal {
         errno: RefusedWith,
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         program: Vec<std::ffi::OsString>,
+    },
+    /// The test world's CSI node plugin (`testbed::csi::plugin`): serves
+    /// the CSI Identity and Node services on SOCKET, mounting bindfs,
+    /// sshfs or rclone per volume as its own children.
+    CsiPlugin {
+        #[arg(long, value_name = "SOCKET")]
+        socket: PathBuf,
+        #[arg(long, default_value = "fuse.csi.test")]
+        name: String,
+        #[arg(long, default_value = "node")]
+        node_id: String,
+        /// Advertise no STAGE_UNSTAGE_VOLUME: mount in NodePublishVolume.
+        #[arg(long)]
+        no_stage_unstage: bool,
+        /// NodeStageVolume answers OK whenever /proc/mounts lists the path.
+        #[arg(long)]
+        trust_proc_mounts: bool,
     },
     /// Parse `fuse-supervisor ARGS...` with this process's environment,
     /// check it as that command's start would, print what it would run as
@@ -243,6 +261,16 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
                 "tls_files": [config.cert_file, config.key_file],
             })
         }
+        Command::CsiProxy { proxy, .. } => {
+            let config = proxy.config();
+            serde_json::json!({
+                "command": name,
+                "listen": config.listen,
+                "driver_socket": config.driver_socket,
+                "record_dir": config.record_dir,
+                "record_secrets": config.record_secrets,
+            })
+        }
         _ => serde_json::json!({ "command": name }),
     };
     println!("{summary}");
@@ -314,5 +342,16 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
         }
         Internal::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Internal::CheckArgs { args } => check_args(args),
+        Internal::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts } => {
+            csi_plugin::run(PluginOptions {
+                socket,
+                name,
+                node_id,
+                stage_unstage: !no_stage_unstage,
+                trust_proc_mounts,
+                answer_only: false,
+            })
+            .context("the CSI plugin failed")
+        }
     }
 }
