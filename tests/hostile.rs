@@ -100,18 +100,7 @@ fn a_tenants_own_fuse_above_its_copy_holds_up_nothing() {
 /// SIGTERM ends the agent while the daemon still hangs.
 #[test]
 fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
-    let options = NodeOptions { daemon: Daemon::DemoFs, volumes: 2, subpaths: 1 };
-    let mut node = Node::new(Path::new(BINARY), options).expect("node");
-    let mut other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
-    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
-    let other_reader =
-        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
-            .expect("reader");
-    check(&node, node.converge(TIMEOUT));
-    node.start_supervisor(&[], &[]).expect("supervisor");
-    check(&node, node.converge(TIMEOUT));
-    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
-    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)));
+    let (mut node, mut other, other_reader) = demofs_beside_a_bindfs_source(2);
 
     // One subPath directory one level down: the probe's one lookup.
     let restarted = node.source.restart_hanging_after_lookups(&node.sandbox, Restart::UnmountThenMount, 1);
@@ -128,10 +117,7 @@ fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
         );
     }
 
-    other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
-    let expected = other.expected_content();
-    let read = other_reader.wait_until(TIMEOUT, |seen: &Observation| seen.content() == Some(expected.as_str()));
-    read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
+    other_heals(&node, &mut other, &other_reader);
     healthy(&node);
     assert!(lines(&node, |line| line.contains("container heal given up")).is_empty(), "{}", node.describe());
 
@@ -153,18 +139,7 @@ fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
 /// helper ends too.
 #[test]
 fn a_new_daemon_that_hangs_during_its_probe_holds_up_neither_the_loop_nor_the_exit() {
-    let options = NodeOptions { daemon: Daemon::DemoFs, volumes: 1, subpaths: 1 };
-    let mut node = Node::new(Path::new(BINARY), options).expect("node");
-    let mut other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
-    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
-    let other_reader =
-        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
-            .expect("reader");
-    check(&node, node.converge(TIMEOUT));
-    node.start_supervisor(&[], &[]).expect("supervisor");
-    check(&node, node.converge(TIMEOUT));
-    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
-    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)));
+    let (mut node, mut other, other_reader) = demofs_beside_a_bindfs_source(1);
     let helper = lines(&node, |line| line.contains("FUSE calls are made by a helper process"));
     let helper =
         helper.first().and_then(|line| pid_in(line)).unwrap_or_else(|| panic!("no helper: {}", node.describe()));
@@ -175,10 +150,7 @@ fn a_new_daemon_that_hangs_during_its_probe_holds_up_neither_the_loop_nor_the_ex
     let overdue = |line: &str| line.contains("source does not answer");
     check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 1, overdue)));
 
-    other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
-    let expected = other.expected_content();
-    let read = other_reader.wait_until(TIMEOUT, |seen: &Observation| seen.content() == Some(expected.as_str()));
-    read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
+    other_heals(&node, &mut other, &other_reader);
     healthy(&node);
 
     let supervisor = node.supervisor.take().expect("supervisor running");
@@ -202,6 +174,32 @@ fn pid_in(line: &str) -> Option<u32> {
 fn running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+}
+
+/// A node whose volumes (`volumes`, one subPath) a demofs serves, watched
+/// by the supervisor, beside another source (bindfs) with its own reader.
+fn demofs_beside_a_bindfs_source(volumes: usize) -> (Node, FuseSource, ContainerReader) {
+    let options = NodeOptions { daemon: Daemon::DemoFs, volumes, subpaths: 1 };
+    let mut node = Node::new(Path::new(BINARY), options).expect("node");
+    let other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+    let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
+    let other_reader =
+        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
+            .expect("reader");
+    check(&node, node.converge(TIMEOUT));
+    node.start_supervisor(&[], &[]).expect("supervisor");
+    check(&node, node.converge(TIMEOUT));
+    let watched = |line: &str| line.contains("\"watching the FUSE daemon\"");
+    check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 2, watched)));
+    (node, other, other_reader)
+}
+
+/// The other source crashes and restarts, and its reader reads again.
+fn other_heals(node: &Node, other: &mut FuseSource, other_reader: &ContainerReader) {
+    other.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the other daemon");
+    let expected = other.expected_content();
+    let read = other_reader.wait_until(TIMEOUT, |seen: &Observation| seen.content() == Some(expected.as_str()));
+    read.unwrap_or_else(|err| panic!("the other source did not heal: {err}\n{}", node.describe()));
 }
 
 /// Runs `script` with `sh` in the mount namespace `namespace` (a
