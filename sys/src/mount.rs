@@ -152,6 +152,12 @@ pub fn new_mount_api_refusal() -> Option<(&'static str, io::Error)> {
 pub fn set_propagation_of(mount: BorrowedFd<'_>, propagation: Propagation) -> io::Result<()> {
     let attr =
         libc::mount_attr { attr_set: 0, attr_clr: 0, propagation: u64::from(propagation.flags().bits()), userns_fd: 0 };
+    mount_setattr(mount, &attr)
+}
+
+/// `mount_setattr(mount, "", AT_EMPTY_PATH, attr)`: on the mount `mount` is
+/// the root of.
+fn mount_setattr(mount: BorrowedFd<'_>, attr: &libc::mount_attr) -> io::Result<()> {
     // SAFETY: `mount` is a valid open fd for the duration of the call, the path
     // is a NUL-terminated empty string, and `attr` is a live, initialised
     // `mount_attr` whose exact size is passed; the kernel only reads it.
@@ -161,7 +167,7 @@ pub fn set_propagation_of(mount: BorrowedFd<'_>, propagation: Propagation) -> io
             mount.as_raw_fd(),
             c"".as_ptr(),
             libc::AT_EMPTY_PATH as libc::c_uint,
-            &attr as *const libc::mount_attr,
+            attr as *const libc::mount_attr,
             size_of::<libc::mount_attr>(),
         )
     };
@@ -239,20 +245,7 @@ pub fn set_attributes_of(
         propagation: propagation.map_or(0, |propagation| u64::from(propagation.flags().bits())),
         userns_fd: 0,
     };
-    // SAFETY: as in `set_propagation_of`: a valid fd for the call, a
-    // NUL-terminated empty path, and a live `mount_attr` of the size passed,
-    // which the kernel only reads.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            mount.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH as libc::c_uint,
-            &attr as *const libc::mount_attr,
-            size_of::<libc::mount_attr>(),
-        )
-    };
-    if ret == -1 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    mount_setattr(mount, &attr)
 }
 
 /// [`set_propagation_of`] with `MS_PRIVATE`: the mount leaves its peer group
