@@ -127,7 +127,7 @@ impl<E: Executor> Supervisor<E> {
         let now = Instant::now();
         let mut by_pod = BTreeMap::new();
         let mut owners: BTreeMap<u32, Option<PodContainer>> = BTreeMap::new();
-        let mut failures: BTreeMap<(u64, &'static str), Failures> = BTreeMap::new();
+        let mut failures: BTreeMap<(u64, Failure), Failures> = BTreeMap::new();
         for (foreign, outcome) in outcomes {
             let (namespace, pid, mount_point) = (foreign.namespace, foreign.pid, foreign.mount.mount_point.display());
             let propagation = match foreign.propagation {
@@ -176,7 +176,7 @@ impl<E: Executor> Supervisor<E> {
                         attempts: failed_before + 1,
                     });
                     failures.mounts += 1;
-                    if why != "given_up" {
+                    if why != Failure::GivenUp {
                         let attempts = failed_before + 1;
                         let retry = ContainerRetry {
                             foreign: foreign.clone(),
@@ -184,11 +184,11 @@ impl<E: Executor> Supervisor<E> {
                             attempts,
                             retry_at: now + retry_delay(attempts),
                         };
-                        let backs_off = if why == "refused" { self.wait_for_change(retry) } else { Some(retry) };
+                        let backs_off = if why == Failure::Refused { self.wait_for_change(retry) } else { Some(retry) };
                         failures.backs_off |= backs_off.is_some();
                         self.container_retries.extend(backs_off);
                     }
-                    why
+                    why.label()
                 }
             };
             self.reporters.report(&Report::ContainerHealed { source, result });
@@ -198,16 +198,16 @@ impl<E: Executor> Supervisor<E> {
             let (pod, container) = (pod.as_deref(), container.as_deref());
             let retry_in_ms = backs_off.then(|| retry_delay(attempts).as_millis() as u64);
             match why {
-                "failed" => {
+                Failure::Failed => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal failed; retried");
                 }
-                "given_up" => {
+                Failure::GivenUp => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, "container heal given up: its namespace did not answer in time; waits for the next heal of its source")
                 }
-                _ if backs_off => {
+                Failure::Refused if backs_off => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal refused: the container changed its mount; retried")
                 }
-                _ => {
+                Failure::Refused => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, "container heal refused: the container changed its mount; retried at its next mount change")
                 }
             }
@@ -322,7 +322,7 @@ fn tally(
     match healed {
         Ok(ForeignHealed::Replaced { .. }) => heals.replaced += 1,
         Ok(ForeignHealed::Stacked { .. }) => heals.stacked += 1,
-        Err(err) if why_failed(err) == "given_up" => heals.given_up += 1,
+        Err(err) if why_failed(err) == Failure::GivenUp => heals.given_up += 1,
         Ok(ForeignHealed::AlreadyLive) | Err(_) => return,
     }
     heals.containers.insert(owner.container.clone());
@@ -338,24 +338,44 @@ fn namespace_gone(err: &ContainerHealError) -> bool {
     }
 }
 
-/// How a container heal failed, as counted: `given_up` (its namespace missed
-/// the deadline, or still holds a worker of an earlier heal), `refused`
-/// (the container changed or covered its mount, or put it below a mount
-/// whose server may never answer: retrying would fail the same way until
-/// it changes again) or `failed` (retried with back-off).
-fn why_failed(err: &ContainerHealError) -> &'static str {
+/// How a container heal failed, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Failure {
+    /// Retried with back-off.
+    Failed,
+    /// The container changed or covered its mount, or put it below a mount
+    /// whose server may never answer: retrying would fail the same way
+    /// until it changes again.
+    Refused,
+    /// Its namespace missed the deadline, or still holds a worker of an
+    /// earlier heal.
+    GivenUp,
+}
+
+impl Failure {
+    /// `container_heals_total`'s `result`.
+    fn label(self) -> &'static str {
+        match self {
+            Failure::Failed => "failed",
+            Failure::Refused => "refused",
+            Failure::GivenUp => "given_up",
+        }
+    }
+}
+
+fn why_failed(err: &ContainerHealError) -> Failure {
     match err {
-        ContainerHealError::Deadline { .. } | ContainerHealError::StillHeld { .. } => "given_up",
+        ContainerHealError::Deadline { .. } | ContainerHealError::StillHeld { .. } => Failure::GivenUp,
         ContainerHealError::InNamespace(InNamespaceError::Changed { .. } | InNamespaceError::BelowStalling { .. }) => {
-            "refused"
+            Failure::Refused
         }
         // A symlink or a mount point gone: the container's own doing.
         ContainerHealError::InNamespace(InNamespaceError::Resolve { source, .. })
             if fuse_supervisor_sys::resolve::refused_by_tree(source) =>
         {
-            "refused"
+            Failure::Refused
         }
-        _ => "failed",
+        _ => Failure::Failed,
     }
 }
 
