@@ -118,11 +118,6 @@ pub fn start_helper(command: Command, priority: HealPriority) -> io::Result<()> 
     HELPER.set(helper).map_err(|_| io::Error::new(io::ErrorKind::AlreadyExists, "the FUSE call helper runs already"))
 }
 
-/// The helper's process ID, if it runs.
-pub fn helper_pid() -> Option<u32> {
-    HELPER.get().map(|helper| helper.running.lock().unwrap_or_else(PoisonError::into_inner).child.id())
-}
-
 /// Serves the agent's calls on `control` (the helper's standard input) until
 /// the agent closes it: each connection comes as a socket of its own,
 /// served on a thread of its own one call after another, so one server
@@ -201,14 +196,29 @@ impl Running {
 
 impl Helper {
     /// One call through the helper, on an idle connection or a new one;
-    /// an error means the helper did not answer (a helper that had ended
-    /// is started again once).
+    /// an error means the helper did not answer. An idle connection that
+    /// fails (its helper was killed since) is dropped and the call made
+    /// again on a new one, which starts another helper if need be: both
+    /// calls only look.
     fn ask(&self, dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> io::Result<Answer> {
         let idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let connection = match idle {
-            Some(connection) => connection,
-            None => self.connect()?,
-        };
+        if let Some(connection) = idle
+            && let Ok(answer) = self.call(connection, dir, statfs_first, paths)
+        {
+            return Ok(answer);
+        }
+        self.call(self.connect()?, dir, statfs_first, paths)
+    }
+
+    /// The call on `connection`, which goes back to the idle ones once
+    /// answered.
+    fn call(
+        &self,
+        connection: OwnedFd,
+        dir: BorrowedFd<'_>,
+        statfs_first: bool,
+        paths: &[PathBuf],
+    ) -> io::Result<Answer> {
         send_request(connection.as_fd(), dir, statfs_first, paths)?;
         let answer = read_answer(connection.as_fd(), paths.len())?;
         self.idle.lock().unwrap_or_else(PoisonError::into_inner).push(connection);
