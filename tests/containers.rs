@@ -244,25 +244,13 @@ impl Node {
         dead_minor
     }
 
-    /// Makes the daemon answer a fresh lookup of the nested mounts' mount
-    /// point just before the crash. The heal copies a nested mount at the
-    /// death through that name's entry in the volume, which the kernel
-    /// keeps for the daemon's entry timeout (1 s) from its last lookup, not
-    /// from its last use: once it has expired the copy cannot be had
-    /// (reported: `a_nested_mount_out_of_reach_at_the_death_…`), and a
-    /// lookup of it between the death and the copy makes the kernel detach
-    /// the nested mount first (README Limits). So: past the timeout, one
-    /// lookup through the source (the entry is the connection's, shared by
-    /// every mount of it), then the crash at once; nothing looks it up
-    /// during the outage.
+    /// The nested mounts' entry made fresh just before a crash
+    /// ([`FuseSource::refresh_entry`]); nothing looks it up during the outage.
     fn look_up_nested(&self, cycle: usize) {
-        if !self.containers.iter().any(|watched| watched.asked.nested) {
-            return;
+        if self.containers.iter().any(|watched| watched.asked.nested) {
+            let refreshed = self.source.refresh_entry(&self.sandbox, NESTED);
+            refreshed.unwrap_or_else(|err| panic!("cycle {cycle}: {err}"));
         }
-        std::thread::sleep(Duration::from_millis(1100));
-        let nested = self.source.path.join(NESTED);
-        let looked = self.sandbox.run(move || std::fs::metadata(nested).map(drop));
-        looked.unwrap_or_else(|err| panic!("cycle {cycle}: look the nested mount point up: {err}"));
     }
 
     /// The minor of the FUSE device of the source's current mount.

@@ -225,24 +225,13 @@ impl Node {
         }
     }
 
-    /// Makes the daemon answer a fresh lookup of the nested volumes' mount
-    /// point just before the crash. The heal copies a nested mount at the
-    /// death through that name's entry in the FUSE volume, which the kernel
-    /// keeps for the daemon's entry timeout (1 s) from its last lookup, not
-    /// from its last use: once it has expired the copy cannot be had
-    /// (reported), and a lookup of it between the death and the copy makes
-    /// the kernel detach the nested mount first (README Limits). So: past
-    /// the timeout, one lookup through the source (the entry is the
-    /// connection's, shared by every mount of it), then the crash at once;
-    /// nothing looks it up during the outage.
+    /// The nested volumes' entry made fresh just before a crash
+    /// ([`FuseSource::refresh_entry`]); nothing looks it up during the outage.
     fn look_up_nested(&self, cycle: usize) {
-        if !self.running.iter().any(|running| running.ask.nested) {
-            return;
+        if self.running.iter().any(|running| running.ask.nested) {
+            let refreshed = self.source.refresh_entry(&self.sandbox, NESTED);
+            refreshed.unwrap_or_else(|err| panic!("before crash {cycle}: {err}"));
         }
-        std::thread::sleep(Duration::from_millis(1100));
-        let nested = self.source.path.join(NESTED);
-        let looked = self.sandbox.run(move || std::fs::metadata(nested).map(drop));
-        looked.unwrap_or_else(|err| panic!("before crash {cycle}: look the nested volume's mount point up: {err}"));
     }
 
     /// Every container's read fails (the daemon is dead).
