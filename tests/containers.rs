@@ -244,12 +244,34 @@ impl Node {
         dead_minor
     }
 
-    /// The nested mounts' entry made fresh just before a crash
-    /// ([`FuseSource::refresh_entry`]); nothing looks it up during the outage.
-    fn look_up_nested(&self, cycle: usize) {
+    /// Waits until the supervisor has copied ahead the mounts nested in
+    /// `count` containers' volumes.
+    fn nested_copied_ahead(&self, count: usize) {
+        let supervisor = self.supervisor.as_ref().expect("supervisor running");
+        let copied = |line: &String| line.contains("\"nested mounts copied ahead\"") && !line.contains("\"copied\":0,");
+        scenario::wait_for("the nested mounts copied ahead", HEAL_TIMEOUT, || {
+            supervisor.log().iter().filter(|line| copied(line)).count() >= count
+        })
+        .unwrap();
+    }
+
+    /// Past the daemon's entry timeout (1 s) since anything looked the
+    /// nested mounts' mount point up: at the next crash no handle can be
+    /// had on them through the dead mount, only their copies taken ahead.
+    fn let_nested_entries_expire(&self) {
         if self.containers.iter().any(|watched| watched.asked.nested) {
-            let refreshed = self.source.refresh_entry(&self.sandbox, NESTED);
-            refreshed.unwrap_or_else(|err| panic!("cycle {cycle}: {err}"));
+            std::thread::sleep(Duration::from_millis(1100));
+        }
+    }
+
+    /// Each container with a nested mount looks it up by path during the
+    /// outage, as an application re-reading its configuration does: with
+    /// the entry timed out, the kernel detaches the nested mount there.
+    fn look_up_nested_during_outage(&self) {
+        for watched in self.containers.iter().filter(|watched| watched.asked.nested) {
+            let nested = Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED);
+            // Fails (the daemon is dead): the lookup is what matters.
+            let _ = watched.container.exec(&["ls", &nested.to_string_lossy()]);
         }
     }
 
@@ -823,11 +845,13 @@ fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, 
     asked_for_is_kept(&node, 0, &read_only_target);
     node.start_supervisor();
     let host_baseline = node.host_mounts();
+    node.nested_copied_ahead(3);
 
     for cycle in 1..=cycles {
         let daemon = node.source.pid().expect("daemon running");
-        node.look_up_nested(cycle);
+        node.let_nested_entries_expire();
         let dead_minor = node.crash(cycle);
+        node.look_up_nested_during_outage();
         if restart == Restart::MountOverStale {
             node.death_seen(daemon, cycle);
         }
@@ -862,20 +886,25 @@ fn read_only_and_nested_volumes_survive_demofs_mounting_over_its_stale_mount() {
     what_the_pod_asked_for_survives_every_heal(Daemon::DemoFs, Restart::MountOverStale, 5);
 }
 
-/// A mount nested in a volume whose entry in the dead volume had timed out
-/// at the death (nobody looked it up within the daemon's entry timeout,
-/// 1 s for demofs, which does no readdirplus): no handle can be had on it,
-/// so it goes with the dead layer, and the heal says so, naming the
-/// namespace and the mount point, instead of dropping it silently. The
-/// volume itself is healed as ever.
+/// A mount nested in a volume after its container started (no copy was
+/// taken ahead: its namespace was learnt before), whose entry in the dead
+/// volume had timed out at the death (nobody looked it up within the
+/// daemon's entry timeout, 1 s for demofs, which does no readdirplus): no
+/// handle can be had on it, so it goes with the dead layer, and the heal
+/// says so, naming the namespace and the mount point, instead of dropping
+/// it silently. The mount nested from the start is carried by its copy
+/// taken ahead, and the volume itself is healed as ever.
 #[test]
-fn a_nested_mount_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
+fn a_nested_mount_made_late_and_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
+    const LATE: &str = "late";
     let mut node = Node::new(Daemon::DemoFs, Restart::UnmountThenMount);
-    let nested_dir = node.source.backing.join(NESTED);
-    node.sandbox.run(move || std::fs::create_dir_all(nested_dir)).expect("the nested mount's directory");
+    let (nested_dir, late_dir) = (node.source.backing.join(NESTED), node.source.backing.join(LATE));
+    node.sandbox
+        .run(move || std::fs::create_dir_all(nested_dir).and_then(|()| std::fs::create_dir_all(late_dir)))
+        .expect("the nested mounts' directories");
     let target = node.source.bind_volume(&node.sandbox, "idle-config", "data").expect("bind volume");
     let asked = Asked { nested: true, ..Asked::default() };
-    let entries = [NESTED, DATA_FILE, SUBDIR];
+    let entries = [NESTED, DATA_FILE, LATE, SUBDIR];
     let propagation = VolumePropagation::HostToContainer;
     node.add_container_with("idle-config", target, propagation, DATA_FILE, None, &entries, asked);
     node.all_read(0);
@@ -883,9 +912,15 @@ fn a_nested_mount_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
     let host_baseline = node.host_mounts();
     let namespace = node.containers[0].container.namespace_inode().expect("the container's namespace");
     node.daemon_watched();
-    // Past demofs's entry timeout since the nested mount was last looked up.
-    std::thread::sleep(Duration::from_millis(1500));
+    node.nested_copied_ahead(1);
+    let late = Path::new(runc::VOLUME_IN_CONTAINER).join(LATE);
+    let container = &node.containers[0].container;
+    container
+        .exec_with_sys_admin(&["mount", "-t", "tmpfs", "late", &late.to_string_lossy()])
+        .expect("mount a tmpfs late");
+    node.let_nested_entries_expire();
     let dead_minor = node.crash(1);
+    node.look_up_nested_during_outage();
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
     node.all_read(1);
     let supervisor = node.supervisor.as_ref().expect("supervisor running");
@@ -893,12 +928,12 @@ fn a_nested_mount_out_of_reach_at_the_death_is_reported_not_dropped_silently() {
     let reported = |line: &str| {
         line.contains("\"not carried over to the container's new mount by its heal\"")
             && line.contains(&namespace_field)
-            && line.contains("\"mount_point\":\"/volume/config\"")
+            && line.contains("\"mount_point\":\"/volume/late\"")
     };
     supervisor.wait_for_log(HEAL_TIMEOUT, reported).unwrap();
-    // Gone with the dead layer: the container's table lacks it, and only it.
-    let mut baseline = node.containers[0].baseline.clone();
-    baseline.remove(&(Path::new(runc::VOLUME_IN_CONTAINER).join(NESTED), "tmpfs".to_owned()));
-    node.containers[0].baseline = baseline;
+    let lost = supervisor.log().iter().filter(|line| line.contains("/volume/config")).cloned().collect::<Vec<_>>();
+    assert!(lost.iter().all(|line| !line.contains("not carried over")), "{lost:?}");
+    // The late mount is gone with the dead layer (it was never in the
+    // container's baseline); the one nested from the start is there.
     node.settled(1, host_baseline, dead_minor);
 }

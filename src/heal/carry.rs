@@ -171,53 +171,96 @@ const MOST_NESTED: usize = 4096;
 /// server's. Each is checked to be the mount listed before it is copied.
 pub fn take_nested(dead: BorrowedFd<'_>, dead_unique: u64, dead_point: &Path, held: &BTreeSet<u64>) -> Nested {
     let mut nested = Nested::default();
-    let listed = match listmount::children(dead_unique, MOST_NESTED) {
+    let listed = mounts_on(dead_unique, dead_point, &mut nested.missed);
+    for MountOn { unique, relative, .. } in listed.into_iter().filter(|on| !held.contains(&on.unique)) {
+        match open_nested(dead, &relative, unique) {
+            Ok(copy) => nested.held.push(NestedMount { unique_id: unique, relative, copy }),
+            Err(err) => {
+                nested.missed.push(NotCarried { mount_point: dead_point.join(&relative), why: err.to_string() })
+            }
+        }
+    }
+    nested
+}
+
+/// Takes a copy of each mount made directly on the live mount `live`
+/// (unique ID `live_unique`, at `point` in the calling thread's namespace)
+/// but FUSE ones, ahead of any death: a lookup of a mount point in a dead
+/// mount whose entry timed out detaches the mounts on it before the death
+/// is even seen (see [`super::nested_copies`]). The lookups are `live`'s
+/// server's, so the FUSE call helper makes them. A FUSE mount on it is left
+/// to the heal (a copy would keep its connection alive: a dead one's
+/// mount would outlive its heal).
+pub fn copy_nested_live(live: BorrowedFd<'_>, live_unique: u64, point: &Path) -> Nested {
+    let mut nested = Nested::default();
+    let listed: Vec<MountOn> =
+        mounts_on(live_unique, point, &mut nested.missed).into_iter().filter(|on| !on.is_fuse).collect();
+    let relatives: Vec<PathBuf> = listed.iter().map(|on| on.relative.clone()).collect();
+    let opened = fuse_calls::open_mounts_within(live, &relatives);
+    for (MountOn { unique, relative, .. }, opened) in listed.into_iter().zip(opened) {
+        let copied = opened.and_then(|opened| copy_if_listed(opened.as_fd(), unique));
+        match copied {
+            Ok(copy) => nested.held.push(NestedMount { unique_id: unique, relative, copy }),
+            Err(err) => nested.missed.push(NotCarried { mount_point: point.join(&relative), why: err.to_string() }),
+        }
+    }
+    nested
+}
+
+/// A mount made on another.
+struct MountOn {
+    unique: u64,
+    /// Its mount point relative to the other's.
+    relative: PathBuf,
+    is_fuse: bool,
+}
+
+/// The mounts made directly on mount `parent_unique` (at `point` in the
+/// calling thread's namespace), in creation order; what cannot be listed
+/// goes to `missed`.
+fn mounts_on(parent_unique: u64, point: &Path, missed: &mut Vec<NotCarried>) -> Vec<MountOn> {
+    let listed = match listmount::children(parent_unique, MOST_NESTED) {
         Ok(listed) => listed,
         Err(err) => {
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
-                warn!(%err, "listmount cannot list the mounts on a dead mount (before Linux 6.8?): mounts nested in a volume are not carried over by its heal");
+                warn!(%err, "listmount cannot list the mounts on a mount (before Linux 6.8?): mounts nested in a volume are not carried over by its heal");
             }
-            nested.missed.push(NotCarried {
-                mount_point: dead_point.join("*"),
-                why: format!("cannot list the mounts on it: {err}"),
-            });
-            return nested;
+            missed
+                .push(NotCarried { mount_point: point.join("*"), why: format!("cannot list the mounts on it: {err}") });
+            return Vec::new();
         }
     };
     if listed.len() == MOST_NESTED {
-        nested.missed.push(NotCarried {
-            mount_point: dead_point.join("*"),
-            why: format!("more than {MOST_NESTED} mounts on it"),
-        });
+        missed.push(NotCarried { mount_point: point.join("*"), why: format!("more than {MOST_NESTED} mounts on it") });
     }
-    for unique in listed.into_iter().filter(|unique| !held.contains(unique)) {
+    let mut on = Vec::new();
+    for unique in listed {
         // listmount lists every mount below (6.10+) or those on it (6.8):
-        // only those on the dead mount itself are moved; the rest go with
-        // them.
+        // only those on the mount itself are moved; the rest go with them.
         let stat = match statmount::mount_stat(unique, Namespace::Current) {
-            Ok(stat) if stat.parent_unique_id == dead_unique => stat,
+            Ok(stat) if stat.parent_unique_id == parent_unique => stat,
             Ok(_) => continue,
             // Gone since it was listed.
             Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
             Err(err) => {
-                nested.missed.push(NotCarried { mount_point: dead_point.join("?"), why: err.to_string() });
+                missed.push(NotCarried { mount_point: point.join("?"), why: err.to_string() });
                 continue;
             }
         };
-        let relative = stat.mount_point.strip_prefix(dead_point).map(Path::to_path_buf);
-        let taken = match relative {
-            Ok(relative) if relative.file_name().is_some() => {
-                open_nested(dead, &relative, unique).map(|copy| NestedMount { unique_id: unique, relative, copy })
-            }
-            _ => Err(io::Error::other("its mount point is not below the dead mount's")),
-        };
-        match taken {
-            Ok(mount) => nested.held.push(mount),
-            Err(err) => nested.missed.push(NotCarried { mount_point: stat.mount_point, why: err.to_string() }),
+        match stat.mount_point.strip_prefix(point) {
+            Ok(relative) if relative.file_name().is_some() => on.push(MountOn {
+                unique,
+                relative: relative.to_path_buf(),
+                is_fuse: crate::model::mountinfo::is_fuse_type(&stat.fs_type),
+            }),
+            _ => missed.push(NotCarried {
+                mount_point: stat.mount_point,
+                why: "its mount point is not below the mount's".into(),
+            }),
         }
     }
-    nested
+    on
 }
 
 /// Copies the mount `unique` at `relative` below the dead mount `dead`,
@@ -236,7 +279,13 @@ fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result
         within.as_fd()
     };
     let opened = resolve::open_beneath(parent, Path::new(name))?;
-    let found = resolve::unique_mount_id_of(opened.as_fd())?;
+    copy_if_listed(opened.as_fd(), unique)
+}
+
+/// A copy of the mount `opened` is on, with the mounts below it, if it is
+/// the mount `unique`.
+fn copy_if_listed(opened: BorrowedFd<'_>, unique: u64) -> io::Result<OwnedFd> {
+    let found = resolve::unique_mount_id_of(opened)?;
     if found != unique {
         return Err(io::Error::other(format!("another mount ({found}) is there now")));
     }
@@ -244,7 +293,7 @@ fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result
     // dead mount once the entry timed out (anybody's, during the outage)
     // makes the kernel invalidate that dentry and detach the mounts on it,
     // and a detached mount can be neither moved nor copied any more.
-    mount::clone_tree(opened.as_fd())
+    mount::clone_tree(opened)
 }
 
 /// Attaches the copy of each held mount onto the same directory of
@@ -253,23 +302,47 @@ fn open_nested(dead: BorrowedFd<'_>, relative: &Path, unique: u64) -> io::Result
 /// covers it again; each brings the mounts that were below its original.
 /// `replacement` must be private or a slave: an attach onto a shared mount
 /// would propagate a copy to its peers. The originals go with the dead
-/// mount. Returns those that could not be attached.
-pub fn carry_nested(held: Vec<NestedMount>, replacement: BorrowedFd<'_>, replacement_point: &Path) -> Vec<NotCarried> {
+/// mount. With `copy_again`, takes a copy of each attached one for the next
+/// heal (no lookup: from the attached mount itself).
+pub fn carry_nested(
+    held: Vec<NestedMount>,
+    replacement: BorrowedFd<'_>,
+    replacement_point: &Path,
+    copy_again: bool,
+) -> Carried {
     let mut held = held;
     held.sort_by_key(|mount| mount.unique_id);
-    let mut missed = Vec::new();
+    let mut carried = Carried::default();
     for mount in held {
         // A lookup in the new source, which may hang: made by the FUSE call helper.
         let moved = fuse_calls::open_beneath(replacement, &mount.relative)
             .and_then(|onto| mount::move_mount(mount.copy.as_fd(), onto.as_fd()));
         if let Err(err) = moved {
-            missed.push(NotCarried {
+            carried.missed.push(NotCarried {
                 mount_point: replacement_point.join(&mount.relative),
                 why: format!("cannot move it onto the new mount: {err}"),
             });
+            continue;
+        }
+        if !copy_again {
+            continue;
+        }
+        let again = resolve::unique_mount_id_of(mount.copy.as_fd())
+            .and_then(|unique| Ok((unique, mount::clone_tree(mount.copy.as_fd())?)));
+        if let Ok((unique_id, copy)) = again {
+            carried.copies.push(NestedMount { unique_id, relative: mount.relative, copy });
         }
     }
-    missed
+    carried
+}
+
+/// What [`carry_nested`] did.
+#[derive(Debug, Default)]
+pub struct Carried {
+    /// Those that could not be attached.
+    pub missed: Vec<NotCarried>,
+    /// Copies of those attached, when asked.
+    pub copies: Vec<NestedMount>,
 }
 
 /// Handles on the mounts nested in a dead mount, taken when its death was

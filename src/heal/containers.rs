@@ -44,9 +44,11 @@ use fuse_supervisor_sys::{ns, resolve};
 use super::carry::{self, NestedSlot, NotCarried};
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
 use super::namespaces::NamespaceRead;
+use super::nested_copies::{self, NestedCopies};
 use super::priority::HealPriority;
 use super::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount, root_within};
+use tracing::debug;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerHealError {
@@ -180,8 +182,15 @@ fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
 /// handle on each mount made on them (into [`ForeignMount::nested`]) while
 /// their mount points still resolve (see [`super::carry`]). Returns the
 /// mounts that could not be isolated, with why.
-pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(ForeignMount, ContainerHealError)> {
-    let isolate_all = |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
+/// A copy taken ahead ([`NestedCopies`]) stands in for a mount on one
+/// that could not be copied now.
+pub fn isolate(
+    mounts: &[ForeignMount],
+    workers: &NamespaceWorkers,
+    copies: &Arc<NestedCopies>,
+) -> Vec<(ForeignMount, ContainerHealError)> {
+    let copies = Arc::clone(copies);
+    let isolate_all = move |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
         let first = &mounts[0];
         let entered = open_namespace(first).and_then(|namespace| {
             ns::enter_mount_namespace(namespace.as_fd())
@@ -214,7 +223,8 @@ pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(Fore
                     // Without it the heal looks for them, and says what it missed.
                     if let Ok(unique) = unique {
                         let point = &foreign.mount.mount_point;
-                        foreign.nested.put(carry::take_nested(stale.as_fd(), unique, point, &BTreeSet::new()));
+                        let fresh = carry::take_nested(stale.as_fd(), unique, point, &BTreeSet::new());
+                        foreign.nested.put(nested_copies::stand_in(fresh, copies.take(unique), point));
                     }
                 }
                 Err(err) => failed.push((foreign.clone(), err)),
@@ -223,6 +233,61 @@ pub fn isolate(mounts: &[ForeignMount], workers: &NamespaceWorkers) -> Vec<(Fore
         failed
     };
     workers.run(by_namespace(mounts), isolate_all, |err| err)
+}
+
+/// Takes copies ahead of the mounts on `mounts` (mounts of watched
+/// connections), each namespace on a worker of its own, without waiting
+/// (see [`NestedCopies`]). A namespace that holds a worker already is left:
+/// its mounts are copied at the death, if they still resolve then.
+pub fn copy_nested_ahead(mounts: &[ForeignMount], workers: &NamespaceWorkers, copies: &Arc<NestedCopies>) {
+    for group in by_namespace(mounts) {
+        let Some(namespace) = group.first().map(|first| first.namespace) else { continue };
+        let copies = Arc::clone(copies);
+        let started = workers.start(namespace, move || {
+            copy_in_namespace(&group, &copies);
+            || {}
+        });
+        if let Err(err) = started {
+            debug!(namespace, ?err, "nested mounts not copied ahead in a namespace");
+        }
+    }
+}
+
+/// Copies the mounts on each of `mounts` (all in one namespace), from a
+/// worker that enters it.
+fn copy_in_namespace(mounts: &[ForeignMount], copies: &NestedCopies) {
+    let Some(first) = mounts.first() else { return };
+    let entered = open_namespace(first).and_then(|namespace| {
+        ns::enter_mount_namespace(namespace.as_fd())
+            .map_err(|source| ContainerHealError::OpenNamespace { pid: first.pid, source })
+    });
+    if let Err(err) = entered {
+        debug!(namespace = first.namespace, %err, "cannot enter a namespace to copy its nested mounts");
+        return;
+    }
+    for foreign in mounts {
+        let point = &foreign.mount.mount_point;
+        let opened = in_namespace::open_recorded(foreign.pid, &foreign.mount, foreign.unique_id)
+            .map_err(|err| err.to_string())
+            .and_then(|live| {
+                let unique = foreign.unique_id.map_or_else(|| resolve::unique_mount_id_of(live.as_fd()), Ok);
+                Ok((live, unique.map_err(|err| err.to_string())?))
+            });
+        let (live, unique) = match opened {
+            Ok(opened) => opened,
+            Err(err) => {
+                debug!(namespace = foreign.namespace, path = %point.display(), %err, "cannot open a volume to copy the mounts on it");
+                continue;
+            }
+        };
+        let nested = carry::copy_nested_live(live.as_fd(), unique, point);
+        for missed in &nested.missed {
+            debug!(namespace = foreign.namespace, path = %missed.mount_point.display(), why = %missed.why, "a nested mount not copied ahead");
+        }
+        let copied = nested.held.len();
+        copies.put(foreign.namespace, unique, nested.held);
+        debug!(namespace = foreign.namespace, path = %point.display(), copied, "nested mounts copied ahead");
+    }
 }
 
 /// Handles on a live source to clone into containers, the probe's: its
@@ -266,16 +331,17 @@ pub fn replace(
     live: Option<LiveHandles>,
     mounts: &[ForeignMount],
     workers: &NamespaceWorkers,
+    copies: &Arc<NestedCopies>,
 ) -> Vec<(ForeignMount, Result<ForeignHealed, ContainerHealError>)> {
     let own_pid = std::process::id();
-    let (watched, source) = (Arc::clone(watched), source.clone());
+    let (watched, source, copies) = (Arc::clone(watched), source.clone(), Arc::clone(copies));
     let replace_all = move |mounts: &[ForeignMount]| -> Vec<(ForeignMount, Result<ForeignHealed, ContainerHealError>)> {
         // One worker per namespace: each heal enters the watched namespace
         // and then the container's, so a fresh pair of fds each time.
         mounts
             .iter()
             .map(|foreign| {
-                let healed = replace_one(&watched, own_pid, &source, live.as_ref(), foreign);
+                let healed = replace_one(&watched, own_pid, &source, live.as_ref(), foreign, &copies);
                 (foreign.clone(), healed)
             })
             .collect()
@@ -289,6 +355,7 @@ fn replace_one(
     source: &FuseMount,
     live: Option<&LiveHandles>,
     foreign: &ForeignMount,
+    copies: &NestedCopies,
 ) -> Result<ForeignHealed, ContainerHealError> {
     let subdir = root_within(&source.root, &foreign.mount.root).ok_or_else(|| ContainerHealError::NotUnderSource {
         pid: foreign.pid,
@@ -308,7 +375,7 @@ fn replace_one(
         watched.try_clone().map_err(|source| ContainerHealError::OpenNamespace { pid: own_pid, source })?;
     let namespaces = HealNamespaces::from_fds(source_namespace, open_namespace(foreign)?);
     let nested = foreign.nested.take();
-    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live, nested) {
+    match in_namespace::heal_in_namespaces(&heal, &namespaces, Some(foreign.propagation), live, nested, Some(copies)) {
         Ok(InNamespaceHealed::Replaced { not_carried }) => Ok(ForeignHealed::Replaced { not_carried }),
         Ok(InNamespaceHealed::Stacked { why, not_carried }) => Ok(ForeignHealed::Stacked { why, not_carried }),
         // The host heal's propagation reached it first: live already.
@@ -410,6 +477,14 @@ impl Drop for BusyUntilDropped {
     }
 }
 
+/// Why no worker went into a namespace.
+#[derive(Debug)]
+enum Unstarted {
+    /// One is there still.
+    StillHeld,
+    Thread(io::Error),
+}
+
 impl NamespaceWorkers {
     pub fn new(priority: HealPriority, deadline: Duration) -> Self {
         NamespaceWorkers { priority, deadline, busy: Arc::default() }
@@ -422,6 +497,32 @@ impl NamespaceWorkers {
     /// How many namespaces hold a worker now (each at most one).
     pub fn busy(&self) -> usize {
         self.busy.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Starts `work` on a worker of `namespace` unless one is there
+    /// already, and does not wait for it. What `work` returns runs once the
+    /// namespace is free again (so a caller told of the end may send
+    /// another worker there at once).
+    fn start<W, Then>(&self, namespace: u64, work: W) -> Result<(), Unstarted>
+    where
+        W: FnOnce() -> Then + Send + 'static,
+        Then: FnOnce(),
+    {
+        if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace) {
+            return Err(Unstarted::StillHeld);
+        }
+        let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
+        let priority = self.priority;
+        std::thread::Builder::new()
+            .name("container-heal".into())
+            .spawn(move || {
+                priority.raise();
+                let then = work();
+                drop(leaving);
+                then();
+            })
+            .map(drop)
+            .map_err(Unstarted::Thread)
     }
 
     /// Runs `work` on each group (the mounts of one namespace) on a worker of
@@ -445,27 +546,23 @@ impl NamespaceWorkers {
         for (index, group) in groups.into_iter().enumerate() {
             let Some(first) = group.first() else { continue };
             let namespace = first.namespace;
-            if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace) {
-                let held = |foreign: &ForeignMount| ContainerHealError::StillHeld { pid: foreign.pid, namespace };
-                outcomes.extend(failed_all(&group, held, &wrap));
-                continue;
-            }
-            let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
-            let (work, done, priority, mounts) = (Arc::clone(&work), done.clone(), self.priority, group.clone());
-            let spawned = std::thread::Builder::new().name("container-heal".into()).spawn(move || {
-                priority.raise();
+            let (work, done, mounts) = (Arc::clone(&work), done.clone(), group.clone());
+            let started = self.start(namespace, move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&mounts)));
-                // Free before the caller hears of it: its next heal may
-                // come at once.
-                drop(leaving);
                 // The caller may have stopped waiting: nobody to tell then.
-                let _ = done.send((index, result.ok()));
+                move || {
+                    let _ = done.send((index, result.ok()));
+                }
             });
-            match spawned {
-                Ok(_) => {
+            match started {
+                Ok(()) => {
                     pending.insert(index, group);
                 }
-                Err(err) => {
+                Err(Unstarted::StillHeld) => {
+                    let held = |foreign: &ForeignMount| ContainerHealError::StillHeld { pid: foreign.pid, namespace };
+                    outcomes.extend(failed_all(&group, held, &wrap));
+                }
+                Err(Unstarted::Thread(err)) => {
                     let message = err.to_string();
                     let failed = |foreign: &ForeignMount| ContainerHealError::Thread {
                         pid: foreign.pid,

@@ -50,13 +50,45 @@ pub enum Answer {
 /// opens each of `paths` beneath `dir`; through the helper when it runs.
 /// Blocks for as long as the server takes: call it off the loop.
 pub fn ask(dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> Answer {
-    let Some(helper) = HELPER.get() else { return answer_here(dir, statfs_first, paths) };
+    ask_as(dir, Ask { statfs_first, reach: Reach::WithinMount }, paths)
+}
+
+/// Opens the mount on each of `paths` beneath `dir` (see
+/// [`sys::open_mount_within`]): their parent directories' lookups are in
+/// `dir`'s filesystem, so off the loop.
+pub fn open_mounts_within(dir: BorrowedFd<'_>, paths: &[PathBuf]) -> Vec<io::Result<OwnedFd>> {
+    match ask_as(dir, Ask { statfs_first: false, reach: Reach::OntoMount }, paths) {
+        Answer::Opened(opened) if opened.len() == paths.len() => opened,
+        Answer::Opened(_) | Answer::StatfsFailed(_) => {
+            paths.iter().map(|_| Err(io::Error::other("the FUSE call helper answered out of turn"))).collect()
+        }
+    }
+}
+
+/// What one call asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ask {
+    statfs_first: bool,
+    reach: Reach,
+}
+
+/// Where a path's lookup may go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// Within the descriptor's mount ([`sys::open_within_mount`]).
+    WithinMount,
+    /// Onto the mount on the path's last name ([`sys::open_mount_within`]).
+    OntoMount,
+}
+
+fn ask_as(dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> Answer {
+    let Some(helper) = HELPER.get() else { return answer_here(dir, ask, paths) };
     if !paths.iter().any(|path| too_long(path)) {
-        return ask_through(helper, dir, statfs_first, paths);
+        return ask_through(helper, dir, ask, paths);
     }
     // Refused before any lookup (ENAMETOOLONG): answered here, the rest by the helper.
     let fitting: Vec<PathBuf> = paths.iter().filter(|path| !too_long(path)).cloned().collect();
-    let mut opened = match ask_through(helper, dir, statfs_first, &fitting) {
+    let mut opened = match ask_through(helper, dir, ask, &fitting) {
         Answer::Opened(opened) => opened.into_iter(),
         failed => return failed,
     };
@@ -70,14 +102,14 @@ pub fn ask(dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> Answer
     Answer::Opened(merged)
 }
 
-fn ask_through(helper: &Helper, dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> Answer {
-    match helper.ask(dir, statfs_first, paths) {
+fn ask_through(helper: &Helper, dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> Answer {
+    match helper.ask(dir, ask, paths) {
         Ok(answer) => answer,
         Err(err) => {
             if !FELL_BACK.swap(true, Ordering::Relaxed) {
                 warn!(%err, "the FUSE call helper does not answer; FUSE calls are made in the agent, whose exit a hung daemon can then hold");
             }
-            answer_here(dir, statfs_first, paths)
+            answer_here(dir, ask, paths)
         }
     }
 }
@@ -163,6 +195,9 @@ const REQUEST_BUFFER: usize = 1 + REQUEST_CHUNK + 4 + PATH_MAX;
 const STATFS: u8 = 1;
 /// First byte of any message: more of the same call follow.
 const MORE: u8 = 2;
+/// First byte of a request message: each path's last name crosses onto the
+/// mount there ([`Reach::OntoMount`]).
+const ONTO_MOUNT: u8 = 4;
 
 #[derive(Debug)]
 struct Helper {
@@ -200,26 +235,20 @@ impl Helper {
     /// fails (its helper was killed since) is dropped and the call made
     /// again on a new one, which starts another helper if need be: both
     /// calls only look.
-    fn ask(&self, dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> io::Result<Answer> {
+    fn ask(&self, dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> io::Result<Answer> {
         let idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
         if let Some(connection) = idle
-            && let Ok(answer) = self.call(connection, dir, statfs_first, paths)
+            && let Ok(answer) = self.call(connection, dir, ask, paths)
         {
             return Ok(answer);
         }
-        self.call(self.connect()?, dir, statfs_first, paths)
+        self.call(self.connect()?, dir, ask, paths)
     }
 
     /// The call on `connection`, which goes back to the idle ones once
     /// answered.
-    fn call(
-        &self,
-        connection: OwnedFd,
-        dir: BorrowedFd<'_>,
-        statfs_first: bool,
-        paths: &[PathBuf],
-    ) -> io::Result<Answer> {
-        send_request(connection.as_fd(), dir, statfs_first, paths)?;
+    fn call(&self, connection: OwnedFd, dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> io::Result<Answer> {
+        send_request(connection.as_fd(), dir, ask, paths)?;
         let answer = read_answer(connection.as_fd(), paths.len())?;
         self.idle.lock().unwrap_or_else(PoisonError::into_inner).push(connection);
         Ok(answer)
@@ -243,7 +272,7 @@ impl Helper {
     }
 }
 
-fn send_request(call: BorrowedFd<'_>, dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> io::Result<()> {
+fn send_request(call: BorrowedFd<'_>, dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> io::Result<()> {
     let mut chunks = Vec::new();
     let mut chunk = Vec::new();
     for path in paths {
@@ -260,7 +289,10 @@ fn send_request(call: BorrowedFd<'_>, dir: BorrowedFd<'_>, statfs_first: bool, p
     chunks.push(chunk);
     let count = chunks.len();
     for (index, chunk) in chunks.into_iter().enumerate() {
-        let mut flags = if statfs_first { STATFS } else { 0 };
+        let mut flags = if ask.statfs_first { STATFS } else { 0 };
+        if ask.reach == Reach::OntoMount {
+            flags |= ONTO_MOUNT;
+        }
         if index + 1 < count {
             flags |= MORE;
         }
@@ -309,7 +341,7 @@ fn ended_early() -> io::Error {
 /// A call as the helper reads it.
 struct Call {
     dir: OwnedFd,
-    statfs_first: bool,
+    ask: Ask,
     paths: Vec<PathBuf>,
 }
 
@@ -317,7 +349,7 @@ struct Call {
 fn read_call(connection: BorrowedFd<'_>) -> io::Result<Option<Call>> {
     let mut buf = vec![0u8; REQUEST_BUFFER];
     let mut dir = None;
-    let mut statfs_first;
+    let mut ask;
     let mut paths = Vec::new();
     loop {
         let received = fd_messages::recv(connection, &mut buf)?;
@@ -329,7 +361,8 @@ fn read_call(connection: BorrowedFd<'_>) -> io::Result<Option<Call>> {
         }
         let message = buf.get(..received.len).unwrap_or_default();
         let Some((&flags, mut entries)) = message.split_first() else { return Err(ended_early()) };
-        statfs_first = flags & STATFS != 0;
+        let reach = if flags & ONTO_MOUNT != 0 { Reach::OntoMount } else { Reach::WithinMount };
+        ask = Ask { statfs_first: flags & STATFS != 0, reach };
         while let Some((len, rest)) = entries.split_at_checked(4) {
             let len = u32::from_le_bytes(len.try_into().map_err(|_| ended_early())?) as usize;
             let (path, rest) = rest.split_at_checked(len).ok_or_else(ended_early)?;
@@ -341,12 +374,12 @@ fn read_call(connection: BorrowedFd<'_>) -> io::Result<Option<Call>> {
         }
     }
     let dir = dir.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a FUSE call without a descriptor"))?;
-    Ok(Some(Call { dir, statfs_first, paths }))
+    Ok(Some(Call { dir, ask, paths }))
 }
 
 /// Makes a call and answers it.
 fn answer_call(connection: BorrowedFd<'_>, call: Call) -> io::Result<()> {
-    match answer_here(call.dir.as_fd(), call.statfs_first, &call.paths) {
+    match answer_here(call.dir.as_fd(), call.ask, &call.paths) {
         Answer::StatfsFailed(err) => send_answer(connection, errno_of(&err), &[], false),
         Answer::Opened(opened) => {
             let chunks: Vec<_> = opened.chunks(MAX_FDS).collect();
@@ -384,11 +417,17 @@ fn errno_of(err: &io::Error) -> i32 {
     err.raw_os_error().filter(|&errno| errno != 0).unwrap_or(sys::eio())
 }
 
-fn answer_here(dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> Answer {
-    if statfs_first && let Err(err) = sys::statfs(dir) {
+fn answer_here(dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]) -> Answer {
+    if ask.statfs_first
+        && let Err(err) = sys::statfs(dir)
+    {
         return Answer::StatfsFailed(err);
     }
-    Answer::Opened(paths.iter().map(|path| sys::open_within_mount(dir, path)).collect())
+    let open = match ask.reach {
+        Reach::WithinMount => sys::open_within_mount,
+        Reach::OntoMount => sys::open_mount_within,
+    };
+    Answer::Opened(paths.iter().map(|path| open(dir, path)).collect())
 }
 
 #[cfg(test)]
@@ -409,7 +448,7 @@ mod tests {
     fn ask_through(control: &OwnedFd, dir: BorrowedFd<'_>, statfs_first: bool, paths: &[PathBuf]) -> Answer {
         let (ours, theirs) = fd_messages::pair().unwrap();
         fd_messages::send(control.as_fd(), &[0], &[theirs.as_fd()]).unwrap();
-        send_request(ours.as_fd(), dir, statfs_first, paths).unwrap();
+        send_request(ours.as_fd(), dir, Ask { statfs_first, reach: Reach::WithinMount }, paths).unwrap();
         read_answer(ours.as_fd(), paths.len()).unwrap()
     }
 
@@ -472,7 +511,13 @@ mod tests {
         fd_messages::send(control.as_fd(), &[0], &[theirs.as_fd()]).unwrap();
         drop(theirs);
         for _ in 0..3 {
-            send_request(connection.as_fd(), root.as_fd(), true, &[PathBuf::from("sub")]).unwrap();
+            send_request(
+                connection.as_fd(),
+                root.as_fd(),
+                Ask { statfs_first: true, reach: Reach::WithinMount },
+                &[PathBuf::from("sub")],
+            )
+            .unwrap();
             let answer = read_answer(connection.as_fd(), 1).unwrap();
             assert!(matches!(answer, Answer::Opened(ref opened) if opened[0].is_ok()), "{answer:?}");
         }

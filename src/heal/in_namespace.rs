@@ -23,9 +23,11 @@ use std::path::{Path, PathBuf};
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::{ns, resolve, statmount};
 
-use super::carry::{self, Nested, NotCarried};
+use super::carry::{self, Nested, NestedMount, NotCarried};
+use super::nested_copies::{self, NestedCopies};
 use crate::heal::fuse_calls;
 use crate::model::table::{Dev, FuseMount};
+use tracing::debug;
 
 /// A live mount in the FUSE container's namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,6 +170,7 @@ pub fn heal_in_namespaces(
     clone_propagation: Option<Propagation>,
     live: Option<BorrowedFd<'_>>,
     nested: Option<Nested>,
+    copies: Option<&NestedCopies>,
 ) -> Result<InNamespaceHealed, InNamespaceError> {
     let source_pid = heal.source.pid;
     // The supervisor's /proc: the target namespace's may be another pid
@@ -224,13 +227,19 @@ pub fn heal_in_namespaces(
         });
     }
     // The mounts on the dead one: those held since its death, and any made
-    // since (reached now if their mount points still resolve).
+    // since (reached now if their mount points still resolve); where it was
+    // not isolated, the copies taken ahead stand in for those that do not.
+    let isolated = nested.is_some();
     let mut nested = nested.unwrap_or_default();
     let dead_unique = heal.target_unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
     match dead_unique {
         Ok(dead_unique) => {
             let held = nested.held.iter().map(|mount| mount.unique_id).collect();
-            let found = carry::take_nested(stale.as_fd(), dead_unique, target_path, &held);
+            let mut found = carry::take_nested(stale.as_fd(), dead_unique, target_path, &held);
+            let ahead = copies.map(|copies| copies.take(dead_unique)).unwrap_or_default();
+            if !isolated {
+                found = nested_copies::stand_in(found, ahead, target_path);
+            }
             nested.held.extend(found.held);
             nested.missed.extend(found.missed);
         }
@@ -246,7 +255,9 @@ pub fn heal_in_namespaces(
         Ok(()) => {
             // Beneath the dead mount, out of sight: the nested mounts go onto
             // it before the dead one is detached (which would take them).
-            not_carried.extend(carry::carry_nested(nested.held, clone.as_fd(), target_path));
+            let carried = carry::carry_nested(nested.held, clone.as_fd(), target_path, copies.is_some());
+            not_carried.extend(carried.missed);
+            copy_ahead(copies, heal.namespace, clone.as_fd(), carried.copies);
             // The dead mount is on top, and private: detaching it reaches no
             // other namespace.
             mount::detach_top_through(proc.as_fd(), stale.as_fd()).map_err(step(
@@ -263,9 +274,25 @@ pub fn heal_in_namespaces(
                 target_path,
             ))?;
             // On top already: the nested mounts show once moved onto it.
-            not_carried.extend(carry::carry_nested(nested.held, clone.as_fd(), target_path));
+            let carried = carry::carry_nested(nested.held, clone.as_fd(), target_path, copies.is_some());
+            not_carried.extend(carried.missed);
+            copy_ahead(copies, heal.namespace, clone.as_fd(), carried.copies);
             Ok(InNamespaceHealed::Stacked { why, not_carried })
         }
+    }
+}
+
+/// Holds `copied`, copies of the mounts carried onto `replacement` (in
+/// `namespace`), for the next heal.
+fn copy_ahead(copies: Option<&NestedCopies>, namespace: u64, replacement: BorrowedFd<'_>, copied: Vec<NestedMount>) {
+    let Some(copies) = copies else { return };
+    if copied.is_empty() {
+        return;
+    }
+    match resolve::unique_mount_id_of(replacement) {
+        Ok(unique) => copies.put(namespace, unique, copied),
+        // Copied at its death instead, if the mounts still resolve then.
+        Err(err) => debug!(%err, namespace, "cannot name the replacement to hold copies of the mounts on it"),
     }
 }
 

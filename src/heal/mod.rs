@@ -36,6 +36,7 @@ pub mod in_namespace;
 mod isolations;
 mod mounter;
 pub mod namespaces;
+pub mod nested_copies;
 mod pool;
 
 use mounter::{Mounter, Placed, Staging};
@@ -220,6 +221,10 @@ pub trait Executor {
     fn retry_containers(&mut self, _mounts: &[containers::ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
         Vec::new()
     }
+
+    /// The watched sources are on `connections` now: the mounts nested in
+    /// containers' mounts of them are copied ahead (see [`nested_copies`]).
+    fn watch_connections(&mut self, _connections: BTreeSet<Dev>) {}
 }
 
 /// What a batch's stacks need of each target before the first: the handle
@@ -374,6 +379,8 @@ pub struct MountExecutor {
     pinned: Vec<OwnedFd>,
     /// Where the work in containers' namespaces runs, with its deadline.
     workers: containers::NamespaceWorkers,
+    /// Copies of the mounts nested in containers' volumes, taken ahead.
+    nested_copies: Arc<nested_copies::NestedCopies>,
 }
 
 impl MountExecutor {
@@ -405,12 +412,15 @@ impl MountExecutor {
             namespaces: namespaces::Namespaces::new(Path::new("/proc")),
             pinned: Vec::new(),
             workers: containers::NamespaceWorkers::new(priority, containers::DEFAULT_DEADLINE),
+            nested_copies: Arc::default(),
         })
     }
 
     /// Looks for containers' mounts in `namespaces` (kept by events) rather
     /// than by walks of `/proc`.
+    /// They copy ahead the mounts nested in watched volumes.
     pub fn use_namespaces(&mut self, namespaces: Arc<namespaces::Namespaces>) {
+        namespaces.copy_nested_with(Arc::clone(&self.nested_copies), self.workers.clone());
         self.namespaces = namespaces;
     }
 
@@ -426,7 +436,7 @@ impl MountExecutor {
         mounts: &[containers::ForeignMount],
     ) -> Vec<ContainerOutcome> {
         let live = live.and_then(containers::LiveHandles::of);
-        let outcomes = containers::replace(&self.watched, source, live, mounts, &self.workers);
+        let outcomes = containers::replace(&self.watched, source, live, mounts, &self.workers, &self.nested_copies);
         for (foreign, _) in outcomes.iter().filter(|(_, healed)| healed.is_ok()) {
             self.namespaces.healed_onto(foreign.namespace, source.dev);
         }
@@ -582,7 +592,7 @@ impl Executor for MountExecutor {
         }
         let searched_us = searching.elapsed().as_micros() as u64;
         found.mounts.extend(retried);
-        let failed = containers::isolate(&found.mounts, &self.workers);
+        let failed = containers::isolate(&found.mounts, &self.workers, &self.nested_copies);
         let namespaces = found.mounts.iter().map(|foreign| foreign.namespace).collect::<BTreeSet<_>>().len();
         let unisolated = failed.iter().map(|(foreign, _)| foreign.clone()).collect();
         let isolated = Isolated {
@@ -657,6 +667,10 @@ impl Executor for MountExecutor {
 
     fn retry_containers(&mut self, mounts: &[containers::ForeignMount], source: &FuseMount) -> Vec<ContainerOutcome> {
         self.replace_in_containers(source, None, mounts)
+    }
+
+    fn watch_connections(&mut self, connections: BTreeSet<Dev>) {
+        self.namespaces.watch_connections(connections);
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {

@@ -22,7 +22,7 @@
 //! [`TableCaps::kept_text_bytes`] of their text are kept; the rest are
 //! counted in [`Overflow`], which the caller reports (once per namespace).
 //! A FUSE volume in a container is never mounted at a path a cap refuses.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::AsFd;
@@ -99,6 +99,10 @@ pub struct NamespaceTable {
     pub unique_ids: BTreeMap<u32, u64>,
     /// Whether any of its mounts receives mounts by propagation.
     pub receives: bool,
+    /// The kept FUSE mounts (by mount ID) that a mount listed after them is
+    /// on (a configMap at `<volume>/config`). One listed before the mount
+    /// it is on (moved there later) is not seen.
+    pub with_mounts_on: BTreeSet<u32>,
     pub total_mounts: usize,
     pub overflow: Overflow,
     pub read_by: ReadBy,
@@ -182,6 +186,7 @@ struct Kept {
     fuse_mounts: Vec<FuseMount>,
     text_bytes: usize,
     overflow: Overflow,
+    with_mounts_on: BTreeSet<u32>,
 }
 
 impl Kept {
@@ -205,6 +210,7 @@ impl Kept {
             fuse_mounts: self.fuse_mounts,
             unique_ids,
             receives,
+            with_mounts_on: self.with_mounts_on,
             total_mounts,
             overflow: self.overflow,
             read_by,
@@ -238,6 +244,8 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
     let mut kept = Kept::default();
     let mut unique_ids = BTreeMap::new();
     let (mut receives, mut total_mounts) = (false, 0usize);
+    // The kept FUSE mounts' IDs, by unique ID.
+    let mut fuse_ids: HashMap<u64, u32> = HashMap::new();
     loop {
         let listed = listmount::mount_ids_page(namespace, after, &mut page)?;
         for &unique_id in &page[..listed] {
@@ -248,6 +256,9 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
                 Err(err) => return Err(err),
             };
             receives |= kind.peer_group.is_some() || kind.master.is_some();
+            if let Some(&parent) = fuse_ids.get(&kind.parent_unique_id) {
+                kept.with_mounts_on.insert(parent);
+            }
             if !mountinfo::is_fuse_type(&kind.fs_type) || !kept.has_room(caps) {
                 continue;
             }
@@ -279,6 +290,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             let mount_id = mount.mount_id;
             if kept.keep(mount, caps) {
                 unique_ids.insert(mount_id, unique_id);
+                fuse_ids.insert(unique_id, mount_id);
             }
         }
         match page[..listed].last() {
@@ -293,6 +305,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
 pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable> {
     let mut lines = CappedLines::new(source, caps.line_bytes);
     let mut kept = Kept::default();
+    let mut fuse_ids: HashSet<u32> = HashSet::new();
     let (mut receives, mut total_mounts) = (false, 0usize);
     while let Some(line) = lines.next_line()? {
         total_mounts += 1;
@@ -308,9 +321,14 @@ pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable>
             continue;
         };
         receives |= entry.propagation.shared.is_some() || entry.propagation.master.is_some();
+        if fuse_ids.contains(&entry.parent_id) {
+            kept.with_mounts_on.insert(entry.parent_id);
+        }
         if entry.is_fuse() && kept.has_room(caps) {
             let table_order = u32::try_from(total_mounts).unwrap_or(u32::MAX);
-            kept.keep(FuseMount::of_line(&entry, table_order), caps);
+            if kept.keep(FuseMount::of_line(&entry, table_order), caps) {
+                fuse_ids.insert(entry.mount_id);
+            }
         }
     }
     Ok(kept.into_table(BTreeMap::new(), receives, total_mounts, ReadBy::Mountinfo))

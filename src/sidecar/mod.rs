@@ -414,7 +414,7 @@ impl Sidecar<'_> {
         let job = heal.clone();
         let spawned = std::thread::Builder::new().name("sidecar-heal".into()).spawn(move || {
             // The loop may have given up waiting.
-            let _ = reply.send(in_namespace::heal_in_namespaces(&job, &namespaces, None, None, None));
+            let _ = reply.send(in_namespace::heal_in_namespaces(&job, &namespaces, None, None, None, None));
         });
         let thread_error = |source| InNamespaceError::Mount {
             step: "run the heal thread",

@@ -60,6 +60,8 @@ impl<E: Executor> Supervisor<E> {
             }
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
+        let connections = classified.sources.values().map(|source| source.top().dev).collect();
+        self.executor.watch_connections(connections);
         changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
     }
 

@@ -231,20 +231,6 @@ impl FuseSource {
         self.daemon
     }
 
-    /// Makes the daemon answer a fresh lookup of `name` in its root: past
-    /// the daemon's entry timeout (1 s) since anything asked it, one lookup
-    /// through the source. The kernel keeps an entry for that timeout from
-    /// the daemon's last answer for it, not from its last use, and the
-    /// entry is the connection's, shared by every mount of it (a
-    /// container's copy too). A heal copies a mount nested at `name` at the
-    /// death through that entry; the tests call this just before a crash,
-    /// so that they test the copy, not the entry's expiry (README Limits).
-    pub fn refresh_entry(&self, sandbox: &Sandbox, name: &str) -> Result<(), ScenarioError> {
-        std::thread::sleep(Duration::from_millis(1100));
-        let path = self.path.join(name);
-        sandbox.run(move || std::fs::metadata(path).map(drop)).map_err(io_step(format!("look {name} up in the source")))
-    }
-
     /// What `data.txt` reads while the current daemon generation serves.
     pub fn expected_content(&self) -> String {
         format!("{} generation {}", self.path.display(), self.generation)

@@ -25,6 +25,31 @@ pub fn open_within_mount(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd
     .map_err(io::Error::from)
 }
 
+/// Opens the mount on `path` below `dir`: its parent directory as
+/// [`open_within_mount`] does, then its last name, which crosses onto
+/// whatever is mounted there (O_PATH; no symlinks, no magic links). Both
+/// lookups are `dir`'s filesystem's.
+pub fn open_mount_within(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(io::Error::from(rustix::io::Errno::INVAL));
+    };
+    let within;
+    let parent = if parent.as_os_str().is_empty() {
+        dir
+    } else {
+        within = open_within_mount(dir, parent)?;
+        std::os::fd::AsFd::as_fd(&within)
+    };
+    rustix::fs::openat2(
+        parent,
+        name,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(io::Error::from)
+}
+
 /// `ENAMETOOLONG`: what a lookup of a path longer than `PATH_MAX` fails with,
 /// before it asks any filesystem.
 pub fn name_too_long() -> io::Error {

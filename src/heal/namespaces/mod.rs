@@ -37,14 +37,15 @@ use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::fds;
 use tracing::{debug, info, warn};
 
-use super::containers::{ContainerHealError, ForeignMount, foreign_mounts};
+use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, foreign_mounts};
+use super::nested_copies::NestedCopies;
 use super::priority::{HealActivity, HealPriority};
 use crate::model::namespace_table::{self, Overflow, TableCaps};
 use crate::model::table::{Dev, FuseMount};
@@ -71,6 +72,8 @@ pub struct NamespaceRead {
     /// Each FUSE mount's 64-bit unique ID, by mount ID, where the read had
     /// them (listmount).
     pub unique_ids: BTreeMap<u32, u64>,
+    /// The FUSE mounts (by mount ID) that other mounts are on.
+    pub with_mounts_on: BTreeSet<u32>,
     /// What the read left out for the caps (see [`crate::model::namespace_table`]).
     pub overflow: Overflow,
 }
@@ -90,6 +93,15 @@ impl NamespaceRead {
 pub struct Namespaces {
     proc_root: PathBuf,
     known: Mutex<Known>,
+    /// Where the mounts nested in watched volumes are copied ahead, once a
+    /// heal executor is there to use them.
+    copier: OnceLock<Copier>,
+}
+
+#[derive(Debug)]
+struct Copier {
+    copies: Arc<NestedCopies>,
+    workers: NamespaceWorkers,
 }
 
 #[derive(Debug, Default)]
@@ -134,7 +146,50 @@ pub struct Holding {
 impl Namespaces {
     /// Not kept yet: queries walk until [`Namespaces::keep`] has walked once.
     pub fn new(proc_root: &Path) -> Arc<Namespaces> {
-        Arc::new(Namespaces { proc_root: proc_root.to_path_buf(), known: Mutex::default() })
+        Arc::new(Namespaces { proc_root: proc_root.to_path_buf(), known: Mutex::default(), copier: OnceLock::new() })
+    }
+
+    /// Copies ahead, into `copies` and on `workers`, the mounts nested in
+    /// the watched connections' mounts of the namespaces learnt from now on
+    /// (see [`NestedCopies`]).
+    pub fn copy_nested_with(&self, copies: Arc<NestedCopies>, workers: NamespaceWorkers) {
+        let _ = self.copier.set(Copier { copies, workers });
+    }
+
+    /// The connections whose mounts' nested mounts are copied ahead are
+    /// `connections` from now on: the known namespaces holding one new among
+    /// them have theirs copied now.
+    pub fn watch_connections(&self, connections: BTreeSet<Dev>) {
+        let Some(copier) = self.copier.get() else { return };
+        let new = copier.copies.watch(connections);
+        if new.is_empty() {
+            return;
+        }
+        let mounts: Vec<ForeignMount> = {
+            let known = self.known();
+            known.by_inode.values().flat_map(|learnt| to_copy_ahead(&learnt.read, &new, &copier.copies)).collect()
+        };
+        containers::copy_nested_ahead(&mounts, &copier.workers, &copier.copies);
+    }
+
+    /// Copies ahead the mounts nested in `reads`' mounts of watched
+    /// connections not copied yet.
+    fn copy_ahead<'a>(&self, reads: impl IntoIterator<Item = &'a NamespaceRead>) {
+        let Some(copier) = self.copier.get() else { return };
+        let watched = copier.copies.watched();
+        if watched.is_empty() {
+            return;
+        }
+        let mounts: Vec<ForeignMount> =
+            reads.into_iter().flat_map(|read| to_copy_ahead(read, &watched, &copier.copies)).collect();
+        containers::copy_nested_ahead(&mounts, &copier.workers, &copier.copies);
+    }
+
+    /// Drops what was copied ahead in `namespace`, which is forgotten.
+    fn forget_copies(&self, namespace: u64) {
+        if let Some(copier) = self.copier.get() {
+            copier.copies.forget_namespace(namespace);
+        }
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, Known> {
@@ -208,7 +263,11 @@ impl Namespaces {
                 }
                 // The anchor is gone (its exit event is on its way) or was
                 // never there: forgotten, as at its exit.
-                None => known.forget_namespace(namespace),
+                None => {
+                    known.forget_namespace(namespace);
+                    drop(known);
+                    self.forget_copies(namespace);
+                }
             }
         }
         Ok(holding)
@@ -276,6 +335,7 @@ impl Namespaces {
                 Message::Process(ProcessEvent::Exited { pid, .. }) => {
                     let forgotten = self.known().forget(pid);
                     if let Some(namespace) = forgotten {
+                        self.forget_copies(namespace);
                         debug!(namespace, pid, "mount namespace forgotten: its first process exited");
                     }
                 }
@@ -328,6 +388,9 @@ impl Namespaces {
         }
         let fuse_mounts = read.fuse_mounts.len();
         let receives = read.receives;
+        // Not known: what was copied for its inode was another namespace's.
+        self.forget_copies(read.namespace);
+        self.copy_ahead([&read]);
         let mut known = self.known();
         known.warn_once_if_over_caps(&read);
         known.learn(read);
@@ -349,8 +412,21 @@ impl Namespaces {
         };
         let watched: Vec<NamespaceRead> =
             walked.into_iter().filter(|read| watcher.watch(read.anchor).is_ok()).collect();
-        let mut known = self.known();
+        let known = self.known();
         let old_anchors: Vec<u32> = known.anchors.keys().copied().collect();
+        let still: HashSet<(u64, u32)> = watched.iter().map(|read| (read.namespace, read.anchor.pid)).collect();
+        let gone: Vec<u64> = known
+            .by_inode
+            .iter()
+            .filter(|(namespace, learnt)| !still.contains(&(**namespace, learnt.read.anchor.pid)))
+            .map(|(namespace, _)| *namespace)
+            .collect();
+        drop(known);
+        for namespace in gone {
+            self.forget_copies(namespace);
+        }
+        self.copy_ahead(&watched);
+        let mut known = self.known();
         known.by_inode.clear();
         known.anchors.clear();
         for read in watched {
@@ -421,6 +497,20 @@ impl Known {
             }
         }
     }
+}
+
+/// The mounts of `read` worth copying ahead: those of `connections` that
+/// other mounts are on, and whose copies are not held yet.
+fn to_copy_ahead(read: &NamespaceRead, connections: &BTreeSet<Dev>, copies: &NestedCopies) -> Vec<ForeignMount> {
+    if read.with_mounts_on.is_empty() {
+        return Vec::new();
+    }
+    let mut mounts = foreign_mounts(read, connections);
+    mounts.retain(|foreign| {
+        read.with_mounts_on.contains(&foreign.mount.mount_id)
+            && foreign.unique_id.is_none_or(|unique| !copies.holds(unique))
+    });
+    mounts
 }
 
 enum Message {
@@ -496,6 +586,7 @@ pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::
         fuse_mounts: table.fuse_mounts,
         receives: table.receives,
         unique_ids: table.unique_ids,
+        with_mounts_on: table.with_mounts_on,
         overflow: table.overflow,
     }))
 }

@@ -49,6 +49,19 @@ fn fuse_mounts_past_a_namespace_cap_are_left_out_and_counted() {
     assert!(!streamed(ROOT, &TableCaps::DEFAULT).overflow.any());
 }
 
+#[test]
+fn the_fuse_mounts_other_mounts_are_on_are_named() {
+    let table = format!(
+        "{ROOT}{}{}{}{}",
+        fuse_line(20, 1, 50, "/volume"),
+        "30 20 0:60 / /volume/config rw - tmpfs tmpfs rw\n",
+        fuse_line(21, 1, 51, "/bare"),
+        "31 1 0:61 / /elsewhere rw - tmpfs tmpfs rw\n",
+    );
+    let read = streamed(&table, &TableCaps::DEFAULT);
+    assert_eq!(read.with_mounts_on, BTreeSet::from([20]));
+}
+
 /// This process's own namespace, read both ways, says the same.
 #[test]
 fn listmount_and_the_stream_agree_on_a_real_namespace() {
@@ -62,4 +75,5 @@ fn listmount_and_the_stream_agree_on_a_real_namespace() {
     assert_eq!((listed.receives, listed.total_mounts), (text.receives, text.total_mounts));
     let devices = |table: &NamespaceTable| table.fuse_mounts.iter().map(|mount| mount.dev).collect::<Vec<_>>();
     assert_eq!(devices(&listed), devices(&text));
+    assert_eq!(listed.with_mounts_on, text.with_mounts_on);
 }
