@@ -238,7 +238,7 @@ impl FuseSource {
     /// entry is the connection's, shared by every mount of it (a
     /// container's copy too). A heal copies a mount nested at `name` at the
     /// death through that entry; the tests call this just before a crash,
-    /// so that they test the copy, not the entry's expiry (README Limits).
+    /// so that they test the copy, not the entry's expiry (docs/heal.md, what it cannot keep).
     pub fn refresh_entry(&self, sandbox: &Sandbox, name: &str) -> Result<(), ScenarioError> {
         std::thread::sleep(Duration::from_millis(1100));
         let path = self.path.join(name);
