@@ -2,8 +2,8 @@
 #
 # The binary is built beforehand, statically linked against glibc, and
 # staged per architecture in the build context; so no base image is pulled
-# and any builder works offline. From the repository (the README's Install
-# section has the whole sequence, .ci/image runs it in CI):
+# and any builder works offline. From the repository (the Install section of
+# docs/operations.md has the whole sequence, .ci/image runs it in CI):
 #
 #   RUSTFLAGS='-C target-feature=+crt-static' CARGO_PROFILE_RELEASE_STRIP=debuginfo \
 #     cargo build --release --locked --target x86_64-unknown-linux-gnu --bin fuse-supervisor

@@ -186,10 +186,10 @@ impl Node {
     /// every copy it propagates to, the host's targets and a
     /// HostToContainer container's volume: a layer covered before the
     /// death is seen has no handle and no path left to remove it by (a
-    /// README limit), so such a restart must come after (on a loaded
+    /// limit in docs/limits.md), so such a restart must come after (on a loaded
     /// machine the death can be seen 100 ms late, the restart comes within
     /// milliseconds); and one between the check of the dead mount and its
-    /// detach has its new mount detached with it (another README limit),
+    /// detach has its new mount detached with it (another limit in docs/limits.md),
     /// so it comes after the detach, as a FUSE pod's restart does. An
     /// unmount-then-mount restart needs no wait: its heal isolates the
     /// containers first if the death was not seen yet.
@@ -200,7 +200,7 @@ impl Node {
 
     /// The host's mounts: all of the sandbox's, or, after a restart over
     /// the stale mount, the kubelet tree's only: the daemon's own dead mount
-    /// stays under its new one at the source (left alone, a README limit),
+    /// stays under its new one at the source (left alone, a limit in docs/limits.md),
     /// and that one pins its dead connection.
     fn host_mounts(&self) -> usize {
         match self.restart {
@@ -866,7 +866,7 @@ fn what_the_pod_asked_for_survives_every_heal(daemon: Daemon, restart: Restart, 
     // Healed by its own stack, never by a writable peer's propagated copy
     // set read-only afterwards (which a process could write through
     // meanwhile). A daemon mounting over its stale mount propagates its own
-    // mount by the kernel, which no heal can prevent (README).
+    // mount by the kernel, which no heal can prevent (docs/heal.md).
     let copied = |line: &&String| line.contains("has other attributes than its stale layer had");
     let set_back = supervisor.log().iter().filter(copied).cloned().collect::<Vec<_>>();
     if restart != Restart::MountOverStale {

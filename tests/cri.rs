@@ -340,7 +340,7 @@ impl Node {
     /// The host's mounts: all of the sandbox's (but containerd's, which
     /// are its own business), or after a restart over the stale mount the
     /// kubelet tree's only (the daemon's own dead mount stays under its new
-    /// one at the source, a README limit).
+    /// one at the source, a limit in docs/limits.md).
     fn host_mounts(&self) -> usize {
         match self.restart {
             Restart::UnmountThenMount | Restart::InPlace => {

@@ -508,7 +508,7 @@ fn a_dead_source_is_detached_so_the_daemon_restarts_in_place() {
 /// and restarts within milliseconds of its death can beat the detach: its
 /// new mount is then never detached, and the targets heal either way. One
 /// that mounts in the instant between the dead mount's check and its lazy
-/// detach has its new mount detached with it (a README limit): it exits,
+/// detach has its new mount detached with it (a limit in docs/limits.md): it exits,
 /// and is started again, as its pod's restart would.
 #[test]
 fn a_restart_that_beats_the_detach_keeps_its_new_mount() {

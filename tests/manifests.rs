@@ -823,7 +823,7 @@ fn each_example_gets_what_its_mode_needs_and_no_more() {
 fn the_opt_in_nodes_proxy_rule_covers_the_kubelet_call_it_is_for() {
     let mut base = render(&deploy(""));
     let optional = yaml_documents(&deploy("optional/nodes-proxy.yaml"));
-    // As the README says to opt in: the rule applied, the flag set.
+    // As docs/security.md says to opt in: the rule applied, the flag set.
     for object in &mut base {
         for container in containers_mut(object) {
             if let Some(env) = container["env"].as_array_mut() {

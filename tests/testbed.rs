@@ -156,7 +156,7 @@ fn private_staging_dir(sandbox: &Sandbox) -> OwnedFd {
     })
 }
 
-/// How a heal must be done (README, "How a heal works"), steps 1-4, in the
+/// How a heal must be done (docs/heal.md, "The heal, step by step"), steps 1-4, in the
 /// sandbox namespace.
 fn heal(node: &Node, staging: &Arc<OwnedFd>) {
     let sandbox = &node.sandbox;
@@ -200,7 +200,7 @@ fn heal(node: &Node, staging: &Arc<OwnedFd>) {
     });
 }
 
-/// How a heal must be done (README, "How a heal works"), on tmpfs stand-ins, for two
+/// How a heal must be done (docs/heal.md, "The heal, step by step"), on tmpfs stand-ins, for two
 /// crash/heal cycles. This test is about propagation and layers, not FUSE: a
 /// tmpfs global mount forms the same peer groups, and a dead FUSE mount would
 /// only change what the readers see before the heal (ENOTCONN instead of the

@@ -1,6 +1,6 @@
 //! Carrying out a heal plan in the watched mount namespace.
 //!
-//! README, "How a heal works": stack the new source onto each stale
+//! docs/heal.md, "The heal, step by step": stack the new source onto each stale
 //! target so running containers (slaves of the target's peer group) receive
 //! it, skip targets a previous stack already reached by propagation, then
 //! flatten so the host keeps exactly one layer per target. Every mount call
@@ -296,7 +296,7 @@ fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> 
 /// (under the pod's volume): the flatten detaches them with it. Moving
 /// them onto the new top would propagate a copy to every peer of the new
 /// source, on top of the copies the peers' own layers held, so a host heal
-/// does not carry them (README, "What a heal preserves"); containers' own
+/// does not carry them (docs/heal.md, "What a heal preserves"); containers' own
 /// nested mounts are carried by their heal.
 fn warn_of_mounts_on_stale_layer(target: &TargetHeal, stale: std::os::fd::BorrowedFd<'_>) {
     let Ok(unique) = resolve::unique_mount_id_of(stale) else { return };
@@ -530,7 +530,7 @@ impl Executor for MountExecutor {
         // The kernel put a copy of the daemon's new mount here, with that
         // mount's attributes, the moment it was made: a read-only target
         // was writable from then until now, which no heal can prevent
-        // (README, "What a heal preserves"). Set back at once.
+        // (docs/heal.md, "What a heal preserves"). Set back at once.
         let stale_id = resolve::mount_id_of(stale.as_fd())
             .map_err(|source| HealError::Resolve { path: target.path.clone(), source })?;
         let attributes = carry::attributes_of(stale.as_fd(), stale_id, None, None)

@@ -4,9 +4,9 @@
 //! again as soon as the stacks are in place, while the stale layers are
 //! still being removed) and with the new FUSE daemon serving them. On a
 //! busy node a normal-priority heal of 100 targets took twice as long as on
-//! an idle one; at `SCHED_FIFO` it takes little more (numbers in the
-//! README). The threads that do nothing but heal run real-time for good:
-//! the flatten helpers, the probes, and the watcher's wake-up of the loop.
+//! an idle one; at `SCHED_FIFO` it takes little more (numbers in
+//! docs/reliability.md, "Heal latency"). The threads that do nothing but
+//! heal run real-time for good: the flatten helpers, the probes, and the watcher's wake-up of the loop.
 //! The loop itself is raised only from the moment a heal is due until it is
 //! done ([`HealWindow`]), or while one is expected (a daemon's death was
 //! seen, for at most the 30 s its stale layers are held): between heals it

@@ -385,8 +385,8 @@ impl Node {
     /// the supervisor saw the crashed process die and, before a mount over
     /// the stale mount, detached the dead mount (a restart within
     /// milliseconds of the death is one the supervisor may never see as a
-    /// death, and one over the stale mount leaves it to the daemon: README,
-    /// Limits); after convergence it must watch the new daemon's serving
+    /// death, and one over the stale mount leaves it to the daemon: docs/limits.md,
+    /// Daemons); after convergence it must watch the new daemon's serving
     /// process, so that the next crash is of a watched daemon too.
     pub fn cycle(&mut self, daemon: Daemon, style: Restart, timeout: Duration) -> Result<Duration, ScenarioError> {
         let (crashed, from) = (self.source.pid(), self.supervisor.as_ref().map(SupervisorProcess::log_len));

@@ -217,7 +217,7 @@ pub(crate) struct WatchArgs {
     /// How the tables of other mount namespaces (containers') are read:
     /// `auto` by listmount/statmount naming the namespace (Linux 6.11+),
     /// asking paths of FUSE mounts only, else mountinfo streamed;
-    /// `mountinfo` streamed always. Either way within caps: see the README.
+    /// `mountinfo` streamed always. Either way within caps: see docs/containers.md.
     #[arg(long, value_enum, default_value = "auto", env = "FUSE_SUPERVISOR_NAMESPACE_TABLES")]
     pub(crate) namespace_tables: NamespaceTablesArg,
 }
