@@ -10,8 +10,9 @@
 //! mounts must be taken while their mount points still resolve: a lookup
 //! in a dead FUSE mount is answered from the dentry cache until the entry
 //! timeout runs out, and fails with ENOTCONN after it. So they are taken
-//! when the death is seen (see [`super::containers::isolate`]), and again
-//! at the heal for any made since.
+//! ahead, while the daemon is alive (see [`super::nested_copies`]), again
+//! when the death is seen (see [`super::containers::isolate`]), and at the
+//! heal for any made since.
 use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
