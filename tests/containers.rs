@@ -937,3 +937,48 @@ fn a_nested_mount_made_late_and_out_of_reach_at_the_death_is_reported_not_droppe
     // container's baseline); the one nested from the start is there.
     node.settled(1, host_baseline, dead_minor);
 }
+
+/// A user-namespace pod (`hostUsers: false`): its volume is mounted
+/// idmapped through its container's user namespace, so that the files'
+/// owners show as the container's. The kernel says a mount is idmapped,
+/// and with which maps, but not through which user namespace; the heal
+/// takes the container's, checked to have the dead mount's maps, and the
+/// replacement shows the same owners after every heal, one layer.
+#[test]
+fn an_idmapped_volume_stays_idmapped_through_heals() {
+    use fuse_supervisor::testbed::userns::UsernsContainer;
+    let mut node = Node::new(Daemon::DemoFs, Restart::UnmountThenMount);
+    let target = node.source.bind_volume(&node.sandbox, "userns", "data").expect("bind volume");
+    let volume = node.sandbox.root().join("userns-volume");
+    let container = UsernsContainer::start(&node.sandbox, &target, &volume, "0 100000 65536", "0 200000 65536")
+        .expect("a user-namespace container with an idmapped volume");
+    let data = container.path(&volume).join(DATA_FILE);
+    let owners = |node: &Node| {
+        let data = data.clone();
+        node.sandbox.run(move || std::fs::metadata(data).map(|meta| (meta.uid(), meta.gid())))
+    };
+    // The backing files are root's: seen through the mapping.
+    assert_eq!(owners(&node).expect("the volume's file"), (100_000, 200_000));
+    let layers = || {
+        let table = std::fs::read_to_string(format!("/proc/{}/mountinfo", container.pid())).expect("its table");
+        let point = volume.to_string_lossy().into_owned();
+        table.lines().filter(|line| line.split(' ').nth(4) == Some(point.as_str())).count()
+    };
+    node.start_supervisor();
+    let host_baseline = node.host_mounts();
+
+    for cycle in 1..=2 {
+        let dead_minor = node.crash(cycle);
+        scenario::wait_for("the container's volume to fail", HEAL_TIMEOUT, || owners(&node).is_err()).unwrap();
+        node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+        scenario::wait_for("the container's volume to answer", HEAL_TIMEOUT, || owners(&node).is_ok())
+            .unwrap_or_else(|err| panic!("cycle {cycle}: {err}"));
+        assert_eq!(owners(&node).expect("the volume's file"), (100_000, 200_000), "cycle {cycle}: owners unmapped");
+        assert_eq!(layers(), 1, "cycle {cycle}: layers at the container's volume");
+        node.settled(cycle, host_baseline, dead_minor);
+    }
+    let supervisor = node.supervisor.as_ref().expect("supervisor running");
+    let lost = supervisor.log().iter().filter(|line| line.contains("not carried over")).cloned().collect::<Vec<_>>();
+    assert!(lost.is_empty(), "{lost:?}");
+    drop(container);
+}

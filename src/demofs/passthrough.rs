@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuse_supervisor_sys::fuse as sys_fuse;
 use fuser::{
-    BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
-    OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, Request, TimeOrNow,
+    BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request, TimeOrNow,
 };
 
 use super::lookup_gate::{self, LookupGate};
@@ -282,6 +282,14 @@ impl PassthroughFs {
 }
 
 impl Filesystem for PassthroughFs {
+    /// Allows idmapped mounts of the filesystem (Linux 6.12+; the mount is
+    /// `default_permissions`, which the kernel requires for it), as a
+    /// driver serving user-namespace pods does; an older kernel is not asked.
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        let _ = config.add_capabilities(InitFlags::FUSE_ALLOW_IDMAP);
+        Ok(())
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         // The kernel resolves "." and ".." itself; refuse them anyway so that
         // no inode ever names a path outside the backing directory.

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use fuse_supervisor_sys::mount::{self, MountAttributes};
-use fuse_supervisor_sys::statmount::{self, Namespace};
+use fuse_supervisor_sys::statmount::{self, Idmapping, Namespace};
 use fuse_supervisor_sys::{listmount, probe, resolve};
 use tracing::{info, warn};
 
@@ -120,8 +120,7 @@ pub fn attributes_of_options(options: &str) -> MountAttributes {
 /// Gives the detached `clone` the attributes of the dead mount it replaces
 /// (and `propagation`, in the same call), before it is attached: nothing
 /// ever sees it with its source's. Returns whether the dead mount was
-/// idmapped, which the clone cannot take over (the mapping's user
-/// namespace is not to be had from the mount).
+/// idmapped, which takes another call ([`give_idmapping`]).
 pub fn give_attributes(
     clone: BorrowedFd<'_>,
     attributes: MountAttributes,
@@ -129,6 +128,53 @@ pub fn give_attributes(
 ) -> io::Result<bool> {
     mount::set_attributes_of(clone, attributes, propagation)?;
     Ok(attributes.contains(MountAttributes::IDMAP))
+}
+
+/// The user namespace a container's process is in, with its maps: what a
+/// runtime idmaps a user-namespace pod's volumes with.
+#[derive(Debug)]
+pub struct ContainerUsers {
+    namespace: OwnedFd,
+    mapping: Idmapping,
+}
+
+impl ContainerUsers {
+    /// Those of process `pid` (through this thread's `/proc`, so before it
+    /// enters another namespace); None where it is in this process's own
+    /// user namespace (no pod of its kind idmaps), or gone.
+    pub fn of(pid: u32) -> Option<ContainerUsers> {
+        let proc = Path::new("/proc");
+        let inode = |path: &Path| std::fs::metadata(path).map(|meta| std::os::unix::fs::MetadataExt::ino(&meta)).ok();
+        let theirs = proc.join(pid.to_string());
+        if inode(&theirs.join("ns/user"))? == inode(&proc.join("self/ns/user"))? {
+            return None;
+        }
+        let namespace = std::fs::File::open(theirs.join("ns/user")).ok()?.into();
+        let map = |name: &str| std::fs::read(theirs.join(name)).ok().and_then(|text| Idmapping::parse_map(&text));
+        Some(ContainerUsers { namespace, mapping: Idmapping { uid: map("uid_map")?, gid: map("gid_map")? } })
+    }
+}
+
+/// Gives `clone` (detached) the idmapping of the dead mount `dead_unique`
+/// (in the calling thread's namespace): the kernel says what a mount's
+/// mapping is (`statmount`, 6.15) but not through which user namespace, and
+/// `mount_setattr` needs one. The container's (`users`) is the one its
+/// runtime idmaps its volumes with; it is used once its maps are checked
+/// to be the dead mount's. Returns why not otherwise.
+pub fn give_idmapping(clone: BorrowedFd<'_>, dead_unique: u64, users: Option<&ContainerUsers>) -> Result<(), String> {
+    let dead = match statmount::mount_idmapping(dead_unique, Namespace::Current) {
+        Ok(Some(dead)) => dead,
+        Ok(None) => return Ok(()),
+        Err(err) => return Err(format!("its idmapping cannot be read ({err})")),
+    };
+    let Some(users) = users else {
+        return Err("it was idmapped, and its container's processes are in the node's own user namespace".into());
+    };
+    if users.mapping != dead {
+        return Err("it was idmapped, but not with its container's user namespace's maps".into());
+    }
+    mount::set_idmapping_of(clone, users.namespace.as_fd())
+        .map_err(|err| format!("it was idmapped, and the new mount cannot be ({err})"))
 }
 
 /// A mount made on a dead mount, held by a detached copy of it and of

@@ -180,6 +180,8 @@ pub fn heal_in_namespaces(
         path: PathBuf::from("/proc"),
         source,
     })?;
+    // Read while this thread's /proc is the agent's.
+    let users = carry::ContainerUsers::of(heal.pid);
     enter(namespaces.source.as_fd(), source_pid)?;
     let step = |step, pid, path: &Path| {
         let path = path.to_path_buf();
@@ -220,18 +222,22 @@ pub fn heal_in_namespaces(
         target_path,
     ))?;
     let mut not_carried = Vec::new();
+    let dead_unique = heal.target_unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
     if idmapped {
-        not_carried.push(NotCarried {
-            mount_point: target_path.clone(),
-            why: "it was idmapped, and its mapping's user namespace cannot be had from the mount: the new mount shows owners unmapped".into(),
-        });
+        let given = match &dead_unique {
+            Ok(dead_unique) => carry::give_idmapping(clone.as_fd(), *dead_unique, users.as_ref()),
+            Err(err) => Err(format!("it was idmapped, and its unique ID cannot be had to read its mapping ({err})")),
+        };
+        if let Err(why) = given {
+            let why = format!("{why}: the new mount shows owners unmapped");
+            not_carried.push(NotCarried { mount_point: target_path.clone(), why });
+        }
     }
     // The mounts on the dead one: those held since its death, and any made
     // since (reached now if their mount points still resolve); where it was
     // not isolated, the copies taken ahead stand in for those that do not.
     let isolated = nested.is_some();
     let mut nested = nested.unwrap_or_default();
-    let dead_unique = heal.target_unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
     match dead_unique {
         Ok(dead_unique) => {
             let held = nested.held.iter().map(|mount| mount.unique_id).collect();

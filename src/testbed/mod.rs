@@ -30,6 +30,7 @@ pub mod subpath;
 mod supervisor_process;
 pub mod system;
 pub mod tenant;
+pub mod userns;
 
 pub use logs::CapturedLogs;
 pub use reader::{ContainerReader, Observation, Outcome};

@@ -248,6 +248,21 @@ pub fn set_attributes_of(
     mount_setattr(mount, &attr)
 }
 
+/// `mount_setattr` with `MOUNT_ATTR_IDMAP` (Linux 5.12; a FUSE filesystem
+/// from 6.12, where its server allows it): `mount` shows its files' owners
+/// through the mapping of the user namespace `user_namespace` (an fd on a
+/// `/proc/<pid>/ns/user`). Only a detached mount (a clone not attached yet)
+/// that is not idmapped already can be given one.
+pub fn set_idmapping_of(mount: BorrowedFd<'_>, user_namespace: BorrowedFd<'_>) -> io::Result<()> {
+    let attr = libc::mount_attr {
+        attr_set: u64::from(MOUNT_ATTR_IDMAP),
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: user_namespace.as_raw_fd() as u64,
+    };
+    mount_setattr(mount, &attr)
+}
+
 /// [`set_propagation_of`] with `MS_PRIVATE`: the mount leaves its peer group
 /// and its master, so unmounting or moving it afterwards propagates nowhere.
 pub fn make_private(mount: BorrowedFd<'_>) -> io::Result<()> {

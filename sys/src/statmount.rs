@@ -19,8 +19,8 @@ use crate::bytes;
 
 use linux_raw_sys::general::{
     MNT_ID_REQ_SIZE_VER0, MNT_ID_REQ_SIZE_VER1, MS_SHARED, MS_SLAVE, STATMOUNT_FS_SUBTYPE, STATMOUNT_FS_TYPE,
-    STATMOUNT_MNT_BASIC, STATMOUNT_MNT_NS_ID, STATMOUNT_MNT_POINT, STATMOUNT_MNT_ROOT, STATMOUNT_SB_BASIC,
-    STATMOUNT_SB_SOURCE, mnt_id_req, statmount,
+    STATMOUNT_MNT_BASIC, STATMOUNT_MNT_GIDMAP, STATMOUNT_MNT_NS_ID, STATMOUNT_MNT_POINT, STATMOUNT_MNT_ROOT,
+    STATMOUNT_MNT_UIDMAP, STATMOUNT_SB_BASIC, STATMOUNT_SB_SOURCE, mnt_id_req, statmount,
 };
 
 /// `__NR_statmount`: 457 on every architecture (the numbers above 423 are
@@ -177,6 +177,58 @@ pub fn mount_attributes(unique_id: u64, namespace: Namespace) -> io::Result<crat
     Ok(crate::mount::MountAttributes::from_bits(answer.u64(offset_of!(statmount, mnt_attr))?))
 }
 
+/// An idmapped mount's mapping, as `/proc/<pid>/uid_map` and `gid_map`
+/// write a user namespace's: `(first id, first id mapped to, count)` per
+/// extent, seen from the caller's user namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Idmapping {
+    pub uid: Vec<[u32; 3]>,
+    pub gid: Vec<[u32; 3]>,
+}
+
+impl Idmapping {
+    /// Parses one map's text, as a user namespace's `uid_map` holds it:
+    /// three numbers an extent, one extent a line (or NUL-separated, as
+    /// `statmount` gives them). None for malformed text.
+    pub fn parse_map(text: &[u8]) -> Option<Vec<[u32; 3]>> {
+        let mut extents = Vec::new();
+        for line in text.split(|&byte| byte == b'\n' || byte == 0) {
+            let line = std::str::from_utf8(line).ok()?;
+            let numbers: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
+            match numbers[..] {
+                [] => {}
+                [first, to, count] => extents.push([first, to, count]),
+                _ => return None,
+            }
+        }
+        Some(extents)
+    }
+}
+
+/// The idmapping of mount `unique_id` in `namespace` (Linux 6.15+;
+/// `Unsupported` before): None where the mount is not idmapped.
+pub fn mount_idmapping(unique_id: u64, namespace: Namespace) -> io::Result<Option<Idmapping>> {
+    let wanted = STATMOUNT_MNT_BASIC | STATMOUNT_MNT_UIDMAP | STATMOUNT_MNT_GIDMAP;
+    let answer = query(namespace.request(unique_id, u64::from(wanted)), MOST_BUFFER)?;
+    let answer = Answer::new(&answer, STATMOUNT_MNT_BASIC)?;
+    let attributes = crate::mount::MountAttributes::from_bits(answer.u64(offset_of!(statmount, mnt_attr))?);
+    if !attributes.contains(crate::mount::MountAttributes::IDMAP) {
+        return Ok(None);
+    }
+    let map = |flag: u32, count: usize, at: usize| -> io::Result<Vec<[u32; 3]>> {
+        if answer.mask()? & u64::from(flag) == 0 {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "statmount gives no idmapping (before Linux 6.15)"));
+        }
+        let count = answer.u32(count)? as usize;
+        let text = answer.strings(at, count)?;
+        Idmapping::parse_map(text).ok_or_else(truncated)
+    };
+    Ok(Some(Idmapping {
+        uid: map(STATMOUNT_MNT_UIDMAP, offset_of!(statmount, mnt_uidmap_num), offset_of!(statmount, mnt_uidmap))?,
+        gid: map(STATMOUNT_MNT_GIDMAP, offset_of!(statmount, mnt_gidmap_num), offset_of!(statmount, mnt_gidmap))?,
+    }))
+}
+
 /// Whether `err` is [`mount_stat_within`]'s refusal of an answer longer
 /// than its buffer (`EOVERFLOW`).
 pub fn did_not_fit(err: &io::Error) -> bool {
@@ -250,6 +302,19 @@ impl<'a> Answer<'a> {
 
     fn u64(&self, offset: usize) -> io::Result<u64> {
         bytes::u64_at(self.bytes, offset).ok_or_else(truncated)
+    }
+
+    /// `count` NUL-terminated strings one after another, the first at the
+    /// offset into the string area that is the `u32` at `field`.
+    fn strings(&self, field: usize, count: usize) -> io::Result<&'a [u8]> {
+        let start = size_of::<statmount>() + self.u32(field)? as usize;
+        let rest = self.bytes.get(start..).ok_or_else(truncated)?;
+        let mut end = 0;
+        for _ in 0..count {
+            let len = rest.get(end..).and_then(|tail| tail.iter().position(|&byte| byte == 0)).ok_or_else(truncated)?;
+            end += len + 1;
+        }
+        Ok(&rest[..end])
     }
 
     /// The string whose offset into the string area is the `u32` at `field`.
@@ -326,6 +391,16 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+
+    #[test]
+    fn a_map_reads_the_same_from_a_user_namespace_and_from_statmount() {
+        let proc_text = b"         0     100000      65536\n     65536          0          1\n";
+        let statmount_text = b"0 100000 65536\x0065536 0 1\x00";
+        let expected = vec![[0, 100_000, 65_536], [65_536, 0, 1]];
+        assert_eq!(Idmapping::parse_map(proc_text), Some(expected.clone()));
+        assert_eq!(Idmapping::parse_map(statmount_text), Some(expected));
+        assert_eq!(Idmapping::parse_map(b"0 1\n"), None);
+    }
 
     /// The root mount of this process's namespace, found by the unique ID
     /// `statx` reports for `/`, agrees with mountinfo.
