@@ -242,8 +242,19 @@ pub fn copy_nested_live(live: BorrowedFd<'_>, live_unique: u64, point: &Path) ->
     let mut nested = Nested::default();
     let listed: Vec<MountOn> =
         mounts_on(live_unique, point, &mut nested.missed).into_iter().filter(|on| !on.is_fuse).collect();
+    let copied = copy_listed(live, listed, point);
+    nested.held.extend(copied.held);
+    nested.missed.extend(copied.missed);
+    nested
+}
+
+/// Takes a copy of each of `listed`, mounts on the mount `on` (at `point`),
+/// reached through the FUSE call helper: the lookups on the way are `on`'s
+/// server's, which may be alive.
+fn copy_listed(on: BorrowedFd<'_>, listed: Vec<MountOn>, point: &Path) -> Nested {
+    let mut nested = Nested::default();
     let relatives: Vec<PathBuf> = listed.iter().map(|on| on.relative.clone()).collect();
-    let opened = fuse_calls::open_mounts_within(live, &relatives);
+    let opened = fuse_calls::open_mounts_within(on, &relatives);
     for (MountOn { unique, relative, .. }, opened) in listed.into_iter().zip(opened) {
         let copied = opened.and_then(|opened| copy_if_listed(opened.as_fd(), unique));
         match copied {
