@@ -21,9 +21,12 @@
 //! At the isolation a nested mount still there is copied afresh (mounts may
 //! have been made below it since); the copy taken ahead stands in for one
 //! that is gone, unless another mount is at its mount point by then. Copies
-//! go with their namespace, and are at most [`MOST_COPIES`] on the node.
+//! go with their namespace, and are at most [`MOST_COPIES`] on the node
+//! (fewer under a low open-file limit).
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use fuse_supervisor_sys::fds;
 
 use tracing::warn;
 
@@ -31,7 +34,18 @@ use super::carry::{Nested, NestedMount};
 use crate::model::table::Dev;
 
 /// The most copies held at once: a tenant decides how many mounts it nests.
+/// Each holds a descriptor, so at most a quarter of the open-file limit
+/// too: the heals need theirs.
 pub const MOST_COPIES: usize = 4096;
+
+fn most_copies() -> usize {
+    static MOST: OnceLock<usize> = OnceLock::new();
+    *MOST.get_or_init(|| {
+        let quarter =
+            fds::open_file_limit().map_or(usize::MAX, |limit| usize::try_from(limit / 4).unwrap_or(usize::MAX));
+        MOST_COPIES.min(quarter)
+    })
+}
 
 /// The copies, by the unique ID of the mount they were on.
 #[derive(Debug, Default)]
@@ -68,11 +82,11 @@ impl NestedCopies {
         if let Some(old) = held.by_mount.remove(&on) {
             held.count -= old.mounts.len();
         }
-        let room = MOST_COPIES.saturating_sub(held.count);
+        let room = most_copies().saturating_sub(held.count);
         if mounts.len() > room {
             if !held.said_full {
                 warn!(
-                    most = MOST_COPIES,
+                    most = most_copies(),
                     namespace,
                     "too many nested mounts to copy ahead: those left out are copied at their volume's death, if they still resolve then"
                 );
@@ -197,11 +211,13 @@ mod tests {
         assert!(!copies.holds(100));
         assert_eq!(copies.len(), 1);
 
-        let many = (0..MOST_COPIES as u64).map(|unique| copy(1000 + unique, "x")).collect();
+        let cap = most_copies();
+        assert!(cap > 1 && cap <= MOST_COPIES, "{cap}");
+        let many = (0..cap as u64).map(|unique| copy(1000 + unique, "x")).collect();
         copies.put(3, 300, many);
-        assert_eq!(copies.len(), MOST_COPIES);
+        assert_eq!(copies.len(), cap);
         assert_eq!(copies.take(200).len(), 1);
-        assert_eq!(copies.len(), MOST_COPIES - 1);
+        assert_eq!(copies.len(), cap - 1);
     }
 
     #[test]

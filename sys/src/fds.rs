@@ -20,6 +20,11 @@ pub fn raise_open_file_limit() -> io::Result<Option<u64>> {
     Ok(limit.maximum)
 }
 
+/// The soft limit on open files; None means unlimited.
+pub fn open_file_limit() -> Option<u64> {
+    getrlimit(Resource::Nofile).current
+}
+
 /// Grows the descriptor table so that descriptors below `count` fit without
 /// growing it again. The kernel grows the table of a process with several
 /// threads only after a full RCU grace period (`expand_fdtable` calls
