@@ -216,7 +216,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, self.apps.iter().map(|app| &app.container));
+            runc::print_failure(&self.sandbox, self.apps.iter().map(|app| &app.container));
         }
     }
 }

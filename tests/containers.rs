@@ -336,7 +336,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let containers = self.containers.iter().map(|watched| &watched.container);
-            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, containers);
+            runc::print_failure(&self.sandbox, containers);
         }
     }
 }

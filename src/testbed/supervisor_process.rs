@@ -1,6 +1,8 @@
 //! The supervisor as a separate process in the sandbox: `fuse-supervisor
 //! run`, its JSON log collected line by line, its metrics and health
-//! endpoints asked over HTTP.
+//! endpoints asked over HTTP. A test that fails while it runs prints its
+//! whole log (see its `Drop`), so every failure, also one met once in a
+//! stress run, carries what the supervisor saw and did.
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader};
 use std::net::SocketAddr;
@@ -244,5 +246,15 @@ impl SupervisorProcess {
     pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
         self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
         self.process.wait().map_err(io_step("wait for the supervisor"))
+    }
+}
+
+impl Drop for SupervisorProcess {
+    /// On a failing test (a panic unwinding through its owner), prints the
+    /// log: libtest keeps it with the test's output.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("supervisor log (pid {}):\n{}", self.pid(), self.log().join("\n"));
+        }
     }
 }
