@@ -2,7 +2,11 @@
 //! programs from (as root, with the distribution's package manager), or stops
 //! with one line naming what is missing; then runs `cargo test --workspace
 //! ARGS…`.
+//!
+//! `cargo xtask stress …`: the same packages, then the integration tests
+//! run repeatedly beside busy-looping processes (`stress.rs`).
 
+mod stress;
 mod system_packages;
 
 use std::env;
@@ -19,12 +23,27 @@ fn main() -> ExitCode {
     let mut args = env::args_os().skip(1);
     match args.next().as_deref().and_then(OsStr::to_str) {
         Some("test") => test(args.collect()),
+        Some("stress") => match stress::parse_args(args.collect()) {
+            Ok(stress_args) => match ensure_test_packages() {
+                Ok(()) => stress::stress(stress_args),
+                Err(message) => {
+                    eprintln!("xtask: {message}");
+                    ExitCode::from(2)
+                }
+            },
+            Err(message) => {
+                eprintln!("xtask stress: {message}\n{}", stress::USAGE);
+                ExitCode::from(2)
+            }
+        },
+        // A busy-looping child of `stress`, not for people.
+        Some("hog") => stress::hog(),
         Some("-h" | "--help") => {
-            println!("{USAGE}");
+            println!("{USAGE}\n{}", stress::USAGE);
             ExitCode::SUCCESS
         }
         _ => {
-            eprintln!("{USAGE}");
+            eprintln!("{USAGE}\n{}", stress::USAGE);
             ExitCode::from(2)
         }
     }
