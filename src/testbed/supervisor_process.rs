@@ -207,6 +207,15 @@ impl SupervisorProcess {
         self.wait_for_log(timeout, |line| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon))
     }
 
+    /// Waits until it has learnt the mount namespace of process `pid` (a
+    /// container's): a copy of a volume there is healed at the next death
+    /// only if it was (`docs/limits.md`, namespaces not learnt), and under
+    /// load the learning can lag a container's start by a second.
+    pub fn wait_namespace_learnt(&self, pid: u32, timeout: Duration) -> Result<String, ScenarioError> {
+        let pid = format!("\"pid\":{pid},");
+        self.wait_for_log(timeout, |line| line.contains("\"mount namespace learnt\"") && line.contains(&pid))
+    }
+
     /// Waits until it has seen the death of daemon `pid` and detached a
     /// dead source from its path `detaches` times in all (counted: device
     /// numbers are reused from one crash to the next). A restart over the
