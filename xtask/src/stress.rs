@@ -140,8 +140,7 @@ struct Target {
 /// Builds the test targets with cargo and returns their binaries, in
 /// cargo's order.
 fn build(names: &[String]) -> Result<Vec<Target>, String> {
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(&cargo);
+    let (mut command, cargo) = crate::cargo();
     command.args(["test", "--workspace", "--no-run", "--message-format=json-render-diagnostics"]);
     if names.is_empty() {
         command.arg("--tests");
