@@ -54,6 +54,61 @@ impl SupervisorProcess {
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
+        let mut supervisor = Self::spawn_wrapped(sandbox, wrapper, binary, state_dir, args)?;
+        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
+        // Logged before the loop starts, so before "supervising".
+        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            let fields = value.get("fields")?;
+            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
+        });
+        Ok(supervisor)
+    }
+
+    /// Runs it as [`SupervisorProcess::start_wrapped`] would, expecting its
+    /// start to fail: returns its log once it has exited, however long a
+    /// loaded machine makes the start take (bounded by `timeout` only
+    /// against a hang), and fails if it starts supervising instead.
+    pub fn failed_start(
+        (sandbox, wrapper): (&Sandbox, &[OsString]),
+        (binary, state_dir): (&Path, &Path),
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<Vec<String>, ScenarioError> {
+        let supervisor = Self::spawn_wrapped(sandbox, wrapper, binary, state_dir, args)?;
+        super::scenario::wait_for("the supervisor's exit", timeout, || {
+            supervisor.try_wait().ok().flatten().is_some()
+                || supervisor.log().iter().any(|line| line.contains("\"supervising\""))
+        })?;
+        let log = supervisor.log();
+        if supervisor.try_wait()?.is_none() {
+            return Err(ScenarioError::Io {
+                step: "a start expected to fail".into(),
+                source: io::Error::other(format!("it started supervising; its log:\n{}", log.join("\n"))),
+            });
+        }
+        // Its last lines are in once the collector has read its stderr to
+        // the end and let go of the log; a child still holding that pipe
+        // would keep it open, and the lines read by then are what there is.
+        let collected = Arc::clone(&supervisor.log);
+        let _ = super::scenario::wait_for("the supervisor's log read to its end", timeout, || {
+            Arc::strong_count(&collected) == 2
+        });
+        Ok(supervisor.log())
+    }
+
+    /// `fuse-supervisor run` started, its log being collected; not waited on.
+    fn spawn_wrapped<I, S>(
+        sandbox: &Sandbox,
+        wrapper: &[OsString],
+        binary: &Path,
+        state_dir: &Path,
+        args: I,
+    ) -> Result<Self, ScenarioError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
         let mut args: Vec<OsString> = args.into_iter().map(|arg| arg.as_ref().to_owned()).collect();
         if !args.iter().any(|arg| arg.to_string_lossy().starts_with("--metrics-addr")) {
             args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
@@ -97,15 +152,7 @@ impl SupervisorProcess {
                 }
             })
             .map_err(io_step("start the supervisor log thread"))?;
-        let mut supervisor = SupervisorProcess { process, log, metrics_addr: None };
-        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
-        // Logged before the loop starts, so before "supervising".
-        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
-            let fields = value.get("fields")?;
-            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
-        });
-        Ok(supervisor)
+        Ok(SupervisorProcess { process, log, metrics_addr: None })
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
