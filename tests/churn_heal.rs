@@ -109,9 +109,6 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         drop(self.churn.take());
-        if let (true, Some(supervisor)) = (std::thread::panicking(), &self.supervisor) {
-            eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-        }
     }
 }
 

@@ -112,16 +112,6 @@ impl Node {
     }
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        if std::thread::panicking()
-            && let Some(supervisor) = &self.supervisor
-        {
-            eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-        }
-    }
-}
-
 fn path(path: &Path) -> String {
     path.display().to_string()
 }

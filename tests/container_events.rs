@@ -123,7 +123,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let containers = self.containers.iter().map(|(_, container)| container);
-            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, containers);
+            runc::print_failure(&self.sandbox, containers);
             for request in self.api.requests() {
                 eprintln!("API server saw: {} {} {}", request.method, request.path, request.body);
             }

@@ -77,6 +77,10 @@ impl Node {
         self.sandbox.run(move || subpath::prepare(&volume, Path::new(SUBDIR), &target).map_err(|err| error_chain(&err)))
     }
 
+    /// Starts a container; once the supervisor runs, returns when it has
+    /// learnt the container's namespace, as a container running for more
+    /// than a moment is (a crash right after the start would otherwise
+    /// test the limit of a namespace learnt during the outage).
     fn start(&self, name: &str, volume: &Path, propagation: VolumePropagation, read: &str) -> RuncContainer {
         let spec = RuncSpec {
             name: name.into(),
@@ -88,7 +92,11 @@ impl Node {
             nested_tmpfs: None,
             walk_nested: false,
         };
-        self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"))
+        let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
+        if let Some(supervisor) = &self.supervisor {
+            supervisor.wait_namespace_learnt(container.pid(), HEAL_TIMEOUT).unwrap();
+        }
+        container
     }
 
     fn expected(&self, app: &App) -> String {
@@ -216,7 +224,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, self.apps.iter().map(|app| &app.container));
+            runc::print_failure(&self.sandbox, self.apps.iter().map(|app| &app.container));
         }
     }
 }

@@ -336,7 +336,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let containers = self.containers.iter().map(|watched| &watched.container);
-            runc::print_failure(self.supervisor.as_ref(), &self.sandbox, containers);
+            runc::print_failure(&self.sandbox, containers);
         }
     }
 }
@@ -544,9 +544,7 @@ fn containers_started_after_the_supervisor_are_known_by_events_and_no_heal_walks
     node.all_read(0);
     let supervisor = node.supervisor.as_ref().expect("supervisor running");
     for watched in &node.containers {
-        let pid = format!("\"pid\":{},", watched.container.pid());
-        let learnt = |line: &str| line.contains("\"mount namespace learnt\"") && line.contains(&pid);
-        supervisor.wait_for_log(HEAL_TIMEOUT, learnt).unwrap();
+        supervisor.wait_namespace_learnt(watched.container.pid(), HEAL_TIMEOUT).unwrap();
     }
     let host_baseline = node.host_mounts();
     let cycles = 3;

@@ -382,9 +382,6 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
             eprintln!("host mount table:\n{}", self.sandbox.mountinfo());
             for running in &self.running {
                 let table = running.container.mountinfo().unwrap_or_default();

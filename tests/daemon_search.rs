@@ -35,17 +35,6 @@ fn status(sandbox: &Sandbox) -> String {
     out
 }
 
-/// Prints the supervisor's log if the test fails.
-struct Dump<'a>(&'a SupervisorProcess);
-
-impl Drop for Dump<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("supervisor log:\n{}", self.0.log().join("\n"));
-        }
-    }
-}
-
 /// The daemon crashed while no supervisor ran: the first search finds
 /// nobody holding its connection, and the probe of its mount finds it dead.
 #[test]
@@ -61,7 +50,6 @@ fn a_daemon_dead_before_run_starts_is_seen_dead_at_the_first_search() {
     reader.wait_until(TIMEOUT, |seen| seen.error().is_some()).expect("the reader sees the crash");
 
     let supervisor = supervise(&sandbox);
-    let dump = Dump(&supervisor);
     let died = supervisor.wait_for_log(TIMEOUT, |line| line.contains(DIED)).expect("the death seen");
     let fields: serde_json::Value = serde_json::from_str(&died).expect("a JSON log line");
     assert_eq!(fields["fields"]["detection"], "search", "{died}");
@@ -78,7 +66,6 @@ fn a_daemon_dead_before_run_starts_is_seen_dead_at_the_first_search() {
     // only because the dead mount is gone from it.
     source.restart(&sandbox, Restart::InPlace).expect("bindfs restarts in place");
     reader.wait_until(TIMEOUT, reads(source.expected_content())).expect("reads after the heal");
-    drop(dump);
     supervisor.stop().expect("stop the supervisor");
 }
 
@@ -92,12 +79,10 @@ fn a_daemon_killed_right_after_run_starts_is_seen_dead() {
         let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "race").expect("start daemon");
         source.bind_volume(&sandbox, "pod-uid", "data").expect("bind volume");
         let supervisor = supervise(&sandbox);
-        let dump = Dump(&supervisor);
         source.crash().expect("crash");
         supervisor
             .wait_for_log(TIMEOUT, |line| line.contains(DIED))
             .unwrap_or_else(|err| panic!("round {round}: the death not seen: {err}"));
-        drop(dump);
         supervisor.stop().expect("stop the supervisor");
     }
 }

@@ -121,9 +121,6 @@ impl World {
 impl Drop for World {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
             eprintln!("mount table:\n{}", self.sandbox.mountinfo());
         }
     }

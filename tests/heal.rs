@@ -102,9 +102,6 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
             eprintln!("mount table:\n{}", self.sandbox.mountinfo());
         }
     }

@@ -226,16 +226,6 @@ impl JobPod {
     }
 }
 
-impl Drop for JobPod {
-    fn drop(&mut self) {
-        if std::thread::panicking()
-            && let Some(supervisor) = &self.supervisor
-        {
-            eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-        }
-    }
-}
-
 #[test]
 fn finished_app_unmounts_the_fuse_mount_and_the_daemon_exits() {
     let mut pod = JobPod::new("Never", false, Daemon::DemoFs, false, 0);

@@ -109,11 +109,11 @@ fn a_read_only_state_directory_stops_no_heal() {
 
 /// What a `run` that cannot start logged, with `wrapper` and `args`.
 fn failed_start(node: &Node, wrapper: &[OsString], args: &[&str]) -> String {
-    let all = ["--kubelet", "none"].iter().chain(args);
-    match SupervisorProcess::start_wrapped(&node.sandbox, wrapper, Path::new(BINARY), &node.state_dir, all) {
-        Ok(_) => panic!("the supervisor started\n{}", node.describe()),
-        Err(ScenarioError::Timeout { what, .. }) => what,
-        Err(err) => panic!("{err:?}"),
+    let all: Vec<&str> = ["--kubelet", "none"].iter().chain(args).copied().collect();
+    let run = (Path::new(BINARY), node.state_dir.as_path());
+    match SupervisorProcess::failed_start((&node.sandbox, wrapper), run, &all, TIMEOUT) {
+        Ok(log) => log.join("\n"),
+        Err(err) => panic!("{err}\n{}", node.describe()),
     }
 }
 

@@ -311,9 +311,6 @@ impl Pod {
 impl Drop for Pod {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
             eprintln!("FUSE container mount table:\n{}", self.fuse_container_table());
         }
         let _ = self.fuse_container.kill();

@@ -121,9 +121,6 @@ impl StagedNode {
 impl Drop for StagedNode {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Some(supervisor) = &self.supervisor {
-                eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-            }
             eprintln!("mount table:\n{}", self.sandbox.mountinfo());
         }
     }

@@ -102,7 +102,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     source.restart(&sandbox, Restart::UnmountThenMount).expect("restart the daemon");
     let healed = container.wait_until(TIMEOUT, reads_current(&source));
     if healed.is_err() {
-        runc::print_failure(Some(&supervisor), &sandbox, [&container]);
+        runc::print_failure(&sandbox, [&container]);
     }
     healed.expect("the container reads again");
     supervisor.wait_for_log(TIMEOUT, |line| line.contains("\"container healed\"")).expect("healed in its namespace");
@@ -111,7 +111,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
 
     let learnt = || warnings_naming(&supervisor, after_start.namespace()) > 0;
     if let Err(err) = scenario::wait_for("the second bomb read whole", TIMEOUT, learnt) {
-        runc::print_failure(Some(&supervisor), &sandbox, [&container]);
+        runc::print_failure(&sandbox, [&container]);
         panic!("no warning names the second bomb: {err}");
     }
     let after_heal = usage(&supervisor);

@@ -271,6 +271,9 @@ pub fn heal_in_namespaces(
                 pid,
                 target_path,
             ))?;
+            // Often the dead filesystem's last reference: its teardown must
+            // not hold this heal (see `let_go`).
+            super::let_go::let_go(stale);
             Ok(InNamespaceHealed::Replaced { not_carried })
         }
         Err(why) => {

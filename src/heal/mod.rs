@@ -34,6 +34,7 @@ mod dead_source;
 pub mod fuse_calls;
 pub mod in_namespace;
 mod isolations;
+mod let_go;
 mod mounter;
 pub mod namespaces;
 pub mod nested_copies;

@@ -27,16 +27,13 @@
 //! they were made in; a snapshot hands the kept mounts out in that order,
 //! numbered as a mountinfo read numbers its lines ([`FuseMount::table_order`]).
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsStr;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
 
 use fuse_supervisor_sys::fanotify::MountEvent;
 use fuse_supervisor_sys::listmount;
 use fuse_supervisor_sys::statmount::{MountStat, Namespace, mount_stat};
 
-use crate::model::mountinfo::is_fuse_type;
+use crate::model::mountinfo::{is_fuse_type, without_deleted_marker};
 use crate::model::table::{Dev, FuseMount, Snapshot};
 
 #[derive(Debug, thiserror::Error)]
@@ -235,16 +232,11 @@ impl IncrementalTable {
 fn fuse_mount(stat: MountStat) -> FuseMount {
     // mountinfo prints group IDs as ints: they fit.
     let group = |id: Option<u64>| id.and_then(|id| u32::try_from(id).ok());
-    // Like the mountinfo parser, without the marker of a deleted root.
-    let root = match stat.root.as_os_str().as_bytes().strip_suffix(b"//deleted") {
-        Some(live) => PathBuf::from(OsStr::from_bytes(live)),
-        None => stat.root,
-    };
     FuseMount {
         mount_id: stat.mount_id,
         parent_id: stat.parent_id,
         dev: Dev::from(stat.dev),
-        root,
+        root: without_deleted_marker(stat.root),
         mount_point: stat.mount_point,
         peer_group: group(stat.peer_group),
         master: group(stat.master),
@@ -285,6 +277,7 @@ impl KernelMounts {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
+    use std::path::PathBuf;
 
     use super::*;
 

@@ -279,7 +279,10 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
                 mount_id: stat.mount_id,
                 parent_id: stat.parent_id,
                 dev: Dev { major: stat.dev.0, minor: stat.dev.1 },
-                root: stat.root,
+                // As the mountinfo parser gives it: the root of a container's
+                // subPath bind read after its dead connection failed a lookup
+                // is `/sub//deleted`, which no heal could find again.
+                root: mountinfo::without_deleted_marker(stat.root),
                 mount_point: stat.mount_point,
                 peer_group: stat.peer_group.and_then(|group| u32::try_from(group).ok()),
                 master: stat.master.and_then(|group| u32::try_from(group).ok()),

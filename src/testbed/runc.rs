@@ -514,16 +514,10 @@ pub(crate) fn parse_mountinfo(text: &str) -> Vec<ContainerMount> {
         .collect()
 }
 
-/// What a failed runc-tier test prints about its node: the supervisor's
-/// log, the host's mount table, and each container's readings and table.
-pub fn print_failure<'a>(
-    supervisor: Option<&super::supervisor_process::SupervisorProcess>,
-    sandbox: &Sandbox,
-    containers: impl IntoIterator<Item = &'a RuncContainer>,
-) {
-    if let Some(supervisor) = supervisor {
-        eprintln!("supervisor log:\n{}", supervisor.log().join("\n"));
-    }
+/// What a failed runc-tier test prints about its node: the host's mount
+/// table, and each container's readings and table (the supervisor prints
+/// its log itself).
+pub fn print_failure<'a>(sandbox: &Sandbox, containers: impl IntoIterator<Item = &'a RuncContainer>) {
     eprintln!("host mount table:\n{}", sandbox.mountinfo());
     for container in containers {
         eprintln!("container {} history:\n{}", container.name(), container.describe_history());

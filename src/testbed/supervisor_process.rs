@@ -1,6 +1,8 @@
 //! The supervisor as a separate process in the sandbox: `fuse-supervisor
 //! run`, its JSON log collected line by line, its metrics and health
-//! endpoints asked over HTTP.
+//! endpoints asked over HTTP. A test that fails while it runs prints its
+//! whole log (see its `Drop`), so every failure, also one met once in a
+//! stress run, carries what the supervisor saw and did.
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader};
 use std::net::SocketAddr;
@@ -42,6 +44,61 @@ impl SupervisorProcess {
     /// Like [`SupervisorProcess::start_with`], started through `wrapper`
     /// (e.g. `nsenter --pid=… --`: in a pod's pid namespace).
     pub fn start_wrapped<I, S>(
+        sandbox: &Sandbox,
+        wrapper: &[OsString],
+        binary: &Path,
+        state_dir: &Path,
+        args: I,
+    ) -> Result<Self, ScenarioError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
+        let mut supervisor = Self::spawn_wrapped(sandbox, wrapper, binary, state_dir, args)?;
+        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
+        // Logged before the loop starts, so before "supervising".
+        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            let fields = value.get("fields")?;
+            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
+        });
+        Ok(supervisor)
+    }
+
+    /// Runs it as [`SupervisorProcess::start_wrapped`] would, expecting its
+    /// start to fail: returns its log once it has exited, however long a
+    /// loaded machine makes the start take (bounded by `timeout` only
+    /// against a hang), and fails if it starts supervising instead.
+    pub fn failed_start(
+        (sandbox, wrapper): (&Sandbox, &[OsString]),
+        (binary, state_dir): (&Path, &Path),
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<Vec<String>, ScenarioError> {
+        let supervisor = Self::spawn_wrapped(sandbox, wrapper, binary, state_dir, args)?;
+        super::scenario::wait_for("the supervisor's exit", timeout, || {
+            supervisor.try_wait().ok().flatten().is_some()
+                || supervisor.log().iter().any(|line| line.contains("\"supervising\""))
+        })?;
+        let log = supervisor.log();
+        if supervisor.try_wait()?.is_none() {
+            return Err(ScenarioError::Io {
+                step: "a start expected to fail".into(),
+                source: io::Error::other(format!("it started supervising; its log:\n{}", log.join("\n"))),
+            });
+        }
+        // Its last lines are in once the collector has read its stderr to
+        // the end and let go of the log; a child still holding that pipe
+        // would keep it open, and the lines read by then are what there is.
+        let collected = Arc::clone(&supervisor.log);
+        let _ = super::scenario::wait_for("the supervisor's log read to its end", timeout, || {
+            Arc::strong_count(&collected) == 2
+        });
+        Ok(supervisor.log())
+    }
+
+    /// `fuse-supervisor run` started, its log being collected; not waited on.
+    fn spawn_wrapped<I, S>(
         sandbox: &Sandbox,
         wrapper: &[OsString],
         binary: &Path,
@@ -95,15 +152,7 @@ impl SupervisorProcess {
                 }
             })
             .map_err(io_step("start the supervisor log thread"))?;
-        let mut supervisor = SupervisorProcess { process, log, metrics_addr: None };
-        supervisor.wait_for_log(Duration::from_secs(10), |line| line.contains("\"supervising\""))?;
-        // Logged before the loop starts, so before "supervising".
-        supervisor.metrics_addr = supervisor.log().iter().find_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
-            let fields = value.get("fields")?;
-            (fields.get("message")? == "serving metrics").then(|| fields.get("addr")?.as_str()?.parse().ok())?
-        });
-        Ok(supervisor)
+        Ok(SupervisorProcess { process, log, metrics_addr: None })
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
@@ -205,6 +254,15 @@ impl SupervisorProcess {
         self.wait_for_log(timeout, |line| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon))
     }
 
+    /// Waits until it has learnt the mount namespace of process `pid` (a
+    /// container's): a copy of a volume there is healed at the next death
+    /// only if it was (`docs/limits.md`, namespaces not learnt), and under
+    /// load the learning can lag a container's start by a second.
+    pub fn wait_namespace_learnt(&self, pid: u32, timeout: Duration) -> Result<String, ScenarioError> {
+        let pid = format!("\"pid\":{pid},");
+        self.wait_for_log(timeout, |line| line.contains("\"mount namespace learnt\"") && line.contains(&pid))
+    }
+
     /// Waits until it has seen the death of daemon `pid` and detached a
     /// dead source from its path `detaches` times in all (counted: device
     /// numbers are reused from one crash to the next). A restart over the
@@ -244,5 +302,15 @@ impl SupervisorProcess {
     pub fn stop(self) -> Result<std::process::ExitStatus, ScenarioError> {
         self.process.signal(Signal::Term).map_err(io_step("signal the supervisor"))?;
         self.process.wait().map_err(io_step("wait for the supervisor"))
+    }
+}
+
+impl Drop for SupervisorProcess {
+    /// On a failing test (a panic unwinding through its owner), prints the
+    /// log: libtest keeps it with the test's output.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("supervisor log (pid {}):\n{}", self.pid(), self.log().join("\n"));
+        }
     }
 }

@@ -2,7 +2,11 @@
 //! programs from (as root, with the distribution's package manager), or stops
 //! with one line naming what is missing; then runs `cargo test --workspace
 //! ARGS…`.
+//!
+//! `cargo xtask stress …`: the same packages, then the integration tests
+//! run repeatedly beside busy-looping processes (`stress.rs`).
 
+mod stress;
 mod system_packages;
 
 use std::env;
@@ -19,12 +23,27 @@ fn main() -> ExitCode {
     let mut args = env::args_os().skip(1);
     match args.next().as_deref().and_then(OsStr::to_str) {
         Some("test") => test(args.collect()),
+        Some("stress") => match stress::parse_args(args.collect()) {
+            Ok(stress_args) => match ensure_test_packages() {
+                Ok(()) => stress::stress(stress_args),
+                Err(message) => {
+                    eprintln!("xtask: {message}");
+                    ExitCode::from(2)
+                }
+            },
+            Err(message) => {
+                eprintln!("xtask stress: {message}\n{}", stress::USAGE);
+                ExitCode::from(2)
+            }
+        },
+        // A busy-looping child of `stress`, not for people.
+        Some("hog") => stress::hog(),
         Some("-h" | "--help") => {
-            println!("{USAGE}");
+            println!("{USAGE}\n{}", stress::USAGE);
             ExitCode::SUCCESS
         }
         _ => {
-            eprintln!("{USAGE}");
+            eprintln!("{USAGE}\n{}", stress::USAGE);
             ExitCode::from(2)
         }
     }
@@ -35,9 +54,8 @@ fn test(cargo_args: Vec<OsString>) -> ExitCode {
         eprintln!("xtask: {message}");
         return ExitCode::from(2);
     }
-    // The cargo that runs this task, so a toolchain override carries over.
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    match Command::new(&cargo).args(["test", "--workspace"]).args(&cargo_args).status() {
+    let (mut command, cargo) = cargo();
+    match command.args(["test", "--workspace"]).args(&cargo_args).status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).unwrap_or(1)),
         Err(err) => {
@@ -45,6 +63,28 @@ fn test(cargo_args: Vec<OsString>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The cargo that runs this task (so a toolchain override carries over),
+/// without what `cargo run` set for this task alone: build scripts that
+/// read a package's variables (ring's reads `CARGO_MANIFEST_DIR` and
+/// `CARGO_PKG_NAME`) would see xtask's and rerun, rebuilding ring and all
+/// that depends on it, the whole crate included, once under `cargo xtask`
+/// and again under a plain `cargo test`.
+pub(crate) fn cargo() -> (Command, OsString) {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = Command::new(&cargo);
+    for (name, _) in env::vars_os() {
+        let set_by_run = name.to_str().is_some_and(|name| {
+            name.starts_with("CARGO_PKG_")
+                || name.starts_with("CARGO_MANIFEST_")
+                || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE"].contains(&name)
+        });
+        if set_by_run {
+            command.env_remove(&name);
+        }
+    }
+    (command, cargo)
 }
 
 /// Installs what `TEST_PACKAGES` lacks here, or says in one line why not.

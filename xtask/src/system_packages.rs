@@ -113,6 +113,13 @@ pub const TEST_PACKAGES: &[SystemPackage] = &[
         also_in: &["/usr/lib/openssh", "/usr/libexec/openssh", "/usr/libexec"],
     },
     SystemPackage {
+        program: "kubectl",
+        deb: "kubernetes-client",
+        rpm: "kubernetes-client",
+        used_for: "`kubectl kustomize`, which the manifests test renders deploy/'s kustomizations with",
+        also_in: &[],
+    },
+    SystemPackage {
         program: "containerd",
         deb: "containerd",
         rpm: "containerd",

@@ -38,6 +38,10 @@ mod stream;
 #[cfg(feature = "testbed")]
 mod synthetic;
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+
 use dedup::SeenIds;
 pub use error::{Field, ParseError, ParseErrorKind, QUOTE_LIMIT};
 use fields::{Utf8, parse_at};
@@ -88,6 +92,18 @@ pub fn is_fuse_type(fs_type: &str) -> bool {
     match fs_type.strip_prefix("fuse") {
         Some(rest) => rest.is_empty() || rest == "blk" || rest.starts_with('.'),
         None => false,
+    }
+}
+
+/// A root read with `statmount`, which prints it as mountinfo does, without
+/// the `//deleted` marker (see the module's doc). A FUSE dentry is also
+/// unhashed, and so marked, when its revalidation fails on a dead
+/// connection: the path is still the one the mount was made from, and it is
+/// what a heal looks up in the new daemon's tree.
+pub fn without_deleted_marker(root: PathBuf) -> PathBuf {
+    match root.as_os_str().as_bytes().strip_suffix(b"//deleted") {
+        Some(live) => PathBuf::from(OsStr::from_bytes(live)),
+        None => root,
     }
 }
 

@@ -52,3 +52,14 @@ fn dedup_with_huge_ids_sorts() {
     let ids: Vec<_> = parse_table(text).unwrap().iter().map(|m| (m.mount_id, m.minor)).collect();
     assert_eq!(ids, [(2, 2), (4_000_000_000, 3)]);
 }
+
+#[test]
+fn a_statmount_root_loses_its_deleted_marker_as_a_parsed_one_does() {
+    let line = b"95 167 0:88 /sub//deleted /volume rw - fuse src rw";
+    let parsed = parse_line(line, 1).unwrap();
+    assert!(parsed.root_deleted);
+    let stripped = without_deleted_marker(PathBuf::from("/sub//deleted"));
+    assert_eq!(stripped.as_os_str().as_bytes(), parsed.root.raw());
+    assert_eq!(without_deleted_marker(PathBuf::from("/sub")), PathBuf::from("/sub"));
+    assert_eq!(without_deleted_marker(PathBuf::from("/")), PathBuf::from("/"));
+}
