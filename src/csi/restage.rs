@@ -263,6 +263,15 @@ impl Shared {
 /// dead connection it looks for.
 async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
     let mut tasks: HashMap<PathBuf, watch::Sender<Dev>> = HashMap::new();
+    // An agent started during an outage: a staging path whose dead mount
+    // was detached (by the agent before this one) shows no source at all,
+    // so no death will be handed over for it. Its record says it was
+    // staged: with nothing mounted there, it waits for its driver too.
+    for source in unmounted_at_start(&shared.config) {
+        let (sender, dead) = watch::channel(NO_CONNECTION);
+        tasks.insert(source.clone(), sender);
+        tokio::spawn(restage(Arc::clone(&shared), source, dead));
+    }
     while let Some(Dead { source, dev }) = deaths.recv().await {
         tasks.retain(|_, task| !task.is_closed());
         if let Some(task) = tasks.get(&source) {
@@ -273,6 +282,30 @@ async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
         tasks.insert(source.clone(), sender);
         tokio::spawn(restage(Arc::clone(&shared), source, dead));
     }
+}
+
+/// The connection of a staging path found with nothing mounted: none is
+/// dead there (no FUSE connection has device 0:0).
+const NO_CONNECTION: Dev = Dev { major: 0, minor: 0 };
+
+/// The recorded staging paths of `--restage` drivers with nothing mounted
+/// on them.
+fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
+    let read = match records::read_all(&config.records) {
+        Ok(read) => read,
+        Err(err) => {
+            // No directory yet: no proxy has recorded anything.
+            debug!(err = %crate::report::error_chain(&err), "no CSI records at start");
+            return Vec::new();
+        }
+    };
+    read.records
+        .iter()
+        .filter(|record| matches!(record.request, Request::Stage(_)))
+        .filter(|record| record.driver.as_ref().is_some_and(|driver| config.drivers.contains(driver)))
+        .map(|record| PathBuf::from(record.request.path()))
+        .filter(|path| matches!(at_path(path, NO_CONNECTION), Ok(AtPath::Unmounted)))
+        .collect()
 }
 
 /// What is at a staging path, against the dead connection.
@@ -418,7 +451,8 @@ fn stage_record(dir: &Path, source: &Path) -> Result<Option<Record>, RecordError
 
 /// The pods that still use the volume of `stage`: each recorded publish of
 /// it whose target is still there, of a pod the kubelet's last `/pods`
-/// list (when there is one) does not show terminating.
+/// list (when there is one) does not show terminating. The kubelet removes
+/// a target's directory (`…/volumes/kubernetes.io~csi/<pv>`) with its pod.
 fn pods_of(shared: &Shared, stage: &Record) -> Vec<String> {
     let config = &shared.config;
     let Some(dir) = stage.file.parent() else { return Vec::new() };
@@ -432,7 +466,9 @@ fn pods_of(shared: &Shared, stage: &Record) -> Vec<String> {
         }
         let target = Path::new(&publish.target_path);
         let Some(uid) = pod_of_target(&config.kubelet_root, target) else { continue };
-        if !target.exists() {
+        // Its directory, not the target itself: a stat of a dead FUSE
+        // mount fails with ENOTCONN.
+        if !target.parent().is_some_and(Path::exists) {
             continue;
         }
         let terminating = listed

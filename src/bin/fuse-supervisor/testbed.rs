@@ -137,6 +137,12 @@ pub(crate) enum Internal {
         /// NodeStageVolume answers OK whenever /proc/mounts lists the path.
         #[arg(long)]
         trust_proc_mounts: bool,
+        /// Append a line per Node call (its name and volume) to FILE.
+        #[arg(long, value_name = "FILE")]
+        call_log: Option<PathBuf>,
+        /// NodeStageVolume never answers (a hung driver).
+        #[arg(long)]
+        hang_stage: bool,
     },
     /// Parse `fuse-supervisor ARGS...` with this process's environment,
     /// check it as that command's start would, print what it would run as
@@ -342,7 +348,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
         }
         Internal::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Internal::CheckArgs { args } => check_args(args),
-        Internal::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts } => {
+        Internal::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts, call_log, hang_stage } => {
             csi_plugin::run(PluginOptions {
                 socket,
                 name,
@@ -350,6 +356,8 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                 stage_unstage: !no_stage_unstage,
                 trust_proc_mounts,
                 answer_only: false,
+                call_log,
+                hang_stage,
             })
             .context("the CSI plugin failed")
         }
