@@ -424,6 +424,8 @@ fn a_driver_that_stages_by_itself_is_not_called_again() {
     world.daemons_watched();
     world.kill_plugin();
     world.agent_waits_for_driver(1);
+    // The plugin mounts on a directory, not on the dead mount.
+    world.agent().wait_for_log(TIMEOUT, |line| line.contains("\"message\":\"dead source detached")).unwrap();
     world.restart_plugin();
     // The driver's own healer, straight to its socket.
     let driver = CsiClient::connect(world.plugin.outside_socket()).unwrap();

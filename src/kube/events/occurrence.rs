@@ -285,7 +285,7 @@ fn restage_note(outcome: &RestageOutcome) -> Option<(Reason, String)> {
     let volume = &outcome.volume_id;
     let (driver, path) = (&outcome.driver, outcome.staging_path.display());
     let retry = outcome.retry_in.map(|retry| format!("; retrying in {}", human(retry))).unwrap_or_default();
-    let code = outcome.code.map(|code| crate::csi::unary::code_name(code)).unwrap_or("no answer");
+    let code = outcome.code.map(crate::csi::unary::code_name).unwrap_or("no answer");
     Some(match outcome.result {
         RestageResult::Restaged => (
             Reason::VolumeRestaged,
