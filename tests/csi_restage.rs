@@ -198,7 +198,8 @@ impl World {
     /// node's mount namespaces.
     fn start_agent(&mut self, extra: &[&str]) {
         let state_dir = self.sandbox.root().join("state");
-        let records = self.sandbox.root().join("run/records");
+        // The proxy's directory is one of those in it, as on a node.
+        let records = self.sandbox.root().join("run");
         let mut args: Vec<String> =
             ["--kubelet", "none", "--restage", DRIVER, "--csi-records"].map(str::to_owned).into();
         args.push(records.display().to_string());

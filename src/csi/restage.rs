@@ -69,7 +69,8 @@ const RETRY_MAX: Duration = Duration::from_secs(60);
 pub struct RestageConfig {
     /// The drivers whose volumes are staged again (`--restage`).
     pub drivers: BTreeSet<String>,
-    /// The proxy's record directory (`--csi-records`), a host path.
+    /// Where the proxies record (`--csi-records`), a host path: records in
+    /// it and in each directory in it (one per driver's proxy).
     pub records: PathBuf,
     /// Each driver's own socket where `--csi-socket` names it; the others
     /// at `<kubelet root>/plugins/<driver>/csi.sock`.
@@ -291,7 +292,7 @@ const NO_CONNECTION: Dev = Dev { major: 0, minor: 0 };
 /// The recorded staging paths of `--restage` drivers with nothing mounted
 /// on them.
 fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
-    let read = match records::read_all(&config.records) {
+    let read = match read_records(&config.records) {
         Ok(read) => read,
         Err(err) => {
             // No directory yet: no proxy has recorded anything.
@@ -299,8 +300,7 @@ fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
             return Vec::new();
         }
     };
-    read.records
-        .iter()
+    read.iter()
         .filter(|record| matches!(record.request, Request::Stage(_)))
         .filter(|record| record.driver.as_ref().is_some_and(|driver| config.drivers.contains(driver)))
         .map(|record| PathBuf::from(record.request.path()))
@@ -439,14 +439,27 @@ fn outcome(driver: &str, volume_id: &str, source: &Path, pods: Vec<String>, resu
 
 /// The stage record whose staging path is `source`, if any.
 fn stage_record(dir: &Path, source: &Path) -> Result<Option<Record>, RecordError> {
-    let read = records::read_all(dir)?;
+    Ok(read_records(dir)?
+        .into_iter()
+        .find(|record| matches!(&record.request, Request::Stage(_)) && Path::new(record.request.path()) == source))
+}
+
+/// Every record in `dir` and in the directories in it; corrupt ones are
+/// logged and skipped.
+fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
+    let mut read = records::read_all(dir)?;
+    let listing = std::fs::read_dir(dir).map_err(|source| RecordError::ReadDir { dir: dir.to_path_buf(), source })?;
+    for entry in listing.flatten() {
+        if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+            let inner = records::read_all(&entry.path())?;
+            read.records.extend(inner.records);
+            read.corrupt.extend(inner.corrupt);
+        }
+    }
     for err in &read.corrupt {
         warn!(err = %crate::report::error_chain(err), "corrupt CSI record skipped");
     }
-    Ok(read
-        .records
-        .into_iter()
-        .find(|record| matches!(&record.request, Request::Stage(_)) && Path::new(record.request.path()) == source))
+    Ok(read.records)
 }
 
 /// The pods that still use the volume of `stage`: each recorded publish of

@@ -170,8 +170,9 @@ pub(crate) struct RestageArgs {
     /// once the driver's socket answers again (repeatable; env: comma-separated).
     #[arg(long = "restage", value_name = "DRIVER", env = "FUSE_SUPERVISOR_RESTAGE", value_delimiter = ',')]
     pub(crate) drivers: Vec<String>,
-    /// The CSI proxy's record directory, as the host sees it.
-    #[arg(long, value_name = "DIR", default_value = "/run/fuse-supervisor/csi", env = "FUSE_SUPERVISOR_CSI_RECORDS")]
+    /// Where the CSI proxies record, as the host sees it: records in DIR
+    /// and in each directory in it (one per driver's proxy).
+    #[arg(long, value_name = "DIR", default_value = "/run/fuse-supervisor-csi", env = "FUSE_SUPERVISOR_CSI_RECORDS")]
     pub(crate) csi_records: PathBuf,
     /// A driver's own socket, as the host sees it, where it is not
     /// `<kubelet root>/plugins/<driver>/csi.sock` (repeatable; env: comma-separated).

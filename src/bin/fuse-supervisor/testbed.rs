@@ -1,5 +1,5 @@
 //! The demo and the hidden commands the tests run (feature `testbed`).
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -233,6 +233,7 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
     let summary = match cli.command {
         Command::Run { node, kubelet, job, daemons, serve, events, .. } => {
             let config = node.config()?;
+            let restage = daemons.restage.config(&config.kubelet_root);
             let confirmation = kubelet.confirmation()?;
             let lifecycle = job.config(confirmation.as_ref(), &config)?;
             let mode = match (job.sidecar.sidecar, job.sidecar.sidecar_namespaces) {
@@ -249,12 +250,18 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
                 "mount_namespace": config.mount_namespace,
                 "kubelet_root": config.kubelet_root,
                 "state_dir": config.state_dir,
+                "staging_dir": config.staging_dir,
                 "realtime_priority": node.realtime_priority,
                 "kubelet_authz": confirmation.is_some().then_some(authz),
                 "events": events.events == OnOff::On,
                 "job_lifecycle": lifecycle.is_some(),
                 "process_connector": connector,
                 "metrics_addr": serve.metrics_addr.0,
+                "restage": restage.as_ref().map(|restage| {
+                    let sockets: BTreeMap<&String, std::path::PathBuf> =
+                        restage.drivers.iter().map(|driver| (driver, restage.socket_of(driver))).collect();
+                    serde_json::json!({ "drivers": restage.drivers, "records": restage.records, "sockets": sockets })
+                }),
             })
         }
         Command::Webhook { webhook, .. } => {
@@ -271,7 +278,7 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
             let config = proxy.config();
             serde_json::json!({
                 "command": name,
-                "listen": config.listen,
+                "proxy_listen": config.listen,
                 "driver_socket": config.driver_socket,
                 "record_dir": config.record_dir,
                 "record_secrets": config.record_secrets,
