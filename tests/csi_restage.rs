@@ -302,6 +302,30 @@ impl World {
             .unwrap_or_else(|err| panic!("{err}"));
     }
 
+    /// `status --json` in the sandbox, with the records: the state of each
+    /// stage record by volume; no secret in what it prints.
+    fn record_states(&self) -> BTreeMap<String, String> {
+        let mut command = std::process::Command::new(BINARY);
+        command.args(["status", "--json", "--kubelet-root"]).arg(self.sandbox.kubelet_root());
+        command.arg("--state-dir").arg(self.sandbox.root().join("state"));
+        command.args(["--mount-namespace", "/proc/self/ns/mnt", "--csi-records"]).arg(self.sandbox.root().join("run"));
+        command.stdout(std::process::Stdio::piped());
+        let mut child = self.sandbox.spawn(command).expect("run status");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut child.take_stdout().expect("its stdout"), &mut out).unwrap();
+        assert!(child.wait().expect("status exits").success(), "{out}");
+        assert!(!out.contains(SECRET), "status prints the secret");
+        let report: serde_json::Value = serde_json::from_str(&out).expect("status's JSON");
+        let records = report["csi_records"].as_array().cloned().unwrap_or_default();
+        records
+            .iter()
+            .filter(|record| record["call"] == "stage")
+            .map(|record| {
+                (record["volume_id"].as_str().unwrap().to_owned(), record["state"].as_str().unwrap().to_owned())
+            })
+            .collect()
+    }
+
     /// No output of the agent, the proxy, the state file or the metrics
     /// holds the secret.
     fn no_secret_anywhere(&self) {
@@ -345,8 +369,13 @@ fn a_restarted_plugin_gets_every_volume_staged_again_and_every_container_reads()
     world.start_agent(&[]);
     world.daemons_watched();
     let baseline = world.sandbox.count_mounts_under(world.sandbox.root());
+    let staged =
+        BTreeMap::from([("bindfs-vol".to_owned(), "staged".to_owned()), ("sshfs-vol".to_owned(), "staged".to_owned())]);
+    assert_eq!(world.record_states(), staged);
     world.kill_plugin();
     world.agent_waits_for_driver(2);
+    let waiting = staged.keys().map(|volume| (volume.clone(), "waiting for its driver".to_owned())).collect();
+    assert_eq!(world.record_states(), waiting);
     world.restart_plugin();
     for volume in &world.volumes {
         for pod in &volume.pods {
@@ -368,6 +397,7 @@ fn a_restarted_plugin_gets_every_volume_staged_again_and_every_container_reads()
     }
     assert_eq!(world.metric("restaged"), 2.0);
     assert_eq!(world.metric("failed"), 0.0);
+    assert_eq!(world.record_states(), staged);
     world.no_secret_anywhere();
 }
 

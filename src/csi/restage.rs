@@ -275,8 +275,8 @@ async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
     }
     while let Some(Dead { source, dev }) = deaths.recv().await {
         tasks.retain(|_, task| !task.is_closed());
-        if let Some(task) = tasks.get(&source) {
-            let _ = task.send(dev);
+        // A task that ended since still has its sender here: a new one then.
+        if tasks.get(&source).is_some_and(|task| task.send(dev).is_ok()) {
             continue;
         }
         let (sender, dead) = watch::channel(dev);
@@ -356,6 +356,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
         );
         info!(driver, volume_id, staging_path = %source.display(), socket = %socket.display(), "waiting for the driver to stage the volume again");
         wait_for_driver(&socket).await;
+        info!(driver, volume_id, socket = %socket.display(), "the driver answers again");
         tokio::time::sleep(config.grace).await;
         shared.set_waiting(&source, None);
         // The kubelet may have unstaged the volume meanwhile.
@@ -409,6 +410,11 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             Ok(_) => {
                 info!(driver, volume_id, staging_path = %source.display(), took_us = took.as_micros() as u64, attempts, "volume staged again");
                 (shared.outcome)(told);
+                // The new mount's daemon died already (its death came to
+                // this task): once more.
+                if dead.has_changed().unwrap_or(false) {
+                    continue;
+                }
                 return;
             }
             Err(err) => {
@@ -444,9 +450,9 @@ fn stage_record(dir: &Path, source: &Path) -> Result<Option<Record>, RecordError
         .find(|record| matches!(&record.request, Request::Stage(_)) && Path::new(record.request.path()) == source))
 }
 
-/// Every record in `dir` and in the directories in it; corrupt ones are
-/// logged and skipped.
-fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
+/// Every record in `dir` and in the directories in it (`--csi-records`);
+/// corrupt ones are logged and skipped.
+pub fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
     let mut read = records::read_all(dir)?;
     let listing = std::fs::read_dir(dir).map_err(|source| RecordError::ReadDir { dir: dir.to_path_buf(), source })?;
     for entry in listing.flatten() {
