@@ -42,7 +42,7 @@ use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Re
 #[allow(dead_code)]
 mod common;
 
-use common::Flags;
+use common::{Flags, log_lines, timestamp};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -129,7 +129,7 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
     let supervisor = SupervisorProcess::start_with(&sandbox, binary, &state_dir, args).expect("supervisor");
     let mut figures = Figures::default();
     for cycle in 0..cycles {
-        let logged = |message: &str| lines(&supervisor, message).len();
+        let logged = |message: &str| log_lines(&supervisor, message).len();
         scenario::wait_for("the daemon watched", TIMEOUT, || logged("watching the FUSE daemon") > cycle)
             .expect("daemon watched");
         let crashed = SystemTime::now();
@@ -140,14 +140,14 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
                 logged("containers' dead mounts isolated") > cycle
             })
             .expect("isolated");
-            let isolations = lines(&supervisor, "containers' dead mounts isolated");
+            let isolations = log_lines(&supervisor, "containers' dead mounts isolated");
             let fields = isolations.last().map(|line| &line["fields"]);
             figures.isolated.extend(fields.and_then(|fields| fields["took_us"].as_u64()));
             figures.searched.extend(fields.and_then(|fields| fields["searched_us"].as_u64()));
         }
         source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
         scenario::wait_for("every target healed", TIMEOUT, || logged("healed") >= size * (cycle + 1)).expect("healed");
-        let healed = lines(&supervisor, "healed");
+        let healed = log_lines(&supervisor, "healed");
         let batch = &healed[size * cycle..size * (cycle + 1)];
         let host = batch.iter().filter_map(|line| line["fields"]["latency_us"].as_u64()).max().expect("latency_us");
         figures.host.push(host);
@@ -159,7 +159,7 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
         let seen = timestamp(first) - Duration::from_micros(first["fields"]["latency_us"].as_u64().unwrap_or(0));
         scenario::wait_for("every container healed", TIMEOUT, || logged("container healed") >= size * (cycle + 1))
             .expect("container heals");
-        let container_heals = lines(&supervisor, "container healed");
+        let container_heals = log_lines(&supervisor, "container healed");
         let latest = container_heals[size * cycle..size * (cycle + 1)]
             .iter()
             .filter_map(|line| line["fields"]["latency_us"].as_u64())
@@ -179,24 +179,6 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
     drop(supervisor);
     drop(containers);
     figures
-}
-
-/// The supervisor's JSON log lines whose message is `message`, in order.
-fn lines(supervisor: &SupervisorProcess, message: &str) -> Vec<serde_json::Value> {
-    let quoted = format!("\"message\":\"{message}\"");
-    supervisor
-        .log()
-        .iter()
-        .filter(|line| line.contains(&quoted))
-        .filter_map(|line| serde_json::from_str(line).ok())
-        .collect()
-}
-
-/// tracing's RFC 3339 timestamp of a log line.
-fn timestamp(line: &serde_json::Value) -> SystemTime {
-    let text = line["timestamp"].as_str().expect("a timestamp");
-    let at = time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).expect("RFC 3339");
-    SystemTime::from(at)
 }
 
 fn summary(micros: &[u64]) -> String {

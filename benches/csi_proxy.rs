@@ -34,6 +34,8 @@ fn main() {
         stage_unstage: true,
         trust_proc_mounts: false,
         answer_only: true,
+        call_log: None,
+        hang_stage: false,
     };
     let (socket, proxied) = (driver_socket.clone(), listen.clone());
     std::thread::spawn(move || {

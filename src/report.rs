@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::csi::restage::RestageOutcome;
 use crate::heal::Healed;
 use crate::kube::KubeletError;
 use crate::model::state::Owner;
@@ -89,6 +90,11 @@ pub enum Report<'a> {
     Resynced { watch: &'static str, reason: &'static str },
     /// One kubelet `/pods` call ended.
     KubeletAnswered { result: Result<(), &'a KubeletError>, took: Duration },
+    /// A re-staging through a CSI driver ended, or one of its attempts
+    /// failed: counted once (`restages_total`).
+    Restage(&'a RestageOutcome),
+    /// The same, for one pod of the volume (its Event).
+    VolumeRestage { outcome: &'a RestageOutcome, pod_uid: &'a str },
 }
 
 impl Report<'_> {

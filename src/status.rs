@@ -40,11 +40,29 @@ pub struct TargetRow {
     pub layers: usize,
 }
 
+/// A CSI proxy's record of a `NodeStageVolume` or `NodePublishVolume`
+/// (never its request: it holds the secrets).
+#[derive(Debug, Serialize)]
+pub struct CsiRecordRow {
+    pub call: &'static str,
+    pub driver: Option<String>,
+    pub volume_id: String,
+    pub path: PathBuf,
+    pub secrets: crate::csi::records::Secrets,
+    pub recorded_at: String,
+    /// Of a stage: `staged` (a live source at its path) or `waiting for its
+    /// driver` (its daemon died, or its dead mount was detached); of a
+    /// publish: `published`.
+    pub state: &'static str,
+}
+
 #[derive(Debug, Serialize)]
 pub struct Status {
     pub total_mounts: usize,
     pub sources: Vec<SourceRow>,
     pub targets: Vec<TargetRow>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub csi_records: Vec<CsiRecordRow>,
 }
 
 impl Status {
@@ -123,7 +141,48 @@ impl Status {
                 }
             })
             .collect();
-        Status { total_mounts: classified.total_mounts, sources, targets }
+        Status { total_mounts: classified.total_mounts, sources, targets, csi_records: Vec::new() }
+    }
+
+    /// Adds the CSI proxies' records, each stage with whether its global
+    /// mount is live or waits for its driver (`run --restage` stages it
+    /// again once the driver answers).
+    pub fn with_csi_records(mut self, records: &[crate::csi::records::Record]) -> Self {
+        use crate::csi::records::Request;
+        let sources = &self.sources;
+        self.csi_records = records
+            .iter()
+            .map(|record| {
+                let path = PathBuf::from(record.request.path());
+                let state = match &record.request {
+                    Request::Publish(_) => "published",
+                    Request::Stage(_) => {
+                        let live = sources.iter().any(|source| {
+                            source.path == path
+                                && source.layers > 0
+                                && source.daemon_died.is_none_or(|death| death.dev != source.dev)
+                        });
+                        if live { "staged" } else { "waiting for its driver" }
+                    }
+                };
+                CsiRecordRow {
+                    call: match record.request.call() {
+                        crate::csi::records::Call::NodeStageVolume => "stage",
+                        crate::csi::records::Call::NodePublishVolume => "publish",
+                    },
+                    driver: record.driver.clone(),
+                    volume_id: record.request.volume_id().to_owned(),
+                    path,
+                    secrets: record.secrets,
+                    recorded_at: record
+                        .recorded_at
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default(),
+                    state,
+                }
+            })
+            .collect();
+        self
     }
 
     pub fn broken(&self) -> usize {
@@ -193,6 +252,30 @@ impl Status {
                 t.path.display(),
                 source
             );
+        }
+        if !self.csi_records.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nCSI RECORDS\n{:<22} {:<8} {:<24} {:<24} {:<9} PATH",
+                "STATE", "CALL", "DRIVER", "VOLUME", "SECRETS"
+            );
+            for r in &self.csi_records {
+                let secrets = match r.secrets {
+                    crate::csi::records::Secrets::Recorded => "recorded",
+                    crate::csi::records::Secrets::Omitted => "omitted",
+                    crate::csi::records::Secrets::None => "none",
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<22} {:<8} {:<24} {:<24} {:<9} {}",
+                    r.state,
+                    r.call,
+                    r.driver.as_deref().unwrap_or("?"),
+                    r.volume_id,
+                    secrets,
+                    r.path.display()
+                );
+            }
         }
         out
     }

@@ -64,6 +64,21 @@ struct Started {
     listen: Option<SocketAddr>,
     #[serde(default)]
     tls_files: Vec<PathBuf>,
+    staging_dir: Option<PathBuf>,
+    /// `run --restage`: the drivers, where their records are read and
+    /// each driver's socket (host paths).
+    restage: Option<Restage>,
+    /// `csi-proxy`: its sockets and record directory (container paths).
+    proxy_listen: Option<PathBuf>,
+    driver_socket: Option<PathBuf>,
+    record_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Restage {
+    drivers: Vec<String>,
+    records: PathBuf,
+    sockets: BTreeMap<String, PathBuf>,
 }
 
 impl Started {
@@ -572,9 +587,14 @@ fn problems(objects: &[Value], rbac: &[Value]) -> Vec<String> {
                 );
             }
         }
+        // A sidecar in another program's pod (the CSI proxy in a driver's
+        // node plugin) leaves the pod's other fields to that program.
+        let shared = containers(pod).any(|container| {
+            container["image"].as_str().is_none_or(|image| split_image(image).0.rsplit('/').next() != Some(IMAGE))
+        });
         for (field, (wanted, why)) in pod_needs {
             let set = pod[field].as_bool().unwrap_or(false);
-            if set != wanted {
+            if set != wanted && (wanted || !shared) {
                 let what = if wanted { "needs" } else { "must not have" };
                 problems.push(format!("{}: {what} {field}: true: {why}", name_of(object)));
             }
@@ -822,6 +842,84 @@ fn each_example_gets_what_its_mode_needs_and_no_more() {
         assert_none(&path.display().to_string(), &problems(&objects, &base));
     }
     assert!(seen >= 2, "the two sidecar examples were not found");
+}
+
+/// The node path `path` of `container` is, through its hostPath volume
+/// mounts (the deepest mount that holds it).
+fn host_path(pod: &Value, container: &Value, path: &Path) -> Option<PathBuf> {
+    let mounts = container["volumeMounts"].as_array().into_iter().flatten();
+    let (mount, rest) = mounts
+        .filter_map(|mount| Some((mount, path.strip_prefix(mount["mountPath"].as_str()?).ok()?)))
+        .min_by_key(|(_, rest)| rest.components().count())?;
+    let volume = pod["volumes"].as_array().into_iter().flatten().find(|volume| volume["name"] == mount["name"])?;
+    Some(Path::new(volume.pointer("/hostPath/path")?.as_str()?).join(rest))
+}
+
+/// The value of `--flag=value` in a container's args.
+fn flag_value<'a>(container: &'a Value, flag: &str) -> Option<&'a str> {
+    strings(&container["args"]).into_iter().find_map(|arg| arg.strip_prefix(flag)?.strip_prefix('='))
+}
+
+/// The sidecar patch of a CSI node plugin and the agent's `--restage`
+/// agree on the node's paths: the registrar registers the proxy's socket
+/// (and dials it), the records go on the node's tmpfs in a directory of
+/// the agent's `--csi-records`, outside its staging tmpfs, and the agent
+/// dials the driver's own socket where the driver serves it.
+#[test]
+fn the_csi_sidecar_patch_and_the_agents_restage_flags_agree() {
+    let example = yaml_documents(&deploy("examples/csi-restage-cephfs-nodeplugin.yaml"));
+    let daemonset = example.iter().find(|object| object["kind"] == "DaemonSet").expect("the node plugin's DaemonSet");
+    let pod = pod_spec(daemonset).unwrap();
+    let is_ours = |container: &&Value| {
+        container["image"].as_str().is_some_and(|image| split_image(image).0.rsplit('/').next() == Some(IMAGE))
+    };
+    let proxy = containers(pod).find(is_ours).expect("the csi-proxy container");
+    let started = started_as(proxy).expect("the proxy's args and env");
+    assert_eq!(started.command, "csi-proxy");
+    let on_node = |container: &Value, path: &Option<PathBuf>| {
+        let path = path.as_deref().expect("a path");
+        host_path(pod, container, path).unwrap_or_else(|| panic!("{} is on no hostPath", path.display()))
+    };
+    let listen = on_node(proxy, &started.proxy_listen);
+    let driver_socket = on_node(proxy, &started.driver_socket);
+    let records = on_node(proxy, &started.record_dir);
+    let registrar = containers(pod)
+        .find(|container| container["image"].as_str().is_some_and(|image| image.contains("csi-node-driver-registrar")))
+        .expect("the node-driver-registrar");
+    let registered = flag_value(registrar, "--kubelet-registration-path").expect("--kubelet-registration-path");
+    assert_eq!(Path::new(registered), listen, "the kubelet must dial the proxy");
+    let dialed = flag_value(registrar, "--csi-address").expect("--csi-address");
+    assert_eq!(host_path(pod, registrar, Path::new(dialed)).as_deref(), Some(listen.as_path()));
+    assert!(records.starts_with("/run"), "records on the node's tmpfs, not {}", records.display());
+    let driver = records.file_name().expect("a directory per driver").to_string_lossy().into_owned();
+
+    // The agent, with --restage as the DaemonSet's comment says.
+    let mut base = render(&deploy(""));
+    for object in &mut base {
+        for container in containers_mut(object) {
+            if let Some(env) = container["env"].as_array_mut() {
+                env.push(serde_json::json!({"name": "FUSE_SUPERVISOR_RESTAGE", "value": driver}));
+            }
+        }
+    }
+    assert_none("deploy/ with --restage", &problems(&base, &[]));
+    let agent = base
+        .iter()
+        .filter_map(pod_spec)
+        .flat_map(containers)
+        .find(is_ours)
+        .map(|container| started_as(container).expect("the agent's args and env"))
+        .expect("the agent's container");
+    let restage = agent.restage.expect("--restage is on");
+    assert_eq!(restage.drivers, std::slice::from_ref(&driver));
+    assert_eq!(records.parent(), Some(restage.records.as_path()), "the records are not where the agent reads");
+    assert_eq!(restage.sockets.get(&driver), Some(&driver_socket), "the agent would not dial the driver's own socket");
+    let staging = agent.staging_dir.expect("--staging-dir");
+    assert!(
+        !records.starts_with(&staging),
+        "the agent's staging tmpfs at {} would hide the records",
+        staging.display()
+    );
 }
 
 #[test]

@@ -94,3 +94,24 @@ pub fn summary_ms(mut took: Vec<std::time::Duration>) -> String {
     let at = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1000.0;
     format!("p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", at(0.5), at(0.99), at(1.0))
 }
+
+/// The agent's JSON log lines whose message is `message`, in order.
+pub fn log_lines(
+    supervisor: &fuse_supervisor::testbed::scenario::SupervisorProcess,
+    message: &str,
+) -> Vec<serde_json::Value> {
+    let quoted = format!("\"message\":\"{message}\"");
+    supervisor
+        .log()
+        .iter()
+        .filter(|line| line.contains(&quoted))
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect()
+}
+
+/// tracing's RFC 3339 timestamp of a log line.
+pub fn timestamp(line: &serde_json::Value) -> std::time::SystemTime {
+    let text = line["timestamp"].as_str().expect("a timestamp");
+    let at = time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).expect("RFC 3339");
+    std::time::SystemTime::from(at)
+}

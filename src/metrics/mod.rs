@@ -67,6 +67,13 @@ pub struct EventLabel {
     pub event: &'static str,
 }
 
+/// Labels of `restages`: the CSI driver, and how the re-staging went.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestageLabel {
+    pub driver: String,
+    pub result: &'static str,
+}
+
 /// Labels of `resyncs`: which watcher lost events, and why.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResyncLabel {
@@ -155,6 +162,8 @@ metrics! {
         "Duration of kubelet /pods requests";
     process_events: Family<EventLabel, Counter> = Family::default(), "process_events",
         "Events of watched FUSE daemon processes by kind";
+    restages: Family<RestageLabel, Counter> = Family::default(), "restages",
+        "Re-stagings of CSI volumes through their driver (--restage), by driver and result: restaged, by_driver (the driver staged by itself: no call), no_record, record_removed (unstaged meanwhile: no call), no_pods (no call), and per failed attempt refused, no_secrets (refused, recorded without secrets), failed (no answer)";
     kube_events_dropped: Counter = Counter::default(), "kube_events_dropped",
         "Kubernetes Events dropped (queue full or rate-limited)";
 }
@@ -293,6 +302,11 @@ impl Reporter for Metrics {
             Report::DaemonRestarted { .. } => {
                 self.daemon_restarts.inc();
             }
+            Report::Restage(outcome) => {
+                let label = RestageLabel { driver: outcome.driver.clone(), result: outcome.result.label() };
+                self.restages.get_or_create(&label).inc();
+            }
+            Report::VolumeRestage { .. } => {}
             Report::KubeletAnswered { result, took } => {
                 let code = match result {
                     Ok(()) => Some(200),

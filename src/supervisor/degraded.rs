@@ -252,6 +252,8 @@ impl<E: Executor> Supervisor<E> {
         );
         self.reporters.report(&Report::DaemonDied { source, pid, at: since, targets: &targets });
         self.state_dirty |= self.journal.daemon_died(source, DaemonDeath { pid, at: since, dev });
+        // A CSI driver's global mount: staged again once the driver is back.
+        self.restage_if_recorded(source, dev);
     }
 
     /// Asks who serves each new source connection, once its targets are

@@ -38,6 +38,7 @@ mod degraded;
 mod healing;
 mod once;
 mod probes;
+mod restaging;
 mod start;
 mod tables;
 mod targets;
@@ -96,6 +97,9 @@ pub struct Config {
     /// How long an isolation or a heal waits for each container's
     /// namespace before it gives that namespace up for this heal.
     pub container_deadline: Duration,
+    /// Stage again, through their CSI driver, the recorded volumes of
+    /// `--restage` drivers whose global mount died; None: off.
+    pub restage: Option<crate::csi::restage::RestageConfig>,
 }
 
 /// How the mount namespaces of containers are known (see
@@ -176,6 +180,8 @@ enum Event {
     NamespacesChanged,
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
+    /// How a re-staging through a CSI driver went.
+    Restaged(crate::csi::restage::RestageOutcome),
     Shutdown,
 }
 
@@ -260,6 +266,8 @@ struct Supervisor<E: Executor> {
     /// The table watcher's handle: re-armed after each report, paused for
     /// a heal's own changes. None without a watcher (`heal --once`).
     table_watch: Option<Arc<dyn Rearm>>,
+    /// Stages dead CSI global mounts again off the loop; None: off.
+    restager: Option<crate::csi::restage::Restager>,
 }
 
 impl<E: Executor> Supervisor<E> {
@@ -314,6 +322,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::Daemon(event)) => self.on_daemon(event),
                 Ok(Event::Ping(pong)) => pong.answer(),
+                Ok(Event::Restaged(outcome)) => self.on_restaged(outcome),
                 Ok(Event::NamespacesChanged) => self.retry_refused(),
                 Ok(Event::WatchFailed(err)) => {
                     error!(?err, "mount-table watcher stopped");

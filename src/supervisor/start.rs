@@ -83,6 +83,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     })?;
     // Like the discovery thread, it reads this process's /proc.
     let (namespaces, _namespace_keeper) = keep_namespaces(config, &heal_activity);
+    let restager = start_restager(config, &events)?;
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
     let open_mountinfo = || {
@@ -128,6 +129,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     supervisor.confirmer = asker.map(|(asker, grace)| Confirmer { asker, confirmations: Confirmations::new(grace) });
     supervisor.pods_watched = true;
     supervisor.daemons = daemons;
+    supervisor.restager = restager;
     // From this thread: the writer sees the state directory as the loop does.
     let health = Arc::clone(&config.health);
     let report_save = move |err: Option<&StateError>| {
@@ -186,6 +188,24 @@ fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<N
             (namespaces, None)
         }
     }
+}
+
+/// The re-staging thread when `--restage` names a driver: it joins the
+/// watched namespace itself and tells the loop each outcome.
+fn start_restager(
+    config: &Config,
+    events: &Sender<Event>,
+) -> Result<Option<crate::csi::restage::Restager>, SupervisorError> {
+    let Some(restage) = &config.restage else { return Ok(None) };
+    let events = events.clone();
+    let kubelet = config.kubelet.as_ref().map(|confirmation| confirmation.kubelet.clone());
+    let restager =
+        crate::csi::restage::Restager::spawn(restage.clone(), &config.mount_namespace, kubelet, move |outcome| {
+            let _ = events.send(Event::Restaged(outcome));
+        })
+        .map_err(|source| SupervisorError::Thread { name: "restage", source })?;
+    info!(drivers = ?restage.drivers, records = %restage.records.display(), grace_ms = restage.grace.as_millis() as u64, "CSI re-staging on");
+    Ok(Some(restager))
 }
 
 /// Starts the Job lifecycle when configured; the supervisor stops once it
@@ -320,6 +340,7 @@ impl<E: Executor> Supervisor<E> {
             state_dirty: false,
             state_writer: None,
             table_watch: None,
+            restager: None,
         }
     }
 }

@@ -198,6 +198,7 @@ impl Harness {
             heal_priority: HealPriority::OFF,
             container_namespaces: super::ContainerNamespaces::Walk,
             container_deadline: crate::heal::containers::DEFAULT_DEADLINE,
+            restage: None,
         };
         let table = SetTable::default();
         let calls = Arc::default();

@@ -58,6 +58,15 @@ pub(crate) enum Command {
         /// Read a captured mountinfo table instead of the live namespace.
         #[arg(long, value_name = "FILE", env = "FUSE_SUPERVISOR_MOUNTINFO")]
         mountinfo: Option<PathBuf>,
+        /// Where the CSI proxies record (a host path, as `run --csi-records`):
+        /// their records are listed, each stage live or waiting for its driver.
+        #[arg(
+            long,
+            value_name = "DIR",
+            default_value = "/run/fuse-supervisor-csi",
+            env = "FUSE_SUPERVISOR_CSI_RECORDS"
+        )]
+        csi_records: PathBuf,
     },
     /// Scan once, print the heal plan and carry it out.
     Heal {

@@ -22,7 +22,9 @@ fn main() -> ExitCode {
         Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             run::command(node, kubelet, *job, daemons, watch, serve, events, log)
         }
-        Command::Status { node, json, mountinfo } => status::status(&node, json, mountinfo.as_deref()),
+        Command::Status { node, json, mountinfo, csi_records } => {
+            status::status(&node, json, mountinfo.as_deref(), &csi_records)
+        }
         Command::Heal { node, log, dry_run, .. } => {
             log.init();
             node::prepare_process();

@@ -81,6 +81,7 @@ impl NodeArgs {
             heal_priority: HealPriority::realtime(self.realtime_priority),
             container_namespaces: ContainerNamespaces::Events,
             container_deadline: fuse_supervisor::heal::containers::DEFAULT_DEADLINE,
+            restage: None,
         })
     }
 }

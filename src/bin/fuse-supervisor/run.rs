@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
+use fuse_supervisor::csi::restage::RestageConfig;
 use fuse_supervisor::heal::fuse_calls;
 use fuse_supervisor::heal::priority::HealPriority;
 use fuse_supervisor::kube::events::Events;
@@ -157,6 +158,60 @@ pub(crate) struct DaemonArgs {
     /// The sliding window of --flapping-heals.
     #[arg(long, default_value = "10m", value_parser = parse_period, env = "FUSE_SUPERVISOR_FLAPPING_WINDOW")]
     pub(crate) flapping_window: Duration,
+    #[command(flatten)]
+    pub(crate) restage: RestageArgs,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "CSI re-staging")]
+pub(crate) struct RestageArgs {
+    /// Stage again, through this CSI driver (its `GetPluginInfo` name), a
+    /// recorded volume whose global mount died while a pod still uses it,
+    /// once the driver's socket answers again (repeatable; env: comma-separated).
+    #[arg(long = "restage", value_name = "DRIVER", env = "FUSE_SUPERVISOR_RESTAGE", value_delimiter = ',')]
+    pub(crate) drivers: Vec<String>,
+    /// Where the CSI proxies record, as the host sees it: records in DIR
+    /// and in each directory in it (one per driver's proxy).
+    #[arg(long, value_name = "DIR", default_value = "/run/fuse-supervisor-csi", env = "FUSE_SUPERVISOR_CSI_RECORDS")]
+    pub(crate) csi_records: PathBuf,
+    /// A driver's own socket, as the host sees it, where it is not
+    /// `<kubelet root>/plugins/<driver>/csi.sock` (repeatable; env: comma-separated).
+    #[arg(long = "csi-socket", value_name = "DRIVER=PATH", value_parser = parse_driver_socket, env = "FUSE_SUPERVISOR_CSI_SOCKET", value_delimiter = ',')]
+    pub(crate) csi_sockets: Vec<(String, PathBuf)>,
+    /// How long a driver back on its socket has to stage a volume by
+    /// itself before the agent does.
+    #[arg(long, default_value = "1500ms", value_parser = parse_duration, env = "FUSE_SUPERVISOR_RESTAGE_GRACE")]
+    pub(crate) restage_grace: Duration,
+    /// The deadline of one `NodeStageVolume` call (a driver may mount a
+    /// remote filesystem in it).
+    #[arg(long, default_value = "2m", value_parser = parse_duration, env = "FUSE_SUPERVISOR_RESTAGE_CALL_TIMEOUT")]
+    pub(crate) restage_call_timeout: Duration,
+}
+
+fn parse_driver_socket(text: &str) -> Result<(String, PathBuf), String> {
+    match text.split_once('=') {
+        Some((driver, path)) if !driver.is_empty() && path.starts_with('/') => {
+            Ok((driver.to_owned(), PathBuf::from(path)))
+        }
+        _ => Err(format!("{text:?} is not DRIVER=/absolute/path")),
+    }
+}
+
+impl RestageArgs {
+    /// None unless --restage names a driver.
+    pub(crate) fn config(&self, kubelet_root: &std::path::Path) -> Option<RestageConfig> {
+        if self.drivers.is_empty() {
+            return None;
+        }
+        Some(RestageConfig {
+            drivers: self.drivers.iter().cloned().collect(),
+            records: self.csi_records.clone(),
+            sockets: self.csi_sockets.iter().cloned().collect(),
+            kubelet_root: kubelet_root.to_path_buf(),
+            grace: self.restage_grace,
+            call_deadline: self.restage_call_timeout,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -384,6 +439,7 @@ pub(crate) fn command(
                 watch: watch.mode(),
                 container_namespaces: watch.container_namespaces(),
                 container_deadline: watch.container_deadline,
+                restage: daemons.restage.config(&config.kubelet_root),
                 ..config
             })
         })

@@ -9,7 +9,7 @@ use fuse_supervisor::status::Status;
 
 use crate::node::NodeArgs;
 
-pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> anyhow::Result<()> {
+pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_records: &Path) -> anyhow::Result<()> {
     // Checked as `run` checks it, so that a broken file shows before it is
     // deployed; the report locates by them the sources of targets that no
     // peer group or state file maps.
@@ -34,13 +34,39 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>) -> a
             Journal::in_memory()
         }
     };
-    let status = Status::new(&mut classified, &layout, &layouts, &mut journal);
+    let mut status = Status::new(&mut classified, &layout, &layouts, &mut journal);
+    // Live only: a captured table comes without the node's records.
+    if mountinfo.is_none() {
+        status = status.with_csi_records(&read_namespace_records(&node.mount_namespace, csi_records));
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", status.to_text());
     }
     Ok(())
+}
+
+/// The CSI proxies' records under `dir` in the namespace, none where there
+/// is no such directory (no proxy on the node) or it cannot be read (said).
+fn read_namespace_records(namespace: &Path, dir: &Path) -> Vec<fuse_supervisor::csi::records::Record> {
+    let (namespace, dir) = (namespace.to_path_buf(), dir.to_path_buf());
+    let read = std::thread::spawn(move || {
+        fuse_supervisor_sys::ns::join_mount_namespace(&namespace).ok()?;
+        match fuse_supervisor::csi::restage::read_records(&dir) {
+            Ok(records) => Some(records),
+            Err(fuse_supervisor::csi::records::RecordError::ReadDir { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Some(Vec::new())
+            }
+            Err(err) => {
+                eprintln!("fuse-supervisor: {:#}; CSI records not shown", anyhow::Error::new(err));
+                None
+            }
+        }
+    });
+    read.join().ok().flatten().unwrap_or_default()
 }
 
 /// Reads the mount table of a namespace from a thread that joined it.

@@ -1,5 +1,5 @@
 //! The demo and the hidden commands the tests run (feature `testbed`).
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -137,6 +137,12 @@ pub(crate) enum Internal {
         /// NodeStageVolume answers OK whenever /proc/mounts lists the path.
         #[arg(long)]
         trust_proc_mounts: bool,
+        /// Append a line per Node call (its name and volume) to FILE.
+        #[arg(long, value_name = "FILE")]
+        call_log: Option<PathBuf>,
+        /// NodeStageVolume never answers (a hung driver).
+        #[arg(long)]
+        hang_stage: bool,
     },
     /// Parse `fuse-supervisor ARGS...` with this process's environment,
     /// check it as that command's start would, print what it would run as
@@ -227,6 +233,7 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
     let summary = match cli.command {
         Command::Run { node, kubelet, job, daemons, serve, events, .. } => {
             let config = node.config()?;
+            let restage = daemons.restage.config(&config.kubelet_root);
             let confirmation = kubelet.confirmation()?;
             let lifecycle = job.config(confirmation.as_ref(), &config)?;
             let mode = match (job.sidecar.sidecar, job.sidecar.sidecar_namespaces) {
@@ -243,12 +250,18 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
                 "mount_namespace": config.mount_namespace,
                 "kubelet_root": config.kubelet_root,
                 "state_dir": config.state_dir,
+                "staging_dir": config.staging_dir,
                 "realtime_priority": node.realtime_priority,
                 "kubelet_authz": confirmation.is_some().then_some(authz),
                 "events": events.events == OnOff::On,
                 "job_lifecycle": lifecycle.is_some(),
                 "process_connector": connector,
                 "metrics_addr": serve.metrics_addr.0,
+                "restage": restage.as_ref().map(|restage| {
+                    let sockets: BTreeMap<&String, std::path::PathBuf> =
+                        restage.drivers.iter().map(|driver| (driver, restage.socket_of(driver))).collect();
+                    serde_json::json!({ "drivers": restage.drivers, "records": restage.records, "sockets": sockets })
+                }),
             })
         }
         Command::Webhook { webhook, .. } => {
@@ -265,7 +278,7 @@ pub(crate) fn check_args(args: Vec<String>) -> anyhow::Result<()> {
             let config = proxy.config();
             serde_json::json!({
                 "command": name,
-                "listen": config.listen,
+                "proxy_listen": config.listen,
                 "driver_socket": config.driver_socket,
                 "record_dir": config.record_dir,
                 "record_secrets": config.record_secrets,
@@ -342,7 +355,7 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
         }
         Internal::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Internal::CheckArgs { args } => check_args(args),
-        Internal::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts } => {
+        Internal::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts, call_log, hang_stage } => {
             csi_plugin::run(PluginOptions {
                 socket,
                 name,
@@ -350,6 +363,8 @@ pub(crate) fn internal(command: Internal) -> anyhow::Result<()> {
                 stage_unstage: !no_stage_unstage,
                 trust_proc_mounts,
                 answer_only: false,
+                call_log,
+                hang_stage,
             })
             .context("the CSI plugin failed")
         }

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::path::{Component, Path};
 use std::time::{Duration, SystemTime};
 
+use crate::csi::restage::{RestageOutcome, RestageResult};
 use crate::heal::Healed;
 use crate::model::state::Owner;
 use crate::report::{ContainersHealed, Report};
@@ -38,6 +39,12 @@ pub enum Reason {
     /// dead ones had: a mount nested in the volume, an idmapping (Warning,
     /// on the pod, naming the mount points).
     ContainersNotCarried,
+    /// A pod's CSI volume was staged again through its driver, or the
+    /// driver staged it by itself (Normal, on the pod).
+    VolumeRestaged,
+    /// A pod's CSI volume could not be staged again: no record, the driver
+    /// refused, the record holds no secrets (Warning, on the pod).
+    VolumeNotRestaged,
 }
 
 impl Reason {
@@ -53,6 +60,8 @@ impl Reason {
             Reason::ContainersHealed => "FuseContainersHealed",
             Reason::ContainersGivenUp => "FuseContainerHealGivenUp",
             Reason::ContainersNotCarried => "FuseContainerMountsNotCarried",
+            Reason::VolumeRestaged => "FuseVolumeRestaged",
+            Reason::VolumeNotRestaged => "FuseVolumeNotRestaged",
         }
     }
 
@@ -68,6 +77,7 @@ impl Reason {
             Reason::DaemonRestarted => "Confirm",
             Reason::SourceDetached => "Detach",
             Reason::DaemonFlapping => "Detect",
+            Reason::VolumeRestaged | Reason::VolumeNotRestaged => "Restage",
         }
     }
 
@@ -78,12 +88,14 @@ impl Reason {
             | Reason::HealFailed
             | Reason::DaemonFlapping
             | Reason::ContainersGivenUp
-            | Reason::ContainersNotCarried => "Warning",
+            | Reason::ContainersNotCarried
+            | Reason::VolumeNotRestaged => "Warning",
             Reason::MountHealed
             | Reason::DaemonRestarted
             | Reason::MountRestored
             | Reason::SourceDetached
-            | Reason::ContainersHealed => "Normal",
+            | Reason::ContainersHealed
+            | Reason::VolumeRestaged => "Normal",
         }
     }
 }
@@ -244,6 +256,10 @@ impl Occurrence {
                 containers_note(source, heals),
                 now,
             ),
+            Report::VolumeRestage { outcome, pod_uid } => {
+                let (reason, note) = restage_note(outcome)?;
+                (reason, Regarding::Uid((*pod_uid).to_owned()), note, now)
+            }
             // A death is published through the FuseMountBroken of each target;
             // a detach from a source no pod is known to serve, in the log.
             Report::TableChanged
@@ -254,10 +270,58 @@ impl Occurrence {
             | Report::DaemonFlapping { owner: None, .. }
             | Report::ProcessEvent { .. }
             | Report::ContainerHealed { .. }
-            | Report::Resynced { .. } => return None,
+            | Report::Resynced { .. }
+            | Report::Restage(_) => return None,
         };
         Some(Occurrence { reason, regarding, note, at })
     }
+}
+
+/// The Event of a re-staging's outcome on each pod of the volume: the
+/// driver, volume and status code, never the driver's message (it may
+/// quote the request's secrets). None for the outcomes that end in no
+/// call because nothing needs one (unstaged, no pod).
+fn restage_note(outcome: &RestageOutcome) -> Option<(Reason, String)> {
+    let volume = &outcome.volume_id;
+    let (driver, path) = (&outcome.driver, outcome.staging_path.display());
+    let retry = outcome.retry_in.map(|retry| format!("; retrying in {}", human(retry))).unwrap_or_default();
+    let code = outcome.code.map(crate::csi::unary::code_name).unwrap_or("no answer");
+    Some(match outcome.result {
+        RestageResult::Restaged => (
+            Reason::VolumeRestaged,
+            format!(
+                "CSI volume {volume} staged again through driver {driver} at {path} after its global mount died                  (NodeStageVolume took {}); its mounts are healed from the new one",
+                human(outcome.took.unwrap_or_default())
+            ),
+        ),
+        RestageResult::ByDriver => (
+            Reason::VolumeRestaged,
+            format!(
+                "CSI driver {driver} staged volume {volume} again by itself at {path}; its mounts are healed from it"
+            ),
+        ),
+        RestageResult::NoRecord => (
+            Reason::VolumeNotRestaged,
+            format!(
+                "the global mount {path} of CSI driver {driver} died and cannot be staged again: no record of its                  NodeStageVolume (the CSI proxy was not in front of the driver when it was staged); the pod stays                  broken until it is recreated"
+            ),
+        ),
+        RestageResult::Refused => (
+            Reason::VolumeNotRestaged,
+            format!("CSI driver {driver} refused to stage volume {volume} again at {path}: {code}{retry}"),
+        ),
+        RestageResult::NoSecrets => (
+            Reason::VolumeNotRestaged,
+            format!(
+                "CSI driver {driver} refused to stage volume {volume} again at {path} ({code}): the record holds no                  secrets (the proxy runs with --record-secrets off){retry}"
+            ),
+        ),
+        RestageResult::Failed => (
+            Reason::VolumeNotRestaged,
+            format!("CSI driver {driver} did not answer NodeStageVolume for volume {volume} at {path}{retry}"),
+        ),
+        RestageResult::RecordRemoved | RestageResult::NoPods => return None,
+    })
 }
 
 /// `FUSE volume mounts from <source> healed inside 2 containers, each in

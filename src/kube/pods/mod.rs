@@ -143,6 +143,9 @@ pub struct PodMeta {
     pub labels: BTreeMap<String, String>,
     #[serde(default, deserialize_with = "nullable")]
     pub annotations: BTreeMap<String, String>,
+    /// Set once the pod is being deleted (terminating).
+    #[serde(default)]
+    pub deletion_timestamp: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]

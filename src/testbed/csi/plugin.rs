@@ -56,6 +56,11 @@ pub struct PluginOptions {
     /// Answer every call OK after checking its fields, mounting nothing:
     /// a driver that costs nothing, for the proxy's bench.
     pub answer_only: bool,
+    /// Where each Node call is appended as a line (its name and volume):
+    /// how a test tells how often the driver was asked.
+    pub call_log: Option<PathBuf>,
+    /// `NodeStageVolume` never answers: a hung driver.
+    pub hang_stage: bool,
 }
 
 /// Serves until SIGTERM (or until killed).
@@ -112,6 +117,19 @@ struct Plugin {
 struct SharedPlugin(std::sync::Arc<Plugin>);
 
 impl Plugin {
+    /// Appends `call volume` to the call log, if there is one.
+    fn log_call(&self, call: &str, volume_id: &str) {
+        let Some(log) = &self.options.call_log else { return };
+        let line = format!("{call} {volume_id}\n");
+        let appended = fs::OpenOptions::new().create(true).append(true).open(log).and_then(|mut file| {
+            use std::io::Write as _;
+            file.write_all(line.as_bytes())
+        });
+        if let Err(err) = appended {
+            eprintln!("csi plugin: cannot append to {}: {err}", log.display());
+        }
+    }
+
     fn daemons(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Mounted>> {
         self.daemons.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -255,6 +273,10 @@ impl Node for SharedPlugin {
     ) -> Result<Response<api::NodeStageVolumeResponse>, Status> {
         let request = request.into_inner();
         let plugin = &self.0;
+        plugin.log_call("NodeStageVolume", &request.volume_id);
+        if plugin.options.hang_stage {
+            return std::future::pending().await;
+        }
         if !plugin.options.stage_unstage {
             return Err(Status::unimplemented("this plugin does not stage"));
         }
@@ -286,6 +308,7 @@ impl Node for SharedPlugin {
     ) -> Result<Response<api::NodePublishVolumeResponse>, Status> {
         let request = request.into_inner();
         let plugin = &self.0;
+        plugin.log_call("NodePublishVolume", &request.volume_id);
         required("volume_id", &request.volume_id)?;
         let target = required("target_path", &request.target_path)?;
         if plugin.options.stage_unstage {

@@ -34,6 +34,20 @@ impl CsiPluginProcess {
         stage_unstage: bool,
         trust_proc_mounts: bool,
     ) -> Result<CsiPluginProcess, CsiError> {
+        Self::start_with(sandbox, binary, socket, name, stage_unstage, trust_proc_mounts, &[])
+    }
+
+    /// [`CsiPluginProcess::start`] with more flags of `internal
+    /// csi-plugin` (`--call-log FILE`, `--hang-stage`).
+    pub fn start_with(
+        sandbox: &Sandbox,
+        binary: &Path,
+        socket: &Path,
+        name: &str,
+        stage_unstage: bool,
+        trust_proc_mounts: bool,
+        extra: &[String],
+    ) -> Result<CsiPluginProcess, CsiError> {
         let mut args = vec!["internal".into(), "csi-plugin".into(), "--socket".into()];
         args.push(socket.display().to_string());
         args.extend(["--name".into(), name.into()]);
@@ -43,6 +57,7 @@ impl CsiPluginProcess {
         if trust_proc_mounts {
             args.push("--trust-proc-mounts".into());
         }
+        args.extend(extra.iter().cloned());
         let mut plugin = CsiPluginProcess {
             binary: binary.to_path_buf(),
             args,
@@ -86,6 +101,14 @@ impl CsiPluginProcess {
     pub fn restart(&mut self, sandbox: &Sandbox) -> Result<(), CsiError> {
         self.kill()?;
         self.launch(sandbox)
+    }
+
+    /// Starts it again with other extra flags (a driver that hangs now).
+    pub fn restart_with(&mut self, sandbox: &Sandbox, extra: &[String]) -> Result<(), CsiError> {
+        let keep = self.args.iter().position(|arg| arg == "--call-log" || arg == "--hang-stage");
+        self.args.truncate(keep.unwrap_or(self.args.len()));
+        self.args.extend(extra.iter().cloned());
+        self.restart(sandbox)
     }
 
     fn launch(&mut self, sandbox: &Sandbox) -> Result<(), CsiError> {
