@@ -152,6 +152,15 @@ impl Node {
             let pid = format!("\"pid\":{pid},");
             let died = |line: &str| line.contains("\"daemon died; its targets are degraded\"") && line.contains(&pid);
             self.supervisor().wait_for_log(HEAL_TIMEOUT, died).unwrap();
+            // The agent detaches the dead source milliseconds after the
+            // death; a mount over it made in that instant fails with ENOENT
+            // (docs/limits.md). The daemon starts once it is done, as a
+            // restarted pod would, on the directory or over the stale mount.
+            let detached = |line: &String| line.contains("\"dead source detached");
+            scenario::wait_for("the dead source detached", HEAL_TIMEOUT, || {
+                self.supervisor().log().iter().filter(|line| detached(line)).count() >= cycle
+            })
+            .unwrap();
         }
         self.source.restart(&self.sandbox, self.restart).expect("restart the daemon");
         self.all_read(cycle);
