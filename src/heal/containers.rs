@@ -120,6 +120,14 @@ pub struct ForeignMount {
     pub nested: NestedSlot,
 }
 
+impl ForeignMount {
+    /// Its unique ID: the one the read gave, else that of the mount `at`
+    /// (a handle on it, opened in its namespace) is on.
+    fn unique_id_at(&self, at: BorrowedFd<'_>) -> io::Result<u64> {
+        self.unique_id.map_or_else(|| resolve::unique_mount_id_of(at), Ok)
+    }
+}
+
 /// How one foreign mount came out of a heal.
 #[derive(Debug)]
 pub enum ForeignHealed {
@@ -191,12 +199,7 @@ pub fn isolate(
 ) -> Vec<(ForeignMount, ContainerHealError)> {
     let copies = Arc::clone(copies);
     let isolate_all = move |mounts: &[ForeignMount]| -> Vec<(ForeignMount, ContainerHealError)> {
-        let first = &mounts[0];
-        let entered = open_namespace(first).and_then(|namespace| {
-            ns::enter_mount_namespace(namespace.as_fd())
-                .map_err(|source| ContainerHealError::OpenNamespace { pid: first.pid, source })
-        });
-        if let Err(err) = entered {
+        if let Err(err) = enter_namespace_of(&mounts[0]) {
             let why = err.to_string();
             let err = |foreign: &ForeignMount| ContainerHealError::Isolate {
                 pid: foreign.pid,
@@ -219,7 +222,7 @@ pub fn isolate(
                 });
             match made_private {
                 Ok(stale) => {
-                    let unique = foreign.unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
+                    let unique = foreign.unique_id_at(stale.as_fd());
                     // Without it the heal looks for them, and says what it missed.
                     if let Ok(unique) = unique {
                         let point = &foreign.mount.mount_point;
@@ -233,6 +236,13 @@ pub fn isolate(
         failed
     };
     workers.run(by_namespace(mounts), isolate_all, |err| err)
+}
+
+/// Moves the calling thread into the namespace of `foreign`.
+fn enter_namespace_of(foreign: &ForeignMount) -> Result<(), ContainerHealError> {
+    let namespace = open_namespace(foreign)?;
+    ns::enter_mount_namespace(namespace.as_fd())
+        .map_err(|source| ContainerHealError::OpenNamespace { pid: foreign.pid, source })
 }
 
 /// Takes copies ahead of the mounts on `mounts` (mounts of watched
@@ -257,11 +267,7 @@ pub fn copy_nested_ahead(mounts: &[ForeignMount], workers: &NamespaceWorkers, co
 /// worker that enters it.
 fn copy_in_namespace(mounts: &[ForeignMount], copies: &NestedCopies) {
     let Some(first) = mounts.first() else { return };
-    let entered = open_namespace(first).and_then(|namespace| {
-        ns::enter_mount_namespace(namespace.as_fd())
-            .map_err(|source| ContainerHealError::OpenNamespace { pid: first.pid, source })
-    });
-    if let Err(err) = entered {
+    if let Err(err) = enter_namespace_of(first) {
         debug!(namespace = first.namespace, %err, "cannot enter a namespace to copy its nested mounts");
         return;
     }
@@ -270,8 +276,8 @@ fn copy_in_namespace(mounts: &[ForeignMount], copies: &NestedCopies) {
         let opened = in_namespace::open_recorded(foreign.pid, &foreign.mount, foreign.unique_id)
             .map_err(|err| err.to_string())
             .and_then(|live| {
-                let unique = foreign.unique_id.map_or_else(|| resolve::unique_mount_id_of(live.as_fd()), Ok);
-                Ok((live, unique.map_err(|err| err.to_string())?))
+                let unique = foreign.unique_id_at(live.as_fd()).map_err(|err| err.to_string())?;
+                Ok((live, unique))
             });
         let (live, unique) = match opened {
             Ok(opened) => opened,
