@@ -16,6 +16,7 @@ pub mod csi;
 pub mod demo;
 #[cfg(feature = "testbed")]
 pub mod demofs;
+pub mod errors;
 pub mod heal;
 pub mod health;
 pub mod kube;

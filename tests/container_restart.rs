@@ -10,8 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use fuse_supervisor::errors::error_chain;
 use fuse_supervisor::model::table::{Dev, Snapshot};
-use fuse_supervisor::report::error_chain;
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor::testbed::scenario::{

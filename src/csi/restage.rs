@@ -296,7 +296,7 @@ fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
         Ok(read) => read,
         Err(err) => {
             // No directory yet: no proxy has recorded anything.
-            debug!(err = %crate::report::error_chain(&err), "no CSI records at start");
+            debug!(err = %crate::errors::error_chain(&err), "no CSI records at start");
             return Vec::new();
         }
     };
@@ -337,7 +337,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             return;
         }
         Err(err) => {
-            warn!(staging_path = %source.display(), err = %crate::report::error_chain(&err), "cannot read the CSI records");
+            warn!(staging_path = %source.display(), err = %crate::errors::error_chain(&err), "cannot read the CSI records");
             return;
         }
     };
@@ -369,7 +369,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
                 return;
             }
             Err(err) => {
-                warn!(driver, volume_id, err = %crate::report::error_chain(&err), "cannot read the stage record again");
+                warn!(driver, volume_id, err = %crate::errors::error_chain(&err), "cannot read the stage record again");
                 return;
             }
         };
@@ -463,7 +463,7 @@ pub fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
         }
     }
     for err in &read.corrupt {
-        warn!(err = %crate::report::error_chain(err), "corrupt CSI record skipped");
+        warn!(err = %crate::errors::error_chain(err), "corrupt CSI record skipped");
     }
     Ok(read.records)
 }

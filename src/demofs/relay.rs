@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use fuse_supervisor_sys::fuse as sys_fuse;
 
-use super::request_gate::RequestGate;
+use super::request_gate::{RequestGate, send_message};
 
 /// As large as the library's own read buffer: the kernel refuses a read
 /// shorter than its largest request (fuser asks for 16 MiB writes).
@@ -76,15 +76,6 @@ pub(super) fn start_gated(
         .spawn(move || relay_requests(requests_from, requests_to, |request| offered.offer(request)))?;
     std::thread::Builder::new().name("demofs-replies".into()).spawn(move || relay_replies(relayed, device, true))?;
     Ok((library, gate))
-}
-
-/// One message to a `SOCK_SEQPACKET` socket, whole or not at all.
-pub(super) fn send_message(mut socket: &File, message: &[u8]) -> io::Result<()> {
-    let sent = socket.write(message)?;
-    if sent != message.len() {
-        return Err(io::Error::other(format!("sent {sent} of a {}-byte message", message.len())));
-    }
-    Ok(())
 }
 
 /// Kernel requests to the library through `pass` until the connection

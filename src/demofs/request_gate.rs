@@ -7,7 +7,7 @@
 //! in the kernel, unkillable) and never handed to the library, until
 //! `SIGUSR1` hands them all over in the order they came.
 use std::fs::File;
-use std::io;
+use std::io::{self, Write};
 use std::sync::{Mutex, PoisonError};
 
 /// `FUSE_LOOKUP`.
@@ -60,7 +60,7 @@ impl RequestGate {
             state.held.push(request.to_vec());
             return Ok(());
         }
-        super::relay::send_message(&self.library, request)
+        send_message(&self.library, request)
     }
 
     /// Opens the gate for good, passing every held request on. Returns how
@@ -71,7 +71,7 @@ impl RequestGate {
         state.closed = false;
         let held = std::mem::take(&mut state.held);
         for request in &held {
-            if let Err(err) = super::relay::send_message(&self.library, request) {
+            if let Err(err) = send_message(&self.library, request) {
                 tracing::warn!(%err, unique = unique(request), "cannot pass a held request on");
             }
         }
@@ -87,6 +87,15 @@ fn opcode(request: &[u8]) -> Option<u32> {
 /// The request's unique number, for the log.
 fn unique(request: &[u8]) -> u64 {
     request.get(8..16).and_then(|bytes| bytes.try_into().ok()).map_or(0, u64::from_ne_bytes)
+}
+
+/// One message to a `SOCK_SEQPACKET` socket, whole or not at all.
+pub(super) fn send_message(mut socket: &File, message: &[u8]) -> io::Result<()> {
+    let sent = socket.write(message)?;
+    if sent != message.len() {
+        return Err(io::Error::other(format!("sent {sent} of a {}-byte message", message.len())));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -43,7 +43,6 @@ use fuse_supervisor_sys::{ns, resolve};
 
 use super::carry::{self, NestedSlot, NotCarried};
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
-use super::namespaces::NamespaceRead;
 use super::nested_copies::{self, NestedCopies};
 use super::priority::HealPriority;
 use super::probe::SourceHandles;
@@ -142,34 +141,11 @@ pub enum ForeignHealed {
     AlreadyLive,
 }
 
-/// The mounts of a connection in `dead` that `read` holds, to heal, with
-/// their namespace's ID.
-pub(super) fn foreign_mounts(read: &NamespaceRead, dead: &BTreeSet<Dev>) -> Vec<ForeignMount> {
-    let tops = dead_tops(&read.fuse_mounts, dead);
-    if tops.is_empty() {
-        return Vec::new();
-    }
-    let namespace_id = open_namespace_of(Path::new("/proc"), read.anchor.pid, read.namespace, None)
-        .ok()
-        .and_then(|namespace| ns::mount_namespace_id(namespace.as_fd()).ok());
-    tops.into_iter()
-        .map(|mount| ForeignMount {
-            namespace: read.namespace,
-            pid: read.anchor.pid,
-            propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
-            unique_id: read.unique_ids.get(&mount.mount_id).copied(),
-            mount,
-            namespace_id,
-            nested: NestedSlot::default(),
-        })
-        .collect()
-}
-
 /// The mounts of `dead` connections on top at their mount point (a mount
 /// under another one at the same point is out of reach), and not inside
 /// another dead one (its parent's replacement takes it along). Linear in
 /// the table: a tenant decides how many mounts its namespace has.
-fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
+pub(super) fn dead_tops(mounts: &[FuseMount], dead: &BTreeSet<Dev>) -> Vec<FuseMount> {
     let covered: HashSet<(u32, &Path)> =
         mounts.iter().map(|other| (other.parent_id, other.mount_point.as_path())).collect();
     let dead_ids: HashSet<u32> =
@@ -412,7 +388,12 @@ pub fn open_namespace(foreign: &ForeignMount) -> Result<OwnedFd, ContainerHealEr
 /// `<proc_root>/<pid>/ns/mnt`, refused if it is not namespace `inode`, or
 /// (when given) has another ID than `id`: another namespace with a freed
 /// one's inode.
-fn open_namespace_of(proc_root: &Path, pid: u32, inode: u64, id: Option<u64>) -> Result<OwnedFd, ContainerHealError> {
+pub(super) fn open_namespace_of(
+    proc_root: &Path,
+    pid: u32,
+    inode: u64,
+    id: Option<u64>,
+) -> Result<OwnedFd, ContainerHealError> {
     let path = proc_root.join(pid.to_string()).join("ns/mnt");
     let file = fs::File::open(&path).map_err(|source| ContainerHealError::OpenNamespace { pid, source })?;
     let found = file.metadata().map_err(|source| ContainerHealError::OpenNamespace { pid, source })?.ino();

@@ -793,7 +793,7 @@ impl Executor for MountExecutor {
             }
         }
         while let Some(job) = self.pool.queue.try_next() {
-            mounter.run(job, 0);
+            job.run(mounter, 0);
         }
         // Ends when every job has sent its outcome and dropped its sender.
         for (index, flattened) in finished.iter() {

@@ -11,7 +11,6 @@ use fuse_supervisor_sys::{mount, resolve};
 use tracing::{debug, warn};
 
 use super::carry;
-use super::pool::FlattenJob;
 use super::probe::SourceHandles;
 use super::{FLATTEN_THREADS, HealError, Healed};
 use crate::model::table::Dev;
@@ -357,14 +356,5 @@ impl Mounter {
         mount::make_private(fd.as_fd()).map_err(HealError::mount("make stale layer private", &target.path))?;
         mount::detach_top(fd.as_fd()).map_err(HealError::mount("remove stale layer", &target.path))?;
         Ok(true)
-    }
-
-    pub(super) fn run(&self, job: FlattenJob, park: usize) {
-        let result = match job.targets.get(job.index) {
-            Some(target) => self.flatten(target, job.new_top.as_fd(), park),
-            None => return,
-        };
-        // The heal waits for every job's outcome until all senders are gone.
-        let _ = job.done.send((job.index, result));
     }
 }

@@ -53,6 +53,18 @@ pub(super) struct QueueState {
     pub(super) closed: bool,
 }
 
+impl FlattenJob {
+    /// Flattens on parking directory `park` and sends the outcome.
+    pub(super) fn run(self, mounter: &Mounter, park: usize) {
+        let result = match self.targets.get(self.index) {
+            Some(target) => mounter.flatten(target, self.new_top.as_fd(), park),
+            None => return,
+        };
+        // The heal waits for every job's outcome until all senders are gone.
+        let _ = self.done.send((self.index, result));
+    }
+}
+
 impl FlattenQueue {
     pub(super) fn lock(&self) -> MutexGuard<'_, QueueState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
@@ -109,7 +121,7 @@ impl FlattenPool {
                 drop(namespace);
                 priority.raise();
                 while let Some(job) = queue.next() {
-                    mounter.run(job, park);
+                    job.run(&mounter, park);
                 }
             });
             match helper {

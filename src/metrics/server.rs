@@ -144,7 +144,7 @@ impl MetricsServer {
     /// [`ANSWER_DEADLINE`].
     pub fn stop(self) {
         if let Err(err) = self.watching.stop() {
-            error!(err = %crate::report::error_chain(&err), "metrics server did not stop cleanly");
+            error!(err = %crate::errors::error_chain(&err), "metrics server did not stop cleanly");
         }
     }
 }

@@ -13,6 +13,7 @@ use std::time::Instant;
 use crate::heal::Propagation;
 use tracing::{debug, info, warn};
 
+use crate::errors::error_chain;
 use crate::heal::containers::{self, ContainerHealError, ForeignHealed, ForeignMount};
 use crate::heal::in_namespace::InNamespaceError;
 use crate::heal::probe::SourceHandles;
@@ -20,7 +21,7 @@ use crate::heal::{ContainerOutcome, Executor};
 use crate::kube::cgroup::{PodContainer, container_of};
 use crate::model::state::retry_delay;
 use crate::model::table::{Dev, FuseMount};
-use crate::report::{ContainersHealed, Report, error_chain};
+use crate::report::{ContainersHealed, Report};
 use crate::watch::namespace_changes::NamespaceChanges;
 
 use super::{Event, Supervisor};

@@ -13,12 +13,13 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
+use crate::errors::error_chain;
 use crate::heal::containers::{ContainerHealError, ForeignMount};
 use crate::heal::{Executor, Prepared};
 use crate::model::state::{DaemonDeath, TargetState};
 use crate::model::table::{Classified, Dev};
 use crate::plan::{self, Assessment, HealBatch, TargetHeal};
-use crate::report::{Report, TargetEvent, error_chain};
+use crate::report::{Report, TargetEvent};
 use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
 use crate::watch::processes::{Detection, ProcessEvent};
 

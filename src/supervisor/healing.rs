@@ -5,11 +5,12 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
+use crate::errors::error_chain;
 use crate::heal::{Executor, HealError, Healed, Prepared};
 use crate::model::state::{Mapping, TargetState, retry_delay};
 use crate::model::table::Dev;
 use crate::plan::HealBatch;
-use crate::report::{HealReport, Report, TargetEvent, error_chain};
+use crate::report::{HealReport, Report, TargetEvent};
 
 use super::{Event, Supervisor, TargetRecord};
 

@@ -444,7 +444,7 @@ impl<E: Executor> Supervisor<E> {
                 Some(classified)
             }
             Err(err) => {
-                error!(err = %crate::report::error_chain(&err), "cannot read the mount table; keeping the last known state");
+                error!(err = %crate::errors::error_chain(&err), "cannot read the mount table; keeping the last known state");
                 None
             }
         }

@@ -7,13 +7,13 @@ use std::sync::mpsc;
 
 use fuse_supervisor_sys::ns;
 
+use crate::errors::error_chain;
 use crate::heal::probe::ProbeOutcome;
 use crate::heal::{Executor, Prepared};
 use crate::model::mountinfo::MountInfoReader;
 use crate::model::source::TextTable;
 use crate::model::table::TargetKind;
 use crate::plan;
-use crate::report::error_chain;
 
 use super::{Config, Event, Supervisor, SupervisorError};
 

@@ -133,7 +133,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // From this thread: the writer sees the state directory as the loop does.
     let health = Arc::clone(&config.health);
     let report_save = move |err: Option<&StateError>| {
-        health.set_state_problem(err.map(|err| crate::report::error_chain(err)));
+        health.set_state_problem(err.map(|err| crate::errors::error_chain(err)));
     };
     supervisor.state_writer = Some(
         StateWriter::spawn(Box::new(report_save))
@@ -167,7 +167,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         error!(%err, "pod-directory watcher failed");
     }
     if let Err(err) = watching.stop() {
-        error!(err = %crate::report::error_chain(&err), "mount-table watcher failed");
+        error!(err = %crate::errors::error_chain(&err), "mount-table watcher failed");
     }
     Ok(())
 }
@@ -184,7 +184,7 @@ fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<N
     match namespaces.keep(host_network_namespace(proc_root), Arc::clone(heal_activity)) {
         Ok(keeper) => (namespaces, Some(keeper)),
         Err(err) => {
-            warn!(err = %crate::report::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
+            warn!(err = %crate::errors::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
             (namespaces, None)
         }
     }
@@ -241,7 +241,7 @@ fn spawn_watcher(
                     Some(Ok(false)) => continue,
                     Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
                     Some(Err(SettleError::Table(err))) => {
-                        warn!(err = %crate::report::error_chain(&err), "cannot apply mount events; the loop looks");
+                        warn!(err = %crate::errors::error_chain(&err), "cannot apply mount events; the loop looks");
                         Event::TableChanged(watcher.attached())
                     }
                     Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),

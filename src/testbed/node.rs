@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::process::{self, Signal};
 
+use super::observe::io_step;
 use super::scenario::{
-    DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, ScenarioError, SupervisorProcess, io_step, layers_at, wait_for,
+    DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, ScenarioError, SupervisorProcess, layers_at, wait_for,
 };
 use super::{ContainerReader, Observation, Sandbox};
 use crate::model::state::Journal;

@@ -12,7 +12,28 @@ use fuse_supervisor_sys::mountinfo_poll::priority_pending;
 use fuse_supervisor_sys::poll::Poller;
 
 use super::Sandbox;
-use super::scenario::{ScenarioError, io_step};
+
+/// A step of a scenario or of looking at one that failed, and how.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("{step}")]
+    Io {
+        step: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{what} did not happen within {waited:?}")]
+    Timeout { what: String, waited: Duration },
+    #[error("{daemon} cannot mount over a stale mount (it stats the mount point first)")]
+    CannotMountOverStale { daemon: &'static str },
+    #[error("{daemon} exited before it mounted, {status}")]
+    DaemonExited { daemon: &'static str, status: std::process::ExitStatus },
+}
+
+pub(super) fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
+    let step = step.into();
+    move |source| ScenarioError::Io { step, source }
+}
 
 /// IDs of the FUSE mounts at `path` in the sandbox.
 pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {

@@ -15,7 +15,8 @@ use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::Poller;
 use fuse_supervisor_sys::process::{self, Signal};
 
-use super::observe::fuse_connections_in;
+pub use super::observe::ScenarioError;
+use super::observe::{fuse_connections_in, io_step};
 pub use super::observe::{fuse_mount_ids_at, http_get, layers_at, wait_for, wait_for_table};
 pub use super::supervisor_process::SupervisorProcess;
 use super::{Sandbox, SandboxChild};
@@ -32,27 +33,6 @@ pub const SUBDIR: &str = "sub";
 pub const SUBDIR_FILE: &str = "inner.txt";
 
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(10);
-
-#[derive(Debug, thiserror::Error)]
-pub enum ScenarioError {
-    #[error("{step}")]
-    Io {
-        step: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("{what} did not happen within {waited:?}")]
-    Timeout { what: String, waited: Duration },
-    #[error("{daemon} cannot mount over a stale mount (it stats the mount point first)")]
-    CannotMountOverStale { daemon: &'static str },
-    #[error("{daemon} exited before it mounted, {status}")]
-    DaemonExited { daemon: &'static str, status: std::process::ExitStatus },
-}
-
-pub(super) fn io_step(step: impl Into<String>) -> impl FnOnce(io::Error) -> ScenarioError {
-    let step = step.into();
-    move |source| ScenarioError::Io { step, source }
-}
 
 /// Which FUSE daemon serves a source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

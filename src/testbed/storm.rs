@@ -18,7 +18,8 @@ use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::process::{Signal, signal};
 
 use super::Sandbox;
-use super::scenario::{Daemon, FuseSource, ScenarioError, SupervisorProcess, io_step, wait_for};
+use super::observe::io_step;
+use super::scenario::{Daemon, FuseSource, ScenarioError, SupervisorProcess, wait_for};
 
 /// How big the storm is.
 #[derive(Clone, Copy, Debug)]

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::process::Signal;
 
-use super::scenario::{ScenarioError, http_get, io_step};
+use super::observe::{ScenarioError, http_get, io_step};
 use super::{Sandbox, SandboxChild};
 
 /// `fuse-supervisor run` in the sandbox, with its JSON log collected.

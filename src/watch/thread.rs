@@ -194,7 +194,7 @@ impl Watching {
 impl Drop for Watching {
     fn drop(&mut self) {
         if let Err(err) = self.stop_and_join() {
-            error!(err = %crate::report::error_chain(&err), "watcher thread did not stop cleanly");
+            error!(err = %crate::errors::error_chain(&err), "watcher thread did not stop cleanly");
         }
     }
 }

@@ -18,7 +18,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Api, Resource, ResourceExt as _};
 use serde::de::DeserializeOwned;
 
-use super::policy::Selection;
+use super::selection::Selection;
 
 /// The annotation that marks the default StorageClass.
 const DEFAULT_CLASS_ANNOTATION: &str = "storageclass.kubernetes.io/is-default-class";

@@ -17,6 +17,7 @@ pub mod cache;
 pub mod metrics;
 pub mod policy;
 pub mod review;
+pub mod selection;
 pub mod server;
 pub mod tls;
 
@@ -31,8 +32,8 @@ use tokio::task::JoinHandle;
 
 pub use cache::{Unresolved, Verdict, VolumeCache};
 pub use metrics::Metrics;
-pub use policy::{DEFAULT_OPT_OUT_ANNOTATION, Selection};
 pub use review::{Outcome, ReviewError, Reviewed, review};
+pub use selection::{DEFAULT_OPT_OUT_ANNOTATION, Selection};
 pub use server::{Limits, Server, ServerError, State};
 pub use tls::{CertStore, TlsError};
 
@@ -119,7 +120,7 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         match result {
             Ok(true) => tracing::info!("serving certificate reloaded"),
             Ok(false) => tracing::debug!("certificate files touched; same certificate"),
-            Err(err) => tracing::warn!(error = %crate::report::error_chain(err), "certificate reload failed; keeping the old one"),
+            Err(err) => tracing::warn!(error = %crate::errors::error_chain(err), "certificate reload failed; keeping the old one"),
         }
     })?;
 

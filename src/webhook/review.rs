@@ -12,7 +12,8 @@ use kube::core::admission::{self, AdmissionRequest, AdmissionReview, Operation};
 use serde::Serialize;
 
 use super::cache::VolumeCache;
-use super::policy::{self, HOST_TO_CONTAINER, Plan, Scope, Selection};
+use super::policy::{self, HOST_TO_CONTAINER, Plan, Scope};
+use super::selection::Selection;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReviewError {

@@ -22,8 +22,8 @@ use tokio_rustls::TlsAcceptor;
 
 use super::cache::VolumeCache;
 use super::metrics::Metrics;
-use super::policy::Selection;
 use super::review;
+use super::selection::Selection;
 
 /// How long open connections may finish after a shutdown request, or after
 /// an idle one was asked to close.
@@ -416,7 +416,7 @@ async fn mutate(request: Request<Incoming>, state: &State, limits: &Limits) -> R
         }
         Err(err) => {
             state.metrics.admitted(None, 0, &[], started.elapsed());
-            let message = crate::report::error_chain(&err);
+            let message = crate::errors::error_chain(&err);
             tracing::warn!(error = %message, "malformed admission review");
             reply(StatusCode::BAD_REQUEST, "application/json", review::status_body(&message))
         }

@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use clap::Args;
 use fuse_supervisor::csi::proxy::{self, ProxyConfig};
 
-use crate::cli::OnOff;
+use crate::flags::OnOff;
 
 #[derive(Debug, Args)]
 #[command(next_help_heading = "CSI proxy")]

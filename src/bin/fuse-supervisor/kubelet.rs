@@ -9,7 +9,7 @@ use fuse_supervisor::kube::events::{ApiServer, Events, EventsConfig, EventsError
 use fuse_supervisor::kube::{Kubelet, KubeletAuthz, KubeletConfig, KubeletTls};
 use fuse_supervisor::supervisor::KubeletConfirmation;
 
-use crate::cli::{OnOff, parse_duration};
+use crate::flags::{OnOff, parse_duration};
 
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Kubelet (restart confirmation)")]

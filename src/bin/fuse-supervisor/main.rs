@@ -6,6 +6,7 @@ use clap::Parser;
 
 mod cli;
 mod csi_proxy;
+mod flags;
 mod heal;
 mod kubelet;
 mod node;

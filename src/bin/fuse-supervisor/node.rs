@@ -11,7 +11,7 @@ use fuse_supervisor::supervisor::daemons::DaemonWatch;
 use fuse_supervisor::supervisor::{Config, ContainerNamespaces};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
-use crate::cli::parse_duration;
+use crate::flags::parse_duration;
 
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Node")]

@@ -22,7 +22,7 @@ use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::supervisor::{self, Config, ContainerNamespaces, KubeletConfirmation};
 use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
 
-use crate::cli::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
+use crate::flags::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
 use crate::kubelet::{EventsArgs, KubeletArgs};
 use crate::node::{NodeArgs, prepare_process};
 

@@ -15,7 +15,8 @@ use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::csi::plugin::{self as csi_plugin, PluginOptions};
 use fuse_supervisor::testbed::scenario::Daemon;
 
-use crate::cli::{Cli, Command, OnOff};
+use crate::cli::{Cli, Command};
+use crate::flags::OnOff;
 use crate::run::ProcessWatchArg;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -34,6 +34,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -41,10 +42,12 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::fds;
+use fuse_supervisor_sys::mount::Propagation;
+use fuse_supervisor_sys::{fds, ns};
 use tracing::{debug, info, warn};
 
-use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, foreign_mounts};
+use super::carry::NestedSlot;
+use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, dead_tops, open_namespace_of};
 use super::nested_copies::NestedCopies;
 use super::priority::{HealActivity, HealPriority};
 use crate::model::namespace_table::{self, Overflow, TableCaps};
@@ -84,6 +87,29 @@ impl NamespaceRead {
     /// a connection it could only have bound from one it held.
     fn may_hold(&self, dead: &BTreeSet<Dev>) -> bool {
         self.receives || self.fuse_mounts.iter().any(|mount| dead.contains(&mount.dev))
+    }
+
+    /// The mounts of a connection in `dead` it holds, to heal, with its
+    /// namespace's ID.
+    pub(super) fn foreign_mounts(&self, dead: &BTreeSet<Dev>) -> Vec<ForeignMount> {
+        let tops = dead_tops(&self.fuse_mounts, dead);
+        if tops.is_empty() {
+            return Vec::new();
+        }
+        let namespace_id = open_namespace_of(Path::new("/proc"), self.anchor.pid, self.namespace, None)
+            .ok()
+            .and_then(|namespace| ns::mount_namespace_id(namespace.as_fd()).ok());
+        tops.into_iter()
+            .map(|mount| ForeignMount {
+                namespace: self.namespace,
+                pid: self.anchor.pid,
+                propagation: if mount.master.is_some() { Propagation::Slave } else { Propagation::Private },
+                unique_id: self.unique_ids.get(&mount.mount_id).copied(),
+                mount,
+                namespace_id,
+                nested: NestedSlot::default(),
+            })
+            .collect()
     }
 }
 
@@ -232,7 +258,7 @@ impl Namespaces {
                 drop(known);
                 let walked = walk(&self.proc_root, skip, || {})?;
                 let read = walked.len();
-                let mounts = walked.iter().flat_map(|read| foreign_mounts(read, dead)).collect();
+                let mounts = walked.iter().flat_map(|read| read.foreign_mounts(dead)).collect();
                 return Ok(Holding { mounts, read, walked: true });
             }
             known
@@ -255,7 +281,7 @@ impl Namespaces {
             match read.filter(|read| read.anchor == anchor) {
                 Some(read) => {
                     known.warn_once_if_over_caps(&read);
-                    holding.mounts.extend(foreign_mounts(&read, dead));
+                    holding.mounts.extend(read.foreign_mounts(dead));
                     if let Some(learnt) = known.by_inode.get_mut(&namespace) {
                         learnt.read = read;
                         learnt.healed_onto.clear();
@@ -505,7 +531,7 @@ fn to_copy_ahead(read: &NamespaceRead, connections: &BTreeSet<Dev>, copies: &Nes
     if read.with_mounts_on.is_empty() {
         return Vec::new();
     }
-    let mut mounts = foreign_mounts(read, connections);
+    let mut mounts = read.foreign_mounts(connections);
     mounts.retain(|foreign| {
         read.with_mounts_on.contains(&foreign.mount.mount_id)
             && foreign.unique_id.is_none_or(|unique| !copies.holds(unique))
