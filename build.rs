@@ -1,45 +1,31 @@
-//! Generates Rust code from the protos vendored under `proto/`, with a
-//! protobuf compiler written in Rust (`protox`), so no system `protoc` is
-//! needed. The CSI spec's messages are the node agent's own (its CSI
-//! proxy reads and records them); the gRPC clients and servers of the
-//! test world (feature `testbed`: the kubelet stand-in's CRI and CSI
-//! clients, the test world's CSI node plugin) are generated only there.
+//! Generates the test world's gRPC clients and servers (feature `testbed`:
+//! the kubelet stand-in's CRI and CSI clients, the test world's CSI node
+//! plugin) from the protos vendored under `proto/`, with a protobuf compiler
+//! written in Rust (`protox`), so no system `protoc` is needed. The CSI
+//! messages are the engine's (`fuse_supervisor_engine::csi::api`): only the
+//! services are generated here, over them.
 
 use std::path::Path;
 
-/// One vendored proto: its directory under `proto/`, its file, and what
-/// the node agent's build (no `testbed`) needs of it.
-struct Proto {
-    dir: &'static str,
-    file: &'static str,
-    in_product: bool,
-}
-
-const PROTOS: &[Proto] = &[
-    Proto { dir: "proto/cri", file: "api.proto", in_product: false },
-    Proto { dir: "proto/csi", file: "csi.proto", in_product: true },
-];
-
-/// Whether this build has the test world, whose gRPC services are
-/// generated too.
-const TESTBED: bool = cfg!(feature = "testbed");
-
 fn main() {
-    for proto in PROTOS {
-        if !(proto.in_product || TESTBED) {
-            continue;
-        }
-        if let Err(err) = compile(Path::new(proto.dir), proto.file) {
+    if !cfg!(feature = "testbed") {
+        return;
+    }
+    let cri = compile(Path::new("proto/cri"), "api.proto", None);
+    let csi = compile(Path::new("proto/csi"), "csi.proto", Some((".csi.v1", "::fuse_supervisor_engine::csi::api")));
+    for (proto, result) in [("proto/cri/api.proto", cri), ("proto/csi/csi.proto", csi)] {
+        if let Err(err) = result {
             // A build script reports by failing; cargo prints this line.
-            panic!("cannot generate the Rust code of {}/{}: {err}", proto.dir, proto.file);
+            panic!("cannot generate the Rust code of {proto}: {err}");
         }
     }
 }
 
-/// Writes the messages of `dir/file` (and, with the test world, its
-/// clients and servers) to `OUT_DIR`, as `<package>.rs`
-/// (`include!(concat!(env!("OUT_DIR"), "/<package>.rs"))` takes it in).
-fn compile(dir: &Path, file: &str) -> Result<(), Box<dyn std::error::Error>> {
+/// Writes the clients and servers of `dir/file`, and its messages unless
+/// `extern_messages` names where they are (proto package, Rust path), to
+/// `OUT_DIR` as `<package>.rs` (`include!(concat!(env!("OUT_DIR"),
+/// "/<package>.rs"))` takes it in).
+fn compile(dir: &Path, file: &str, extern_messages: Option<(&str, &str)>) -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={}", dir.join(file).display());
     let descriptors = protox::compile([file], [dir])?;
     // The proto is their documentation: its comments are not rustdoc
@@ -47,11 +33,14 @@ fn compile(dir: &Path, file: &str) -> Result<(), Box<dyn std::error::Error>> {
     // `cargo doc` and the doctests.
     let mut messages = prost_build::Config::new();
     messages.disable_comments(["."]);
-    tonic_prost_build::configure()
-        .build_client(TESTBED)
-        .build_server(TESTBED)
+    let mut builder = tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
         .build_transport(false)
-        .disable_comments(["."])
-        .compile_fds_with_config(descriptors, messages)?;
+        .disable_comments(["."]);
+    if let Some((package, path)) = extern_messages {
+        builder = builder.extern_path(package, path);
+    }
+    builder.compile_fds_with_config(descriptors, messages)?;
     Ok(())
 }

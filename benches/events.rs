@@ -9,10 +9,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use fuse_supervisor::heal::Healed;
-use fuse_supervisor::kube::events::{ApiServer, Events, EventsConfig};
-use fuse_supervisor::model::state::Owner;
-use fuse_supervisor::report::{HealReport, Report, Reporter, TargetEvent};
+use fuse_supervisor::events::{ApiServer, Events, EventsConfig};
+use fuse_supervisor_engine::heal::Healed;
+use fuse_supervisor_engine::model::state::Owner;
+use fuse_supervisor_engine::report::{HealReport, Report, Reporter, TargetEvent};
 use http::{Request, Response};
 use kube::client::Body;
 

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use fuse_supervisor::heal::fuse_calls::{self, Answer};
-use fuse_supervisor::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::fuse_calls::{self, Answer};
+use fuse_supervisor_engine::heal::priority::HealPriority;
 
 fn probe_call(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("a directory");

@@ -30,12 +30,12 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::model::mountinfo::is_fuse_type;
-use fuse_supervisor::model::table::Dev;
 use fuse_supervisor::testbed::container::ContainerOptions;
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
 use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
+use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_sys::poll::{Poller, Waker};
 use fuse_supervisor_sys::statmount::{self, MountSummary};
 use fuse_supervisor_sys::{fuse, ns, resolve};

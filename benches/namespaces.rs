@@ -1,5 +1,5 @@
 //! What keeping the node's mount namespaces by events costs
-//! (`fuse_supervisor::heal::namespaces`), against walking `/proc` for them:
+//! (`fuse_supervisor_engine::heal::namespaces`), against walking `/proc` for them:
 //!
 //! - a node's worth of processes (`--processes`, sleeping) and of container
 //!   namespaces (`--namespaces`, each a process that unshared a copy of the
@@ -28,11 +28,11 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::heal::namespaces::{Namespaces, walk};
-use fuse_supervisor::heal::priority::HealActivity;
-use fuse_supervisor::model::table::Dev;
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::system;
+use fuse_supervisor_engine::heal::namespaces::{Namespaces, walk};
+use fuse_supervisor_engine::heal::priority::HealActivity;
+use fuse_supervisor_engine::model::table::Dev;
 
 #[allow(dead_code)]
 mod common;

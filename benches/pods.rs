@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::watch::pods::{PodChange, PodDirectory, PodWatcher};
+use fuse_supervisor_engine::watch::pods::{PodChange, PodDirectory, PodWatcher};
 
 #[allow(dead_code)]
 mod common;

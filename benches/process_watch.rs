@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
-use fuse_supervisor::watch::processes::{
+use fuse_supervisor_engine::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
 };
 

@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::health::{Health, Pong};
 use fuse_supervisor::metrics::Metrics;
 use fuse_supervisor::metrics::MetricsServer;
+use fuse_supervisor_engine::health::{Health, Pong};
 use socket2::{Domain, Socket, Type};
 
 #[allow(dead_code)]

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::watch::mount_table::{FanotifyWatcher, MountWatcher, MountinfoWatcher, Rearm, Wake};
+use fuse_supervisor_engine::watch::mount_table::{FanotifyWatcher, MountWatcher, MountinfoWatcher, Rearm, Wake};
 use fuse_supervisor_sys::poll::Waker;
 use fuse_supervisor_sys::{mount, ns};
 

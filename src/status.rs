@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::model::state::{DaemonDeath, Journal, Owner};
-use crate::model::table::{Classified, Dev, Layout, TargetKind};
-use crate::plan::layout::SourceLayouts;
-use crate::plan::locate::{self, VolDataCache};
-use crate::plan::{self, Assessment};
+use fuse_supervisor_engine::model::state::{DaemonDeath, Journal, Owner};
+use fuse_supervisor_engine::model::table::{Classified, Dev, Layout, TargetKind};
+use fuse_supervisor_engine::plan::layout::SourceLayouts;
+use fuse_supervisor_engine::plan::locate::{self, VolDataCache};
+use fuse_supervisor_engine::plan::{self, Assessment};
 
 #[derive(Debug, Serialize)]
 pub struct SourceRow {
@@ -48,7 +48,7 @@ pub struct CsiRecordRow {
     pub driver: Option<String>,
     pub volume_id: String,
     pub path: PathBuf,
-    pub secrets: crate::csi::records::Secrets,
+    pub secrets: fuse_supervisor_engine::csi::records::Secrets,
     pub recorded_at: String,
     /// Of a stage: `staged` (a live source at its path) or `waiting for its
     /// driver` (its daemon died, or its dead mount was detached); of a
@@ -147,8 +147,8 @@ impl Status {
     /// Adds the CSI proxies' records, each stage with whether its global
     /// mount is live or waits for its driver (`run --restage` stages it
     /// again once the driver answers).
-    pub fn with_csi_records(mut self, records: &[crate::csi::records::Record]) -> Self {
-        use crate::csi::records::Request;
+    pub fn with_csi_records(mut self, records: &[fuse_supervisor_engine::csi::records::Record]) -> Self {
+        use fuse_supervisor_engine::csi::records::Request;
         let sources = &self.sources;
         self.csi_records = records
             .iter()
@@ -167,8 +167,8 @@ impl Status {
                 };
                 CsiRecordRow {
                     call: match record.request.call() {
-                        crate::csi::records::Call::NodeStageVolume => "stage",
-                        crate::csi::records::Call::NodePublishVolume => "publish",
+                        fuse_supervisor_engine::csi::records::Call::NodeStageVolume => "stage",
+                        fuse_supervisor_engine::csi::records::Call::NodePublishVolume => "publish",
                     },
                     driver: record.driver.clone(),
                     volume_id: record.request.volume_id().to_owned(),
@@ -261,9 +261,9 @@ impl Status {
             );
             for r in &self.csi_records {
                 let secrets = match r.secrets {
-                    crate::csi::records::Secrets::Recorded => "recorded",
-                    crate::csi::records::Secrets::Omitted => "omitted",
-                    crate::csi::records::Secrets::None => "none",
+                    fuse_supervisor_engine::csi::records::Secrets::Recorded => "recorded",
+                    fuse_supervisor_engine::csi::records::Secrets::Omitted => "omitted",
+                    fuse_supervisor_engine::csi::records::Secrets::None => "none",
                 };
                 let _ = writeln!(
                     out,

@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::scenario::{self, Daemon, FuseSource, Restart, SupervisorProcess, layers_at};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::process::{Signal, signal};
 

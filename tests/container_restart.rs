@@ -10,14 +10,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::errors::error_chain;
-use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor::testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
 };
 use fuse_supervisor::testbed::subpath::{self, SubpathPrepared};
+use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(20);

@@ -14,12 +14,12 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::csi::api::{self, node_service_capability, volume_capability};
-use fuse_supervisor::csi::records::{self, Request, Secrets};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::csi::{
     CsiClient, CsiPluginProcess, CsiProxyProcess, children_of, staging_path, vol_data_json,
 };
+use fuse_supervisor_engine::csi::api::{self, node_service_capability, volume_capability};
+use fuse_supervisor_engine::csi::records::{self, Request, Secrets};
 use tonic::Code;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

@@ -16,11 +16,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::csi::api::{self, volume_capability};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
 use fuse_supervisor::testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
+use fuse_supervisor_engine::csi::api::{self, volume_capability};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const DRIVER: &str = "fuse.csi.test";

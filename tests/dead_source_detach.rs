@@ -6,11 +6,11 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::heal::{Executor, MountExecutor};
-use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, layers_at};
 use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::{Executor, MountExecutor};
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::{listmount, mount, resolve};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

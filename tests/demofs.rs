@@ -12,9 +12,9 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fuse_supervisor::model::mountinfo::parse_table;
 use fuse_supervisor::testbed::scenario::{self, DATA_FILE, FuseSource};
 use fuse_supervisor::testbed::{Sandbox, SandboxChild};
+use fuse_supervisor_engine::model::mountinfo::parse_table;
 use fuse_supervisor_sys::mount as sys_mount;
 use fuse_supervisor_sys::process::Signal;
 use fuse_supervisor_sys::resolve;

@@ -5,11 +5,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::heal::Healed;
-use fuse_supervisor::kube::KubeletError;
-use fuse_supervisor::kube::events::{ApiServer, EventReporter, Events, EventsConfig, PodNames, PodRef};
-use fuse_supervisor::model::state::Owner;
-use fuse_supervisor::report::{HealReport, Report, Reporter, TargetEvent};
+use fuse_supervisor::events::{ApiServer, EventReporter, Events, EventsConfig, PodNames, PodRef};
+use fuse_supervisor_engine::heal::Healed;
+use fuse_supervisor_engine::kube::KubeletError;
+use fuse_supervisor_engine::model::state::Owner;
+use fuse_supervisor_engine::report::{HealReport, Report, Reporter, TargetEvent};
 use http::{Method, Request, Response};
 use kube::client::Body;
 use serde_json::{Value, json};

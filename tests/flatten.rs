@@ -6,14 +6,14 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::heal::probe::SourceHandles;
-use fuse_supervisor::heal::{Executor, Healed, MountExecutor, Prepared};
-use fuse_supervisor::model::state::Journal;
-use fuse_supervisor::model::table::{Classified, Layout, Snapshot};
-use fuse_supervisor::plan::{learn, plan};
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
 use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::probe::SourceHandles;
+use fuse_supervisor_engine::heal::{Executor, Healed, MountExecutor, Prepared};
+use fuse_supervisor_engine::model::state::Journal;
+use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot};
+use fuse_supervisor_engine::plan::{learn, plan};
 use fuse_supervisor_sys::resolve;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

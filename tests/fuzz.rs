@@ -13,14 +13,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::kube::pods::PodList;
-use fuse_supervisor::model::mountinfo::{self, MountInfo, ParseErrorKind, parse_line, parse_lines};
-use fuse_supervisor::model::state::{Journal, StateError};
-use fuse_supervisor::model::table::{Dev, Snapshot};
-use fuse_supervisor::plan::layout::SourceLayouts;
 use fuse_supervisor::testbed::fuzz::{Fuzzer, mountinfo_line, repo};
-use fuse_supervisor::watch::pods::{VolData, VolDataError};
 use fuse_supervisor::webhook::{DEFAULT_OPT_OUT_ANNOTATION, ReviewError, Selection, VolumeCache, review};
+use fuse_supervisor_engine::kube::pods::PodList;
+use fuse_supervisor_engine::model::mountinfo::{self, MountInfo, ParseErrorKind, parse_line, parse_lines};
+use fuse_supervisor_engine::model::state::{Journal, StateError};
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
+use fuse_supervisor_engine::plan::layout::SourceLayouts;
+use fuse_supervisor_engine::watch::pods::{VolData, VolDataError};
 use fuse_supervisor_sys::fanotify::{self, MountEvent};
 use fuse_supervisor_sys::proc_connector::{self, ProcEvent, TimedEvent};
 use fuse_supervisor_sys::process::ExitStatus;
@@ -287,8 +287,8 @@ fn fuzz_state_file() {
 
 /// State files as `run` writes them, from the unit tests' kinds of records.
 fn state_files(dir: &Path) -> Vec<Vec<u8>> {
-    use fuse_supervisor::model::state::Mapping;
-    use fuse_supervisor::model::table::TargetKind;
+    use fuse_supervisor_engine::model::state::Mapping;
+    use fuse_supervisor_engine::model::table::TargetKind;
     let mut journal = Journal::load(dir).unwrap();
     let mut files = vec![b"{\"version\":1}".to_vec()];
     for (index, kind) in [TargetKind::Volume, TargetKind::Subpath, TargetKind::SourceBind].into_iter().enumerate() {

@@ -9,10 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::kube::job::{
-    PointError, RecordedMount, UnmountError, record_mounts, unmount_devices, unmount_recorded,
-};
-use fuse_supervisor::model::table::Snapshot;
+use fuse_supervisor::job::{PointError, RecordedMount, UnmountError, record_mounts, unmount_devices, unmount_recorded};
 use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{
@@ -20,7 +17,8 @@ use fuse_supervisor::testbed::scenario::{
 };
 use fuse_supervisor::testbed::tenant::TenantFuse;
 use fuse_supervisor::testbed::{ContainerReader, Sandbox, SandboxChild, system};
-use fuse_supervisor::watch::processes::fuse_server::MountDevice;
+use fuse_supervisor_engine::model::table::Snapshot;
+use fuse_supervisor_engine::watch::processes::fuse_server::MountDevice;
 use serde_json::{Value, json};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

@@ -24,11 +24,11 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fuse_supervisor::health::Health;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
-use fuse_supervisor::report::{Report, Reporter as _};
 use fuse_supervisor::testbed::system;
 use fuse_supervisor::webhook::{self, CertStore, Selection, Server, State, VolumeCache};
+use fuse_supervisor_engine::health::Health;
+use fuse_supervisor_engine::report::{Report, Reporter as _};
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -10,8 +10,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::node::{Node, NodeOptions, top_dev};
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 
 use fuse_supervisor::testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, layers_at, wait_for};
 use fuse_supervisor::testbed::system::program;

@@ -8,11 +8,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::model::state::Journal;
-use fuse_supervisor::model::table::{Dev, Snapshot};
 use fuse_supervisor::testbed::scenario::{self, Restart, layers_at};
 use fuse_supervisor::testbed::storm::{StormNode, StormPlan};
 use fuse_supervisor::testbed::{ContainerReader, Observation};
+use fuse_supervisor_engine::model::state::Journal;
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 /// Generous: the resync walks 10,000 pod directories on a loaded machine.

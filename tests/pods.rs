@@ -7,7 +7,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::watch::pods::{LostEvents, PodChange, PodDirectory, PodWatcher, VolDataError};
+use fuse_supervisor_engine::watch::pods::{LostEvents, PodChange, PodDirectory, PodWatcher, VolDataError};
 
 const WAIT: Duration = Duration::from_secs(60);
 

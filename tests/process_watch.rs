@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
 use fuse_supervisor::testbed::{Sandbox, system};
-use fuse_supervisor::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
-use fuse_supervisor::watch::processes::{
+use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
+use fuse_supervisor_engine::watch::processes::{
     ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher,
 };
@@ -429,7 +429,7 @@ fn proc_connector_subscribes_through_the_hosts_network_namespace() {
         let runner = std::os::unix::process::parent_id();
         let proc_root = tempfile::tempdir().expect("a fake /proc");
         std::os::unix::fs::symlink(format!("/proc/{runner}"), proc_root.path().join("1")).expect("its pid 1");
-        let host = fuse_supervisor::watch::processes::host_network_namespace(proc_root.path());
+        let host = fuse_supervisor_engine::watch::processes::host_network_namespace(proc_root.path());
         let expected = proc_root.path().join("1/ns/net");
         assert_eq!(host.as_deref(), Some(expected.as_path()), "in a network namespace of its own");
         let (send, events) = mpsc::channel();

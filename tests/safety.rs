@@ -3,13 +3,13 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::heal::probe::SourceHandles;
-use fuse_supervisor::heal::{Executor, HealError, MountExecutor, Prepared};
-use fuse_supervisor::model::table::{Classified, Layout, Snapshot, TargetKind};
-use fuse_supervisor::plan::{HealBatch, TargetHeal};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, fuse_mount_ids_at, layers_at};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::probe::SourceHandles;
+use fuse_supervisor_engine::heal::{Executor, HealError, MountExecutor, Prepared};
+use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot, TargetKind};
+use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::resolve;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

@@ -18,12 +18,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use fuse_supervisor::model::table::Snapshot;
 use fuse_supervisor::testbed::cgroup::ContainerCgroup;
 use fuse_supervisor::testbed::container::ContainerOptions;
 use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
 use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox, SandboxChild, system};
+use fuse_supervisor_engine::model::table::Snapshot;
 use fuse_supervisor_sys::process::{self, Signal};
 use serde_json::json;
 

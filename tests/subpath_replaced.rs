@@ -7,13 +7,13 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::heal::probe::SourceHandles;
-use fuse_supervisor::heal::{Executor, Healed, MountExecutor, Prepared};
-use fuse_supervisor::model::table::{Classified, Dev, Layout, Snapshot, TargetKind};
-use fuse_supervisor::plan::{HealBatch, TargetHeal};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, SUBDIR, SUBDIR_FILE};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::probe::SourceHandles;
+use fuse_supervisor_engine::heal::{Executor, Healed, MountExecutor, Prepared};
+use fuse_supervisor_engine::model::table::{Classified, Dev, Layout, Snapshot, TargetKind};
+use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::{mount, resolve};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

@@ -8,10 +8,10 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fuse_supervisor::model::mountinfo::parse_table;
 use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource};
 use fuse_supervisor::testbed::tenant::{TenantFuse, cover_with_tmpfs};
 use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_engine::model::mountinfo::parse_table;
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::resolve;
 
@@ -491,8 +491,8 @@ fn sandbox_run_resumes_panics_in_the_caller() {
 /// last read without reading.
 #[test]
 fn the_table_watcher_reports_once_per_burst_and_again_after_a_rearm() {
-    use fuse_supervisor::model::mountinfo::MountInfoReader;
-    use fuse_supervisor::watch::mount_table::{MountWatcher, MountinfoWatcher, Wake};
+    use fuse_supervisor_engine::model::mountinfo::MountInfoReader;
+    use fuse_supervisor_engine::watch::mount_table::{MountWatcher, MountinfoWatcher, Wake};
     use fuse_supervisor_sys::poll::Waker;
 
     require_root();

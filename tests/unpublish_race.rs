@@ -15,15 +15,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::heal::probe::SourceHandles;
-use fuse_supervisor::heal::{Executor, HealError, MountExecutor, Prepared};
-use fuse_supervisor::model::table::{Classified, Layout, Snapshot, TargetKind};
-use fuse_supervisor::plan::{HealBatch, TargetHeal};
 use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor::testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
 };
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::probe::SourceHandles;
+use fuse_supervisor_engine::heal::{Executor, HealError, MountExecutor, Prepared};
+use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot, TargetKind};
+use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::{mount, resolve};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::watch::mount_table::{
+use fuse_supervisor_engine::watch::mount_table::{
     FanotifyWatcher, MountBatch, MountWatcher, MountinfoWatcher, Rearm, Unreported, Wake,
 };
 use fuse_supervisor_sys::fanotify::MountEvent;

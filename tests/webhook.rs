@@ -247,7 +247,7 @@ fn malformed_reviews_are_clear_errors() {
     ];
     for (name, expected) in cases {
         let err = webhook::review(&fixture(name), &juicefs(), &cache).expect_err(name);
-        let message = fuse_supervisor::errors::error_chain(&err);
+        let message = fuse_supervisor_engine::errors::error_chain(&err);
         assert!(message.contains(expected), "{name}: {message}");
     }
     for garbage in [&b""[..], b"null", b"[]", b"{\"kind\":42}", &[0xff, 0xfe, 0x00]] {

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use fuse_supervisor_sys::poll::Poller;
 
-use crate::model::table::{Dev, Snapshot};
 use crate::testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, ScenarioError, SupervisorProcess, layers_at,
 };
 use crate::testbed::{ContainerReader, Observation, Sandbox, TestbedError};
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 
 mod interrupt;
 mod output;

@@ -14,8 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::heal::Healed;
-use crate::report::{Report, Reporter, ScanCounts};
+use fuse_supervisor_engine::heal::Healed;
+use fuse_supervisor_engine::report::{Report, Reporter, ScanCounts};
 
 pub mod server;
 
@@ -334,8 +334,8 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     use super::*;
-    use crate::kube::{KubeletAuthz, KubeletError};
-    use crate::report::{HealReport, TargetEvent};
+    use fuse_supervisor_engine::kube::{KubeletAuthz, KubeletError};
+    use fuse_supervisor_engine::report::{HealReport, TargetEvent};
 
     fn value(metrics: &Metrics, series: &str) -> Option<f64> {
         series_value(&metrics.encode().unwrap(), series)

@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 use tracing::{debug, error, warn};
 
 use super::{CONTENT_TYPE, Metrics};
-use crate::health::Health;
-use crate::watch::thread::{ThreadError, Waiting, Watching, Woken};
+use fuse_supervisor_engine::health::Health;
+use fuse_supervisor_engine::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
 /// How long `/healthz` waits for the loop to answer its ping. The
 /// manifest's probe allows 5 s; a loop busy for longer than this in one
@@ -144,7 +144,7 @@ impl MetricsServer {
     /// [`ANSWER_DEADLINE`].
     pub fn stop(self) {
         if let Err(err) = self.watching.stop() {
-            error!(err = %crate::errors::error_chain(&err), "metrics server did not stop cleanly");
+            error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "metrics server did not stop cleanly");
         }
     }
 }
@@ -539,7 +539,7 @@ mod tests {
     use std::sync::mpsc;
 
     use super::*;
-    use crate::health::Pong;
+    use fuse_supervisor_engine::health::Pong;
 
     /// One request, raw; returns the status and the whole response.
     fn request(addr: SocketAddr, raw: &str) -> (u16, String) {

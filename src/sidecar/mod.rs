@@ -14,7 +14,7 @@
 //!   ([`in_namespace`]).
 //!
 //! Event-driven: `EPOLLPRI` on every namespace's mountinfo (one epoll for
-//! all of them, rather than a [`crate::watch::mount_table::MountinfoWatcher`] thread per
+//! all of them, rather than a [`fuse_supervisor_engine::watch::mount_table::MountinfoWatcher`] thread per
 //! container), daemon deaths from the pidfd watcher, and health pings. The
 //! only timer runs while a target is dead with nothing to heal it from yet:
 //! a FUSE container restarted with a new namespace mounts where no watched
@@ -33,14 +33,16 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, info, warn};
 
-use crate::heal::Healed;
-use crate::heal::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed};
-use crate::health::{Health, Pong};
-use crate::report::{HealReport, Report, Reporters, TargetEvent};
-use crate::shutdown::Shutdown;
-use crate::watch::processes::fuse_server::FuseServerError;
-use crate::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
-use crate::watch::thread::{Waiting, Waker, Woken};
+use fuse_supervisor_engine::heal::Healed;
+use fuse_supervisor_engine::heal::in_namespace::{
+    self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed,
+};
+use fuse_supervisor_engine::health::{Health, Pong};
+use fuse_supervisor_engine::report::{HealReport, Report, Reporters, TargetEvent};
+use fuse_supervisor_engine::shutdown::Shutdown;
+use fuse_supervisor_engine::watch::processes::fuse_server::FuseServerError;
+use fuse_supervisor_engine::watch::processes::{PidfdWatcher, ProcessEvent, ProcessWatchError, ProcessWatcher};
+use fuse_supervisor_engine::watch::thread::{Waiting, Waker, Woken};
 use plan::SidecarPlan;
 
 #[derive(Debug, thiserror::Error)]
@@ -285,7 +287,7 @@ impl Sidecar<'_> {
     /// and when each live source was.
     fn note_broken(&mut self, plan: &SidecarPlan) {
         let now = Instant::now();
-        let dead: Vec<(u64, &crate::model::table::FuseMount)> = plan
+        let dead: Vec<(u64, &fuse_supervisor_engine::model::table::FuseMount)> = plan
             .heals
             .iter()
             .map(|heal| (heal.namespace, &heal.target))

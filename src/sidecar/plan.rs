@@ -2,8 +2,8 @@
 //! live mount: a pure function of what one scan of the pod's processes saw.
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::heal::in_namespace::{InNamespaceHeal, LiveSource};
-use crate::model::table::{Dev, FuseMount, root_within};
+use fuse_supervisor_engine::heal::in_namespace::{InNamespaceHeal, LiveSource};
+use fuse_supervisor_engine::model::table::{Dev, FuseMount, root_within};
 
 /// A mount namespace of the pod, as one scan saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,7 +111,7 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::model::table::Snapshot;
+    use fuse_supervisor_engine::model::table::Snapshot;
 
     /// The FUSE container: its daemon's new mount (0:77) over nothing, the
     /// old one gone.

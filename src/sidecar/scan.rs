@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 use fuse_supervisor_sys::resolve;
 use tracing::debug;
 
-use crate::heal::fuse_calls;
+use fuse_supervisor_engine::heal::fuse_calls;
 
 use super::SidecarError;
 use super::plan::{NamespaceView, ObservedMount, Serving};
-use crate::heal::in_namespace::InNamespaceHeal;
-use crate::model::namespace_table::{self, TableCaps};
-use crate::watch::processes::ProcessId;
-use crate::watch::processes::fuse_server::{FuseServers, MountDevice};
+use fuse_supervisor_engine::heal::in_namespace::InNamespaceHeal;
+use fuse_supervisor_engine::model::namespace_table::{self, TableCaps};
+use fuse_supervisor_engine::watch::processes::ProcessId;
+use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MountDevice};
 
 /// What one scan saw.
 #[derive(Debug, Default)]

@@ -5,12 +5,12 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
-use crate::heal::Executor;
-use crate::kube::{Answer, Asker};
-use crate::model::table::TargetKind;
-use crate::plan::HealBatch;
-use crate::plan::confirm::{Confirmations, Decision, Gate};
-use crate::report::Report;
+use fuse_supervisor_engine::heal::Executor;
+use fuse_supervisor_engine::kube::{Answer, Asker};
+use fuse_supervisor_engine::model::table::TargetKind;
+use fuse_supervisor_engine::plan::HealBatch;
+use fuse_supervisor_engine::plan::confirm::{Confirmations, Decision, Gate};
+use fuse_supervisor_engine::report::Report;
 
 use super::Supervisor;
 

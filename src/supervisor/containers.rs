@@ -1,5 +1,5 @@
 //! The heal inside containers after a host heal (see
-//! [`crate::heal::containers`]), how each went, and the retries of those
+//! [`fuse_supervisor_engine::heal::containers`]), how each went, and the retries of those
 //! that failed: a failed container heal stays in the work set, retried with
 //! the targets' back-off, until it succeeds or its namespace is gone; one
 //! the container refused by its own doing waits for its namespace's next
@@ -10,19 +10,19 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::heal::Propagation;
+use fuse_supervisor_engine::heal::Propagation;
 use tracing::{debug, info, warn};
 
-use crate::errors::error_chain;
-use crate::heal::containers::{self, ContainerHealError, ForeignHealed, ForeignMount};
-use crate::heal::in_namespace::InNamespaceError;
-use crate::heal::probe::SourceHandles;
-use crate::heal::{ContainerOutcome, Executor};
-use crate::kube::cgroup::{PodContainer, container_of};
-use crate::model::state::retry_delay;
-use crate::model::table::{Dev, FuseMount};
-use crate::report::{ContainersHealed, Report};
-use crate::watch::namespace_changes::NamespaceChanges;
+use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::heal::containers::{self, ContainerHealError, ForeignHealed, ForeignMount};
+use fuse_supervisor_engine::heal::in_namespace::InNamespaceError;
+use fuse_supervisor_engine::heal::probe::SourceHandles;
+use fuse_supervisor_engine::heal::{ContainerOutcome, Executor};
+use fuse_supervisor_engine::kube::cgroup::{PodContainer, container_of};
+use fuse_supervisor_engine::model::state::retry_delay;
+use fuse_supervisor_engine::model::table::{Dev, FuseMount};
+use fuse_supervisor_engine::report::{ContainersHealed, Report};
+use fuse_supervisor_engine::watch::namespace_changes::NamespaceChanges;
 
 use super::{Event, Supervisor};
 

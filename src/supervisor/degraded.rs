@@ -13,15 +13,15 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
-use crate::errors::error_chain;
-use crate::heal::containers::{ContainerHealError, ForeignMount};
-use crate::heal::{Executor, Prepared};
-use crate::model::state::{DaemonDeath, TargetState};
-use crate::model::table::{Classified, Dev};
-use crate::plan::{self, Assessment, HealBatch, TargetHeal};
-use crate::report::{Report, TargetEvent};
 use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
-use crate::watch::processes::{Detection, ProcessEvent};
+use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::heal::containers::{ContainerHealError, ForeignMount};
+use fuse_supervisor_engine::heal::{Executor, Prepared};
+use fuse_supervisor_engine::model::state::{DaemonDeath, TargetState};
+use fuse_supervisor_engine::model::table::{Classified, Dev};
+use fuse_supervisor_engine::plan::{self, Assessment, HealBatch, TargetHeal};
+use fuse_supervisor_engine::report::{Report, TargetEvent};
+use fuse_supervisor_engine::watch::processes::{Detection, ProcessEvent};
 
 /// How long the stale layers of a dead daemon's targets are held. A held
 /// layer cannot be unmounted (the kubelet's unmount of a deleted pod's
@@ -290,7 +290,7 @@ impl<E: Executor> Supervisor<E> {
     }
 
     /// Makes the dead connection's mounts in containers private (see
-    /// [`crate::heal::containers`]) and says how many there were.
+    /// [`fuse_supervisor_engine::heal::containers`]) and says how many there were.
     pub(super) fn isolate_containers(&mut self, dev: Dev) {
         let started = Instant::now();
         let Some(isolated) = self.executor.isolate_containers(dev) else { return };

@@ -5,12 +5,12 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
-use crate::errors::error_chain;
-use crate::heal::{Executor, HealError, Healed, Prepared};
-use crate::model::state::{Mapping, TargetState, retry_delay};
-use crate::model::table::Dev;
-use crate::plan::HealBatch;
-use crate::report::{HealReport, Report, TargetEvent};
+use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::heal::{Executor, HealError, Healed, Prepared};
+use fuse_supervisor_engine::model::state::{Mapping, TargetState, retry_delay};
+use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::plan::HealBatch;
+use fuse_supervisor_engine::report::{HealReport, Report, TargetEvent};
 
 use super::{Event, Supervisor, TargetRecord};
 
@@ -40,7 +40,7 @@ impl<E: Executor> Supervisor<E> {
         &mut self,
         batch: &HealBatch,
         prepared: Prepared,
-        handles: &crate::heal::probe::SourceHandles,
+        handles: &fuse_supervisor_engine::heal::probe::SourceHandles,
         source_wait: Duration,
     ) {
         let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());

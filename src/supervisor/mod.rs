@@ -13,23 +13,23 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 
-use crate::heal::priority::{HealPriority, HealWindow};
-use crate::heal::probe::{ProbeReport, Prober};
-use crate::heal::{Executor, Prepared};
-use crate::health::{Health, Pong};
-use crate::kube::Answer;
-use crate::kube::Kubelet;
-use crate::model::source::TableSource;
-use crate::model::state::{Journal, StateError, StateWriter, TargetState};
-use crate::model::table::{Classified, Dev, Layout};
-use crate::plan::flapping::Flapping;
-use crate::plan::layout::SourceLayouts;
-use crate::plan::locate::VolDataCache;
-use crate::plan::{self, HealBatch};
-use crate::report::{Report, Reporters};
 use crate::supervisor::daemons::{DaemonEvent, DaemonWatch, Daemons};
-use crate::watch::mount_table::{Rearm, WatchMode};
-use crate::watch::pods::PodChange;
+use fuse_supervisor_engine::heal::priority::{HealPriority, HealWindow};
+use fuse_supervisor_engine::heal::probe::{ProbeReport, Prober};
+use fuse_supervisor_engine::heal::{Executor, Prepared};
+use fuse_supervisor_engine::health::{Health, Pong};
+use fuse_supervisor_engine::kube::Answer;
+use fuse_supervisor_engine::kube::Kubelet;
+use fuse_supervisor_engine::model::source::TableSource;
+use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter, TargetState};
+use fuse_supervisor_engine::model::table::{Classified, Dev, Layout};
+use fuse_supervisor_engine::plan::flapping::Flapping;
+use fuse_supervisor_engine::plan::layout::SourceLayouts;
+use fuse_supervisor_engine::plan::locate::VolDataCache;
+use fuse_supervisor_engine::plan::{self, HealBatch};
+use fuse_supervisor_engine::report::{Report, Reporters};
+use fuse_supervisor_engine::watch::mount_table::{Rearm, WatchMode};
+use fuse_supervisor_engine::watch::pods::PodChange;
 
 mod confirmation;
 mod containers;
@@ -49,7 +49,7 @@ use confirmation::Confirmer;
 pub use once::{OnceSummary, heal_once};
 pub use start::{run, start_job_lifecycle};
 
-use crate::shutdown::Shutdown;
+use fuse_supervisor_engine::shutdown::Shutdown;
 use targets::TargetRecord;
 
 /// How long the handles a heal takes on its targets' stale tops while its
@@ -83,14 +83,14 @@ pub struct Config {
     /// Sidecar mode: only this pod's targets are healed.
     pub pod_scope: Option<String>,
     /// The serverless Job lifecycle, on its own thread, when enabled.
-    pub job: Option<crate::kube::job::JobConfig>,
+    pub job: Option<crate::job::JobConfig>,
     /// How the daemons serving the sources are watched for their death.
     pub daemons: DaemonWatch,
     /// Kernel notifications, or a full scan on a timer.
     pub watch: WatchMode,
     /// Answers liveness pings and says when the first scan is done.
     pub health: Arc<Health>,
-    /// Of the heal path's threads (see [`crate::heal::priority`]).
+    /// Of the heal path's threads (see [`fuse_supervisor_engine::heal::priority`]).
     pub heal_priority: HealPriority,
     /// How the containers holding a dead connection's mounts are found.
     pub container_namespaces: ContainerNamespaces,
@@ -99,11 +99,11 @@ pub struct Config {
     pub container_deadline: Duration,
     /// Stage again, through their CSI driver, the recorded volumes of
     /// `--restage` drivers whose global mount died; None: off.
-    pub restage: Option<crate::csi::restage::RestageConfig>,
+    pub restage: Option<fuse_supervisor_engine::csi::restage::RestageConfig>,
 }
 
 /// How the mount namespaces of containers are known (see
-/// [`crate::heal::namespaces`]).
+/// [`fuse_supervisor_engine::heal::namespaces`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ContainerNamespaces {
     /// Kept by the process connector's exec and exit events after one walk
@@ -148,13 +148,13 @@ pub enum SupervisorError {
     #[error(transparent)]
     State(#[from] StateError),
     #[error(transparent)]
-    Watch(#[from] crate::watch::mount_table::WatchError),
+    Watch(#[from] fuse_supervisor_engine::watch::mount_table::WatchError),
     #[error(transparent)]
-    Kubelet(#[from] crate::kube::KubeletError),
+    Kubelet(#[from] fuse_supervisor_engine::kube::KubeletError),
     #[error(transparent)]
-    Pods(#[from] crate::watch::pods::PodWatchError),
+    Pods(#[from] fuse_supervisor_engine::watch::pods::PodWatchError),
     #[error(transparent)]
-    Job(#[from] crate::kube::job::JobError),
+    Job(#[from] crate::job::JobError),
     #[error(transparent)]
     Daemons(#[from] crate::supervisor::daemons::DaemonError),
     #[error("cannot start thread {name}")]
@@ -164,7 +164,7 @@ pub enum SupervisorError {
         source: io::Error,
     },
     #[error(transparent)]
-    Watcher(#[from] crate::watch::thread::ThreadError),
+    Watcher(#[from] fuse_supervisor_engine::watch::thread::ThreadError),
 }
 
 enum Event {
@@ -175,13 +175,13 @@ enum Event {
     Kubelet(Answer),
     Pods(PodChange),
     Daemon(DaemonEvent),
-    WatchFailed(crate::watch::mount_table::WatchError),
+    WatchFailed(fuse_supervisor_engine::watch::mount_table::WatchError),
     /// A mount changed in a namespace where a container heal was refused.
     NamespacesChanged,
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
     /// How a re-staging through a CSI driver went.
-    Restaged(crate::csi::restage::RestageOutcome),
+    Restaged(fuse_supervisor_engine::csi::restage::RestageOutcome),
     Shutdown,
 }
 
@@ -267,7 +267,7 @@ struct Supervisor<E: Executor> {
     /// a heal's own changes. None without a watcher (`heal --once`).
     table_watch: Option<Arc<dyn Rearm>>,
     /// Stages dead CSI global mounts again off the loop; None: off.
-    restager: Option<crate::csi::restage::Restager>,
+    restager: Option<fuse_supervisor_engine::csi::restage::Restager>,
 }
 
 impl<E: Executor> Supervisor<E> {
@@ -444,7 +444,7 @@ impl<E: Executor> Supervisor<E> {
                 Some(classified)
             }
             Err(err) => {
-                error!(err = %crate::errors::error_chain(&err), "cannot read the mount table; keeping the last known state");
+                error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot read the mount table; keeping the last known state");
                 None
             }
         }

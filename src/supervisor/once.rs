@@ -7,13 +7,13 @@ use std::sync::mpsc;
 
 use fuse_supervisor_sys::ns;
 
-use crate::errors::error_chain;
-use crate::heal::probe::ProbeOutcome;
-use crate::heal::{Executor, Prepared};
-use crate::model::mountinfo::MountInfoReader;
-use crate::model::source::TextTable;
-use crate::model::table::TargetKind;
-use crate::plan;
+use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::heal::probe::ProbeOutcome;
+use fuse_supervisor_engine::heal::{Executor, Prepared};
+use fuse_supervisor_engine::model::mountinfo::MountInfoReader;
+use fuse_supervisor_engine::model::source::TextTable;
+use fuse_supervisor_engine::model::table::TargetKind;
+use fuse_supervisor_engine::plan;
 
 use super::{Config, Event, Supervisor, SupervisorError};
 

@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 
 use tracing::{debug, error, info, warn};
 
-use crate::heal::Executor;
-use crate::heal::probe::{ProbeOutcome, ProbeReport, open_mount_root};
-use crate::model::mountinfo::is_fuse_type;
-use crate::model::table::{Classified, Dev, Role};
-use crate::plan::{self, Assessment, HealBatch};
-use crate::watch::mount_table::describe_attached;
+use fuse_supervisor_engine::heal::Executor;
+use fuse_supervisor_engine::heal::probe::{ProbeOutcome, ProbeReport, open_mount_root};
+use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
+use fuse_supervisor_engine::model::table::{Classified, Dev, Role};
+use fuse_supervisor_engine::plan::{self, Assessment, HealBatch};
+use fuse_supervisor_engine::watch::mount_table::describe_attached;
 
 use super::{Event, Supervisor};
 

@@ -4,10 +4,10 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use crate::csi::restage::RestageOutcome;
-use crate::heal::Executor;
-use crate::model::table::Dev;
-use crate::report::Report;
+use fuse_supervisor_engine::csi::restage::RestageOutcome;
+use fuse_supervisor_engine::heal::Executor;
+use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::report::Report;
 
 use super::Supervisor;
 

@@ -10,28 +10,30 @@ use std::time::Instant;
 use fuse_supervisor_sys::{mount, ns};
 use tracing::{error, info, warn};
 
-use crate::heal::namespaces::{NamespaceKeeper, Namespaces};
-use crate::heal::priority::{HealActivity, HealPriority, HealWindow};
-use crate::heal::probe::Prober;
-use crate::heal::{Executor, MountExecutor};
-use crate::kube::Asker;
-use crate::model::incremental::KernelMounts;
-use crate::model::mountinfo::MountInfoReader;
-use crate::model::source::{TableSource, TextTable};
-use crate::model::state::{Journal, StateError, StateWriter};
-use crate::model::table::Layout;
-use crate::plan::confirm::Confirmations;
-use crate::plan::flapping::Flapping;
-use crate::plan::locate::VolDataCache;
 use crate::supervisor::daemons::Daemons;
-use crate::watch::mount_table::{self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode};
-use crate::watch::pods::PodWatcher;
-use crate::watch::processes::host_network_namespace;
-use crate::watch::thread::Watching;
+use fuse_supervisor_engine::heal::namespaces::{NamespaceKeeper, Namespaces};
+use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority, HealWindow};
+use fuse_supervisor_engine::heal::probe::Prober;
+use fuse_supervisor_engine::heal::{Executor, MountExecutor};
+use fuse_supervisor_engine::kube::Asker;
+use fuse_supervisor_engine::model::incremental::KernelMounts;
+use fuse_supervisor_engine::model::mountinfo::MountInfoReader;
+use fuse_supervisor_engine::model::source::{TableSource, TextTable};
+use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter};
+use fuse_supervisor_engine::model::table::Layout;
+use fuse_supervisor_engine::plan::confirm::Confirmations;
+use fuse_supervisor_engine::plan::flapping::Flapping;
+use fuse_supervisor_engine::plan::locate::VolDataCache;
+use fuse_supervisor_engine::watch::mount_table::{
+    self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode,
+};
+use fuse_supervisor_engine::watch::pods::PodWatcher;
+use fuse_supervisor_engine::watch::processes::host_network_namespace;
+use fuse_supervisor_engine::watch::thread::Watching;
 
 use super::tables::{KeptTable, SettleError, SharedTable};
 use super::{Config, Confirmer, ContainerNamespaces, Event, Supervisor, SupervisorError};
-use crate::shutdown::Shutdown;
+use fuse_supervisor_engine::shutdown::Shutdown;
 
 /// Runs until `shutdown` is requested. Call from a thread of its own: it
 /// moves that thread into the watched namespace.
@@ -133,7 +135,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // From this thread: the writer sees the state directory as the loop does.
     let health = Arc::clone(&config.health);
     let report_save = move |err: Option<&StateError>| {
-        health.set_state_problem(err.map(|err| crate::errors::error_chain(err)));
+        health.set_state_problem(err.map(|err| fuse_supervisor_engine::errors::error_chain(err)));
     };
     supervisor.state_writer = Some(
         StateWriter::spawn(Box::new(report_save))
@@ -167,7 +169,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         error!(%err, "pod-directory watcher failed");
     }
     if let Err(err) = watching.stop() {
-        error!(err = %crate::errors::error_chain(&err), "mount-table watcher failed");
+        error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "mount-table watcher failed");
     }
     Ok(())
 }
@@ -184,7 +186,7 @@ fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<N
     match namespaces.keep(host_network_namespace(proc_root), Arc::clone(heal_activity)) {
         Ok(keeper) => (namespaces, Some(keeper)),
         Err(err) => {
-            warn!(err = %crate::errors::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
+            warn!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
             (namespaces, None)
         }
     }
@@ -195,15 +197,19 @@ fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<N
 fn start_restager(
     config: &Config,
     events: &Sender<Event>,
-) -> Result<Option<crate::csi::restage::Restager>, SupervisorError> {
+) -> Result<Option<fuse_supervisor_engine::csi::restage::Restager>, SupervisorError> {
     let Some(restage) = &config.restage else { return Ok(None) };
     let events = events.clone();
     let kubelet = config.kubelet.as_ref().map(|confirmation| confirmation.kubelet.clone());
-    let restager =
-        crate::csi::restage::Restager::spawn(restage.clone(), &config.mount_namespace, kubelet, move |outcome| {
+    let restager = fuse_supervisor_engine::csi::restage::Restager::spawn(
+        restage.clone(),
+        &config.mount_namespace,
+        kubelet,
+        move |outcome| {
             let _ = events.send(Event::Restaged(outcome));
-        })
-        .map_err(|source| SupervisorError::Thread { name: "restage", source })?;
+        },
+    )
+    .map_err(|source| SupervisorError::Thread { name: "restage", source })?;
     info!(drivers = ?restage.drivers, records = %restage.records.display(), grace_ms = restage.grace.as_millis() as u64, "CSI re-staging on");
     Ok(Some(restager))
 }
@@ -211,12 +217,12 @@ fn start_restager(
 /// Starts the Job lifecycle when configured; the supervisor stops once it
 /// has ended its pod's FUSE container (sidecar mode).
 pub fn start_job_lifecycle(
-    job: Option<&crate::kube::job::JobConfig>,
+    job: Option<&crate::job::JobConfig>,
     shutdown: &Shutdown,
-) -> Result<Option<crate::kube::job::JobLifecycle>, crate::kube::job::JobError> {
+) -> Result<Option<crate::job::JobLifecycle>, crate::job::JobError> {
     let Some(job) = job else { return Ok(None) };
     let done = shutdown.clone();
-    crate::kube::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
+    crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
 }
 
 /// The watcher's thread, stopped by the shutdown's eventfd (which the
@@ -241,7 +247,7 @@ fn spawn_watcher(
                     Some(Ok(false)) => continue,
                     Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
                     Some(Err(SettleError::Table(err))) => {
-                        warn!(err = %crate::errors::error_chain(&err), "cannot apply mount events; the loop looks");
+                        warn!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot apply mount events; the loop looks");
                         Event::TableChanged(watcher.attached())
                     }
                     Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),

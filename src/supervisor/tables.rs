@@ -17,11 +17,11 @@ use std::time::Instant;
 
 use tracing::{debug, info};
 
-use crate::model::incremental::{IncrementalTable, KernelMounts};
-use crate::model::mountinfo::take_change_flag;
-use crate::model::source::{TableError, TableSource};
-use crate::model::table::Snapshot;
-use crate::watch::mount_table::{MountEvent, MountEventFeed, Rearm, WatchError};
+use fuse_supervisor_engine::model::incremental::{IncrementalTable, KernelMounts};
+use fuse_supervisor_engine::model::mountinfo::take_change_flag;
+use fuse_supervisor_engine::model::source::{TableError, TableSource};
+use fuse_supervisor_engine::model::table::Snapshot;
+use fuse_supervisor_engine::watch::mount_table::{MountEvent, MountEventFeed, Rearm, WatchError};
 
 /// What tells a [`KeptTable`] that the namespace changed, and how much.
 pub enum Changes {

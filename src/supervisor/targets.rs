@@ -6,13 +6,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, error, info, warn};
 
-use crate::heal::{Executor, Healed};
-use crate::model::state::TargetState;
-use crate::model::table::{Classified, Dev, TargetKind};
-use crate::plan::locate::{self, Located};
-use crate::plan::{self, Assessment, TargetHeal};
-use crate::report::{HealReport, Report, ScanCounts, TargetEvent};
-use crate::watch::pods::PodChange;
+use fuse_supervisor_engine::heal::{Executor, Healed};
+use fuse_supervisor_engine::model::state::TargetState;
+use fuse_supervisor_engine::model::table::{Classified, Dev, TargetKind};
+use fuse_supervisor_engine::plan::locate::{self, Located};
+use fuse_supervisor_engine::plan::{self, Assessment, TargetHeal};
+use fuse_supervisor_engine::report::{HealReport, Report, ScanCounts, TargetEvent};
+use fuse_supervisor_engine::watch::pods::PodChange;
 
 use super::Supervisor;
 

@@ -10,19 +10,21 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::heal::containers::{ForeignHealed, ForeignMount};
-use crate::heal::priority::HealPriority;
-use crate::heal::probe::{ProbeOutcome, SourceHandles};
-use crate::heal::{ContainerOutcome, Executor, HealError, Healed, Prepared, Propagation, TargetOutcome};
-use crate::kube::{ContainerStatus, Kubelet, KubeletConfig, KubeletTls, Pod, PodList};
-use crate::model::source::{TableError, TableSource};
-use crate::model::state::TargetState;
-use crate::model::table::{Dev, FuseMount, Snapshot};
-use crate::plan::layout::SourceLayouts;
-use crate::plan::{HealBatch, TargetHeal};
-use crate::report::{Report, Reporter, Reporters};
 use crate::supervisor::daemons::DaemonWatch;
-use crate::watch::mount_table::{TableEvents, WatchMode};
+use fuse_supervisor_engine::heal::containers::{ForeignHealed, ForeignMount};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::heal::probe::{ProbeOutcome, SourceHandles};
+use fuse_supervisor_engine::heal::{
+    ContainerOutcome, Executor, HealError, Healed, Prepared, Propagation, TargetOutcome,
+};
+use fuse_supervisor_engine::kube::{ContainerStatus, Kubelet, KubeletConfig, KubeletTls, Pod, PodList};
+use fuse_supervisor_engine::model::source::{TableError, TableSource};
+use fuse_supervisor_engine::model::state::TargetState;
+use fuse_supervisor_engine::model::table::{Dev, FuseMount, Snapshot};
+use fuse_supervisor_engine::plan::layout::SourceLayouts;
+use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
+use fuse_supervisor_engine::report::{Report, Reporter, Reporters};
+use fuse_supervisor_engine::watch::mount_table::{TableEvents, WatchMode};
 
 use super::{Config, Event, Supervisor};
 
@@ -126,7 +128,7 @@ impl Executor for RecordingExecutor {
         &mut self,
         _dead: &BTreeSet<Dev>,
         _source: &FuseMount,
-        _live: Option<&crate::heal::probe::SourceHandles>,
+        _live: Option<&fuse_supervisor_engine::heal::probe::SourceHandles>,
     ) -> Vec<ContainerOutcome> {
         std::mem::take(&mut self.containers)
     }
@@ -179,7 +181,8 @@ impl Harness {
             std::fs::create_dir_all(kubelet.path().join("pods").join(uid)).unwrap();
         }
         std::fs::create_dir_all(kubelet.path().join(GLOBAL).join("sub")).unwrap();
-        let (new_global_id, _global) = crate::heal::probe::open_mount_root(&kubelet.path().join(GLOBAL)).unwrap();
+        let (new_global_id, _global) =
+            fuse_supervisor_engine::heal::probe::open_mount_root(&kubelet.path().join(GLOBAL)).unwrap();
         let reports = Arc::new(RecordingReporter::default());
         let config = Config {
             kubelet_root: kubelet.path().to_path_buf(),
@@ -197,7 +200,7 @@ impl Harness {
             health: Arc::default(),
             heal_priority: HealPriority::OFF,
             container_namespaces: super::ContainerNamespaces::Walk,
-            container_deadline: crate::heal::containers::DEFAULT_DEADLINE,
+            container_deadline: fuse_supervisor_engine::heal::containers::DEFAULT_DEADLINE,
             restage: None,
         };
         let table = SetTable::default();
@@ -425,7 +428,7 @@ fn a_target_unmounted_just_before_its_stack_fails_once_and_leaves_with_its_pod()
     assert_eq!(harness.supervisor.next_deadline(), None, "nothing left to retry");
 
     std::fs::remove_dir_all(harness.path("pods/bbbb")).unwrap();
-    harness.supervisor.on_pods(crate::watch::pods::PodChange::PodRemoved { uid: "bbbb".into() });
+    harness.supervisor.on_pods(fuse_supervisor_engine::watch::pods::PodChange::PodRemoved { uid: "bbbb".into() });
     assert!(harness.supervisor.journal.get(&pod_b).is_none());
     assert!(!harness.supervisor.records.contains_key(&pod_b));
 }

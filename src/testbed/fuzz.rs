@@ -270,7 +270,7 @@ impl SplitMix {
 /// A mountinfo line as the kernel prints `mount` (no newline): the
 /// serialiser the parser's round trip is checked with. Unknown optional
 /// fields are not kept by the parser, so none are printed.
-pub fn mountinfo_line(mount: &crate::model::mountinfo::MountInfo<'_>) -> Vec<u8> {
+pub fn mountinfo_line(mount: &fuse_supervisor_engine::model::mountinfo::MountInfo<'_>) -> Vec<u8> {
     let numbers = format!("{} {} {}:{}", mount.mount_id, mount.parent_id, mount.major, mount.minor);
     let root = [mount.root.raw(), if mount.root_deleted { b"//deleted" } else { b"" }].concat();
     let propagation = &mount.propagation;

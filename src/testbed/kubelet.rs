@@ -17,7 +17,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::{ServerConfig, ServerConnection, StreamOwned};
 use serde_json::Value;
 
-use crate::kube::Timestamp;
+use fuse_supervisor_engine::kube::Timestamp;
 
 /// Bodies larger than this go out chunked (Go's net/http: 2 KiB).
 const CHUNK_ABOVE: usize = 2048;

@@ -28,6 +28,7 @@ pub mod scenario;
 pub mod storm;
 pub mod subpath;
 mod supervisor_process;
+pub mod synthetic;
 pub mod system;
 pub mod tenant;
 pub mod userns;
@@ -35,6 +36,7 @@ pub mod userns;
 pub use logs::CapturedLogs;
 pub use reader::{ContainerReader, Observation, Outcome};
 pub use sandbox::{Sandbox, SandboxChild};
+pub use synthetic::synthetic_table;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! A node for the reliability tests and benchmarks: one FUSE source bound
 //! into whole-volume and subPath targets, each read by a container-model
 //! reader, the supervisor as a process that can be frozen at a chosen point
-//! ([`crate::stop_point`]) and killed, and the check that the node
+//! ([`fuse_supervisor_engine::stop_point`]) and killed, and the check that the node
 //! converged: every target read again, one layer each on the source's
 //! current connection, the mount count at its baseline, the state file
 //! valid and up to date.
@@ -17,8 +17,8 @@ use super::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, ScenarioError, SupervisorProcess, layers_at, wait_for,
 };
 use super::{ContainerReader, Observation, Sandbox};
-use crate::model::state::Journal;
-use crate::model::table::{Dev, Snapshot};
+use fuse_supervisor_engine::model::state::Journal;
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 
 /// What a [`Node`] is made of.
 #[derive(Debug, Clone, Copy)]
@@ -99,9 +99,10 @@ impl Node {
     }
 
     /// Starts the supervisor so that it stops itself at `point` (see
-    /// [`crate::stop_point`]).
+    /// [`fuse_supervisor_engine::stop_point`]).
     pub fn start_supervisor_stopping_at(&mut self, point: &str, args: &[&str]) -> Result<(), ScenarioError> {
-        let wrapper = [OsString::from("env"), OsString::from(format!("{}={point}", crate::stop_point::ENV))];
+        let wrapper =
+            [OsString::from("env"), OsString::from(format!("{}={point}", fuse_supervisor_engine::stop_point::ENV))];
         self.start_supervisor(&wrapper, args)
     }
 
@@ -274,10 +275,10 @@ impl KillPoint {
 
     pub fn name(self) -> &'static str {
         match self {
-            KillPoint::Stacked => crate::stop_point::STACKED,
-            KillPoint::Parked => crate::stop_point::PARKED,
-            KillPoint::Slid => crate::stop_point::SLID,
-            KillPoint::StateWritten => crate::stop_point::STATE_WRITTEN,
+            KillPoint::Stacked => fuse_supervisor_engine::stop_point::STACKED,
+            KillPoint::Parked => fuse_supervisor_engine::stop_point::PARKED,
+            KillPoint::Slid => fuse_supervisor_engine::stop_point::SLID,
+            KillPoint::StateWritten => fuse_supervisor_engine::stop_point::STATE_WRITTEN,
             KillPoint::Held => "held",
         }
     }

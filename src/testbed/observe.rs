@@ -41,13 +41,17 @@ pub fn fuse_mount_ids_at(sandbox: &Sandbox, path: &Path) -> HashSet<u32> {
 }
 
 fn fuse_mount_ids_in(table: &str, path: &Path) -> HashSet<u32> {
-    let Ok(snapshot) = crate::model::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
+    let Ok(snapshot) = fuse_supervisor_engine::model::table::Snapshot::parse(table.as_bytes()) else {
+        return HashSet::new();
+    };
     snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.mount_id).collect()
 }
 
 /// The FUSE connections mounted at `path`.
-pub(super) fn fuse_connections_in(table: &str, path: &Path) -> HashSet<crate::model::table::Dev> {
-    let Ok(snapshot) = crate::model::table::Snapshot::parse(table.as_bytes()) else { return HashSet::new() };
+pub(super) fn fuse_connections_in(table: &str, path: &Path) -> HashSet<fuse_supervisor_engine::model::table::Dev> {
+    let Ok(snapshot) = fuse_supervisor_engine::model::table::Snapshot::parse(table.as_bytes()) else {
+        return HashSet::new();
+    };
     snapshot.fuse_mounts.iter().filter(|m| m.mount_point == path).map(|m| m.dev).collect()
 }
 

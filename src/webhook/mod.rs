@@ -120,7 +120,7 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         match result {
             Ok(true) => tracing::info!("serving certificate reloaded"),
             Ok(false) => tracing::debug!("certificate files touched; same certificate"),
-            Err(err) => tracing::warn!(error = %crate::errors::error_chain(err), "certificate reload failed; keeping the old one"),
+            Err(err) => tracing::warn!(error = %fuse_supervisor_engine::errors::error_chain(err), "certificate reload failed; keeping the old one"),
         }
     })?;
 

@@ -416,7 +416,7 @@ async fn mutate(request: Request<Incoming>, state: &State, limits: &Limits) -> R
         }
         Err(err) => {
             state.metrics.admitted(None, 0, &[], started.elapsed());
-            let message = crate::errors::error_chain(&err);
+            let message = fuse_supervisor_engine::errors::error_chain(&err);
             tracing::warn!(error = %message, "malformed admission review");
             reply(StatusCode::BAD_REQUEST, "application/json", review::status_body(&message))
         }

@@ -20,8 +20,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
-use crate::watch::dir_changes::{Changes, DirChanges};
-use crate::watch::thread::{ThreadError, Waiting, Watching, Woken};
+use fuse_supervisor_engine::watch::dir_changes::{Changes, DirChanges};
+use fuse_supervisor_engine::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {

@@ -134,7 +134,7 @@ pub(crate) enum Command {
 mod tests {
     use std::path::Path;
 
-    use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
+    use fuse_supervisor_engine::watch::mount_table::{TableEvents, WatchMode};
 
     use super::*;
     use std::time::Duration;

@@ -1,10 +1,10 @@
 //! `fuse-supervisor csi-proxy`: the CSI proxy, a sidecar of a CSI driver's
-//! node-plugin pod (see `fuse_supervisor::csi`).
+//! node-plugin pod (see `fuse_supervisor_engine::csi`).
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Args;
-use fuse_supervisor::csi::proxy::{self, ProxyConfig};
+use fuse_supervisor_engine::csi::proxy::{self, ProxyConfig};
 
 use crate::flags::OnOff;
 

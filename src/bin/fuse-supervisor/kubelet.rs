@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
-use fuse_supervisor::kube::events::{ApiServer, Events, EventsConfig, EventsError};
-use fuse_supervisor::kube::{Kubelet, KubeletAuthz, KubeletConfig, KubeletTls};
+use fuse_supervisor::events::{ApiServer, Events, EventsConfig, EventsError};
 use fuse_supervisor::supervisor::KubeletConfirmation;
+use fuse_supervisor_engine::kube::{Kubelet, KubeletAuthz, KubeletConfig, KubeletTls};
 
 use crate::flags::{OnOff, parse_duration};
 

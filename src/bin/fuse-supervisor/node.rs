@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use fuse_supervisor::heal::priority::HealPriority;
-use fuse_supervisor::plan::layout::{self, SourceLayouts};
-use fuse_supervisor::report::Reporters;
 use fuse_supervisor::supervisor::daemons::DaemonWatch;
 use fuse_supervisor::supervisor::{Config, ContainerNamespaces};
-use fuse_supervisor::watch::mount_table::{TableEvents, WatchMode};
+use fuse_supervisor_engine::heal::priority::HealPriority;
+use fuse_supervisor_engine::plan::layout::{self, SourceLayouts};
+use fuse_supervisor_engine::report::Reporters;
+use fuse_supervisor_engine::watch::mount_table::{TableEvents, WatchMode};
 
 use crate::flags::parse_duration;
 
@@ -80,7 +80,7 @@ impl NodeArgs {
             health: Arc::default(),
             heal_priority: HealPriority::realtime(self.realtime_priority),
             container_namespaces: ContainerNamespaces::Events,
-            container_deadline: fuse_supervisor::heal::containers::DEFAULT_DEADLINE,
+            container_deadline: fuse_supervisor_engine::heal::containers::DEFAULT_DEADLINE,
             restage: None,
         })
     }

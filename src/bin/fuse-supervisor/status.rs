@@ -3,9 +3,9 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::Context as _;
-use fuse_supervisor::model::state::Journal;
-use fuse_supervisor::model::table::{Classified, Layout, Snapshot};
 use fuse_supervisor::status::Status;
+use fuse_supervisor_engine::model::state::Journal;
+use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot};
 
 use crate::node::NodeArgs;
 
@@ -49,13 +49,13 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
 
 /// The CSI proxies' records under `dir` in the namespace, none where there
 /// is no such directory (no proxy on the node) or it cannot be read (said).
-fn read_namespace_records(namespace: &Path, dir: &Path) -> Vec<fuse_supervisor::csi::records::Record> {
+fn read_namespace_records(namespace: &Path, dir: &Path) -> Vec<fuse_supervisor_engine::csi::records::Record> {
     let (namespace, dir) = (namespace.to_path_buf(), dir.to_path_buf());
     let read = std::thread::spawn(move || {
         fuse_supervisor_sys::ns::join_mount_namespace(&namespace).ok()?;
-        match fuse_supervisor::csi::restage::read_records(&dir) {
+        match fuse_supervisor_engine::csi::restage::read_records(&dir) {
             Ok(records) => Some(records),
-            Err(fuse_supervisor::csi::records::RecordError::ReadDir { source, .. })
+            Err(fuse_supervisor_engine::csi::records::RecordError::ReadDir { source, .. })
                 if source.kind() == std::io::ErrorKind::NotFound =>
             {
                 Some(Vec::new())

@@ -9,7 +9,7 @@ use clap::{CommandFactory, FromArgMatches};
 use clap::{Subcommand, ValueEnum};
 use fuse_supervisor::demo::DemoOptions;
 use fuse_supervisor::demofs::{self, DemoFsOptions, DemoFsRole, ReplayedInit};
-use fuse_supervisor::kube::job;
+use fuse_supervisor::job;
 use fuse_supervisor::testbed::bomb::{self, BombOptions};
 use fuse_supervisor::testbed::container::{self, ContainerOptions};
 use fuse_supervisor::testbed::csi::plugin::{self as csi_plugin, PluginOptions};

@@ -9,10 +9,10 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{DaemonEvent, Daemons, Discovered, Known};
-use crate::heal::priority::HealActivity;
-use crate::model::table::Dev;
-use crate::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
-use crate::watch::processes::{ProcessId, ProcessWatcher};
+use fuse_supervisor_engine::heal::priority::HealActivity;
+use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
+use fuse_supervisor_engine::watch::processes::{ProcessId, ProcessWatcher};
 
 /// A process watched because it holds connections of sources.
 #[derive(Debug)]

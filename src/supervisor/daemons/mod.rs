@@ -22,7 +22,7 @@
 //! then watched too. `--abort-dead-connections` aborts such a connection
 //! once requests wait and no holder reads the device.
 //!
-//! [`FuseServers`]: crate::watch::processes::fuse_server::FuseServers
+//! [`FuseServers`]: fuse_supervisor_engine::watch::processes::fuse_server::FuseServers
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -34,10 +34,10 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::heal::priority::{HealActivity, HealPriority};
-use crate::model::table::Dev;
-use crate::plan::flapping::FlappingPolicy;
-use crate::watch::processes::{
+use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority};
+use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
+use fuse_supervisor_engine::watch::processes::{
     Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher, host_network_namespace,
 };
@@ -242,7 +242,7 @@ impl Daemons {
         let want_exec = Arc::new(AtomicBool::new(false));
         let sink = {
             let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
-            move || -> crate::watch::processes::EventSink {
+            move || -> fuse_supervisor_engine::watch::processes::EventSink {
                 let (send, want_exec) = (send.clone(), Arc::clone(&want_exec));
                 Box::new(move |event| match event {
                     // Most execs on a node are nobody's business: dropped
@@ -311,7 +311,7 @@ impl Daemons {
         }))
     }
 
-    pub fn backend(&self) -> crate::watch::processes::Backend {
+    pub fn backend(&self) -> fuse_supervisor_engine::watch::processes::Backend {
         self.watcher.backend()
     }
 

@@ -10,8 +10,8 @@ use tracing::{info, warn};
 
 use super::discovery::lock;
 use super::{Aborted, Daemons, PartialExit};
-use crate::model::table::Dev;
-use crate::watch::processes::fuse_server::MountDevice;
+use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::watch::processes::fuse_server::MountDevice;
 
 /// A connection with a serving process gone and others holding it.
 #[derive(Debug)]

@@ -16,8 +16,8 @@ impl ProcessWatcher for NoWatcher {
     fn watched(&self) -> Vec<ProcessId> {
         Vec::new()
     }
-    fn backend(&self) -> crate::watch::processes::Backend {
-        crate::watch::processes::Backend::Pidfd
+    fn backend(&self) -> fuse_supervisor_engine::watch::processes::Backend {
+        fuse_supervisor_engine::watch::processes::Backend::Pidfd
     }
 }
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use super::api::{self, identity_client::IdentityClient, node_client::NodeClient};
 use super::{CsiError, io_step};
-use crate::csi::api::{self, identity_client::IdentityClient, node_client::NodeClient};
 
 /// How long one call may take (a FUSE daemon's start included).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);

@@ -33,8 +33,8 @@ use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::process::kill_with_parent;
 use tonic::{Request, Response, Status};
 
+use super::api::{self, identity_server::Identity, node_server::Node};
 use super::serve_identity_and_node;
-use crate::csi::api::{self, identity_server::Identity, node_server::Node};
 use crate::testbed::observe::fuse_connections_in;
 use crate::testbed::system::program;
 

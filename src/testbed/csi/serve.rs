@@ -7,8 +7,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::UnixListener;
 use tonic::codegen::Service as _;
 
-use crate::csi::api::identity_server::{Identity, IdentityServer};
-use crate::csi::api::node_server::{Node, NodeServer};
+use super::api::identity_server::{Identity, IdentityServer};
+use super::api::node_server::{Node, NodeServer};
 
 /// Serves `identity` and `node` on `listener` until `shutdown` completes.
 pub async fn serve_identity_and_node<I: Identity, N: Node>(
