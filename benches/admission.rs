@@ -10,10 +10,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::admission::{JUICEFS_DRIVER, fixture_cache, large_pod_review};
-use fuse_supervisor::webhook::policy::{self, Scope};
-use fuse_supervisor::webhook::{
-    self, CertStore, DEFAULT_OPT_OUT_ANNOTATION, Metrics, Outcome, Selection, Server, State,
+use fuse_supervisor_testbed::admission::{JUICEFS_DRIVER, fixture_cache, large_pod_review};
+use fuse_supervisor_webhook::policy::{self, Scope};
+use fuse_supervisor_webhook::{
+    self as webhook, CertStore, DEFAULT_OPT_OUT_ANNOTATION, Metrics, Outcome, Selection, Server, State,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::admission::AdmissionReview;

@@ -24,9 +24,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, SupervisorProcess};
 use fuse_supervisor_sys::mount;
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, SupervisorProcess};
 
 // Each bench uses part of the shared module.
 #[allow(dead_code)]
@@ -223,12 +223,11 @@ fn main() {
         eprintln!("churn needs root (mount namespaces, /dev/fuse): skipped");
         return;
     }
-    let binary = Path::new(BINARY);
     let mut rows = Vec::new();
     for &mounts in &options.mounts {
         eprintln!("# {mounts} mounts: setting up");
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared-data").expect("start the FUSE daemon");
+        let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared-data").expect("start the FUSE daemon");
         populate(&sandbox, &source.path, options.targets, mounts);
         let counted = sandbox.mountinfo().lines().count();
         for &mode in &options.modes {

@@ -13,9 +13,9 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, full_node_pods, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
-use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, full_node_pods, fuse_owner_pod, pod_list_body};
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
+use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 use serde_json::Value;
 
 #[allow(dead_code)]
@@ -41,9 +41,9 @@ fn main() {
 fn run(cycles: usize, confirm: bool) -> (Vec<u64>, Vec<u64>) {
     let binary = Path::new(BINARY);
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "bench").expect("daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "bench").expect("daemon");
     let target = source.bind_volume(&sandbox, "app-pod", "data").expect("bind");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new("data.txt")).expect("reader");
+    let reader = ContainerReader::spawn(&sandbox, "app", &target, Path::new("data.txt")).expect("reader");
     let kubelet = KubeletStandIn::start().expect("stand-in");
     kubelet.set_token(Some(TOKEN));
     let host_path = sandbox.runtime_root().display().to_string();

@@ -35,9 +35,9 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
 
 #[allow(dead_code)]
 mod common;
@@ -96,7 +96,7 @@ struct Figures {
 fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, namespaces: &str) -> Figures {
     let binary = Path::new(BINARY);
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "bench-data").expect("daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "bench-data").expect("daemon");
     let runc = Runc::new(&sandbox).expect("runc image");
     let mut containers: Vec<RuncContainer> = Vec::new();
     for pod in 0..size {

@@ -13,10 +13,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::csi::CsiClient;
-use fuse_supervisor::testbed::csi::plugin::{self, PluginOptions};
 use fuse_supervisor_engine::csi::api;
 use fuse_supervisor_engine::csi::proxy::{self, ProxyConfig};
+use fuse_supervisor_testbed::csi::CsiClient;
+use fuse_supervisor_testbed::csi::plugin::{self, PluginOptions};
 
 const CALLS: usize = 5000;
 const WARM_UP: usize = 500;

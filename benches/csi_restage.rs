@@ -14,11 +14,11 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
-use fuse_supervisor::testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
 use fuse_supervisor_engine::csi::api::{self, volume_capability};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
+use fuse_supervisor_testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{self, SupervisorProcess};
 
 #[allow(dead_code)]
 mod common;
@@ -62,7 +62,7 @@ fn measure(size: usize, cycles: usize) -> Figures {
     let dir = plugin_dir.clone();
     sandbox.run(move || fs::create_dir_all(dir)).unwrap();
     let mut plugin =
-        CsiPluginProcess::start(&sandbox, binary, &root.join("csi/plugin.sock"), DRIVER, true, false).expect("plugin");
+        CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, true, false).expect("plugin");
     let proxy = CsiProxyProcess::start(
         &sandbox,
         binary,

@@ -21,8 +21,8 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{self, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{self, Daemon, FuseSource, Restart, SupervisorProcess};
 
 #[allow(dead_code)]
 mod common;
@@ -57,7 +57,7 @@ fn count(supervisor: &SupervisorProcess, message: &str) -> usize {
 fn measure(backend: &str, cycles: usize, targets: usize) -> (Vec<u64>, Vec<u64>) {
     let binary = Path::new(BINARY);
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "bench-data").expect("daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "bench-data").expect("daemon");
     for pod in 0..targets {
         source.bind_volume(&sandbox, &format!("pod-{pod:04}"), "data").expect("bind");
     }

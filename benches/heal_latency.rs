@@ -30,15 +30,15 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fuse_supervisor::testbed::container::ContainerOptions;
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
-use fuse_supervisor::testbed::{ContainerReader, Sandbox};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_sys::poll::{Poller, Waker};
 use fuse_supervisor_sys::statmount::{self, MountSummary};
 use fuse_supervisor_sys::{fuse, ns, resolve};
+use fuse_supervisor_testbed::container::ContainerOptions;
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
+use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 
 #[allow(dead_code)]
 mod common;
@@ -486,7 +486,7 @@ fn parse_rfc3339(text: &str) -> Option<SystemTime> {
     Some(UNIX_EPOCH + Duration::new(seconds, nanos))
 }
 
-fn reads_new(expected: &str) -> impl Fn(&fuse_supervisor::testbed::Observation) -> bool + '_ {
+fn reads_new(expected: &str) -> impl Fn(&fuse_supervisor_testbed::Observation) -> bool + '_ {
     move |observation| observation.content() == Some(expected)
 }
 
@@ -496,7 +496,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
     eprintln!("# {} with {targets} target(s), {} mode: setting up", daemon.name(), mode.name());
     // Dropped in reverse order: watcher, readers, supervisor, source, sandbox.
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary, daemon, "shared-data").expect("start the FUSE daemon");
+    let mut source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start the FUSE daemon");
     let target_paths: Vec<PathBuf> = (0..targets)
         .map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod:05}"), "data").expect("bind a pod volume"))
         .collect();
@@ -513,7 +513,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
                 read: PathBuf::from(DATA_FILE),
                 interval: options.reader_interval,
             };
-            ContainerReader::spawn_with(&sandbox, binary, &name, &container).expect("start a container reader")
+            ContainerReader::spawn_with(&sandbox, &name, &container).expect("start a container reader")
         })
         .collect();
     for reader in &readers {

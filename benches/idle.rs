@@ -24,9 +24,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, SupervisorProcess, wait_for};
 use fuse_supervisor_sys::mount;
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, SupervisorProcess, wait_for};
 
 // Each bench uses part of the shared module.
 #[allow(dead_code)]
@@ -185,7 +185,7 @@ fn measure(label: &str, targets: usize, per_pod: usize, padding: usize, options:
     let binary = Path::new(BINARY);
     eprintln!("# {label}: setting up");
     let sandbox = Sandbox::new().expect("sandbox");
-    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared-data").expect("start the FUSE daemon");
+    let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared-data").expect("start the FUSE daemon");
     populate(&sandbox, &source.path, targets, per_pod, padding);
     let mounts = sandbox.mountinfo().lines().count();
     let started = Instant::now();

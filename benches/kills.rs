@@ -17,8 +17,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{KillPoint, Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::Daemon;
+use fuse_supervisor_testbed::node::{KillPoint, Node, NodeOptions};
+use fuse_supervisor_testbed::scenario::Daemon;
 
 #[allow(dead_code)]
 mod common;

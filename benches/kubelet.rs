@@ -5,8 +5,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, full_node_pods};
 use fuse_supervisor_engine::kube::{KubeletClient, KubeletConfig, KubeletTls, PodList};
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, full_node_pods};
 
 const SAMPLES: usize = 300;
 

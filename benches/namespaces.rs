@@ -28,11 +28,11 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::system;
 use fuse_supervisor_engine::heal::namespaces::{Namespaces, walk};
 use fuse_supervisor_engine::heal::priority::HealActivity;
 use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::system;
 
 #[allow(dead_code)]
 mod common;

@@ -23,7 +23,7 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::storm::{StormNode, StormPlan};
+use fuse_supervisor_testbed::storm::{StormNode, StormPlan};
 
 #[allow(dead_code)]
 mod common;

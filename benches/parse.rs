@@ -7,9 +7,9 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use fuse_supervisor::testbed::synthetic_table;
 use fuse_supervisor_engine::model::mountinfo::{parse_lines, parse_table};
 use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot};
+use fuse_supervisor_testbed::synthetic_table;
 use procfs::FromBufRead;
 use procfs::process::MountInfos;
 

@@ -26,18 +26,17 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
 use fuse_supervisor_engine::watch::processes::{
     ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
 };
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource};
 
 #[allow(dead_code)]
 mod common;
 
 use common::Flags;
 
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 struct Options {
@@ -156,11 +155,11 @@ fn plain_process_latency(kind: Kind, kills: usize) {
 fn daemon_latency(kind: Kind, kills: usize) {
     let sandbox = Sandbox::new().expect("sandbox");
     let (watcher, inbox) = kind.start();
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "bench").expect("start demofs");
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "bench").expect("start demofs");
     let mut latencies = Latencies::default();
     for round in 0..kills {
         if round > 0 {
-            source.restart(&sandbox, fuse_supervisor::testbed::scenario::Restart::UnmountThenMount).expect("restart");
+            source.restart(&sandbox, fuse_supervisor_testbed::scenario::Restart::UnmountThenMount).expect("restart");
         }
         let pid = source.pid().expect("daemon running");
         watcher.watch(ProcessId::of(Path::new("/proc"), pid).expect("identity")).expect("watch");

@@ -22,8 +22,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{MIXED, Node, NodeOptions, Usage};
-use fuse_supervisor::testbed::scenario::{Daemon, Restart};
+use fuse_supervisor_testbed::node::{MIXED, Node, NodeOptions, Usage};
+use fuse_supervisor_testbed::scenario::{Daemon, Restart};
 
 #[allow(dead_code)]
 mod common;

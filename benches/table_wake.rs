@@ -22,10 +22,10 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor_engine::watch::mount_table::{FanotifyWatcher, MountWatcher, MountinfoWatcher, Rearm, Wake};
 use fuse_supervisor_sys::poll::Waker;
 use fuse_supervisor_sys::{mount, ns};
+use fuse_supervisor_testbed::Sandbox;
 
 #[allow(dead_code)]
 mod common;

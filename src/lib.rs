@@ -9,16 +9,9 @@
 //! crate.
 #![forbid(unsafe_code)]
 
-#[cfg(feature = "testbed")]
-pub mod demo;
-#[cfg(feature = "testbed")]
-pub mod demofs;
 pub mod events;
 pub mod job;
 pub mod metrics;
 pub mod sidecar;
 pub mod status;
 pub mod supervisor;
-#[cfg(feature = "testbed")]
-pub mod testbed;
-pub mod webhook;

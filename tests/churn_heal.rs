@@ -9,11 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{self, Daemon, FuseSource, Restart, SupervisorProcess, layers_at};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::process::{Signal, signal};
+use fuse_supervisor_testbed::scenario::{self, Daemon, FuseSource, Restart, SupervisorProcess, layers_at};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -47,14 +47,14 @@ struct Node {
 impl Node {
     fn new(pods: usize, readers: usize) -> Node {
         let sandbox = Arc::new(Sandbox::new().expect("sandbox"));
-        let source = FuseSource::start(&sandbox, binary(), Daemon::Bindfs, "shared-data").expect("start bindfs");
+        let source = FuseSource::start(&sandbox, Daemon::Bindfs, "shared-data").expect("start bindfs");
         let mut targets = Vec::new();
         let mut spawned = Vec::new();
         for pod in 0..pods {
             let uid = format!("pod-{pod:04}");
             let target = source.bind_volume(&sandbox, &uid, "data").expect("bind volume");
             if pod < readers {
-                let reader = ContainerReader::spawn(&sandbox, binary(), &uid, &target, Path::new(scenario::DATA_FILE));
+                let reader = ContainerReader::spawn(&sandbox, &uid, &target, Path::new(scenario::DATA_FILE));
                 spawned.push(reader.expect("reader"));
             }
             targets.push(target);

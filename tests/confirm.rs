@@ -5,9 +5,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_testbed::kubelet::{Fault, KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, wait_for};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -33,9 +33,9 @@ struct Node {
 impl Node {
     fn new() -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, binary(), Daemon::DemoFs, "owned").expect("start daemon");
+        let source = FuseSource::start(&sandbox, Daemon::DemoFs, "owned").expect("start daemon");
         let target = source.bind_volume(&sandbox, "app-pod", "data").expect("bind volume");
-        let reader = ContainerReader::spawn(&sandbox, binary(), "app", &target, Path::new(DATA_FILE)).expect("reader");
+        let reader = ContainerReader::spawn(&sandbox, "app", &target, Path::new(DATA_FILE)).expect("reader");
         let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
         kubelet.set_token(Some(TOKEN));
         let node = Node {

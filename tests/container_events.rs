@@ -10,13 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::apiserver::{ApiRequest, ApiServerStandIn};
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, app_pod_running, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{
-    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess,
-};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::apiserver::{ApiRequest, ApiServerStandIn};
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, app_pod_running, fuse_owner_pod, pod_list_body};
+use fuse_supervisor_testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -41,7 +39,7 @@ struct Node {
 impl Node {
     fn new(daemon: Daemon) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         let runc = Runc::new(&sandbox).expect("runc image");
         let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
         let api = ApiServerStandIn::start().expect("API server stand-in");
@@ -110,7 +108,7 @@ impl Node {
         self.supervisor.as_ref().expect("supervisor running")
     }
 
-    fn wait_all(&self, what: &str, pred: impl Fn(&RuncContainer, &fuse_supervisor::testbed::Observation) -> bool) {
+    fn wait_all(&self, what: &str, pred: impl Fn(&RuncContainer, &fuse_supervisor_testbed::Observation) -> bool) {
         for (_, container) in &self.containers {
             container
                 .wait_until(TIMEOUT, |seen| pred(container, seen))

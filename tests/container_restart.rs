@@ -10,14 +10,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{
-    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
-};
-use fuse_supervisor::testbed::subpath::{self, SubpathPrepared};
 use fuse_supervisor_engine::errors::error_chain;
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
+};
+use fuse_supervisor_testbed::subpath::{self, SubpathPrepared};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
@@ -49,7 +49,7 @@ struct Node {
 impl Node {
     fn new(daemon: Daemon, restart: Restart) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         let runc = Runc::new(&sandbox).expect("runc image");
         Node { apps: Vec::new(), supervisor: None, source, runc, restart, sandbox }
     }
@@ -216,7 +216,7 @@ impl Node {
             let first = app.container.history().into_iter().next().expect("started once it read");
             assert_eq!(first.content(), Some(expected.as_str()), "{name}:\n{}", app.container.describe_history());
             let mounts = app.container.mounts().expect("the container's mount table");
-            let volume = Path::new(fuse_supervisor::testbed::runc::VOLUME_IN_CONTAINER);
+            let volume = Path::new(fuse_supervisor_testbed::runc::VOLUME_IN_CONTAINER);
             let at_or_below: Vec<_> = mounts.iter().filter(|mount| mount.mount_point.starts_with(volume)).collect();
             assert_eq!(at_or_below.len(), 1, "{name}: {at_or_below:?}");
             assert_eq!(at_or_below[0].device, live, "{name}: not on the live connection: {at_or_below:?}");

@@ -12,9 +12,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::runc::{self, Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
 };
 
@@ -82,7 +82,7 @@ fn table_of(container: &RuncContainer) -> BTreeMap<(PathBuf, String), usize> {
 impl Node {
     fn new(daemon: Daemon, restart: Restart) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         let runc = Runc::new(&sandbox).expect("runc image");
         let fusectl = sandbox.root().join("fusectl");
         let at = fusectl.clone();
@@ -217,7 +217,7 @@ impl Node {
     fn all_read(&self, cycle: usize) {
         for watched in &self.containers {
             let expected = self.expected(watched);
-            let reads = |seen: &fuse_supervisor::testbed::Observation| {
+            let reads = |seen: &fuse_supervisor_testbed::Observation| {
                 seen.content() == Some(expected.as_str()) && seen.entries() == Some(watched.entries.as_slice())
             };
             watched.container.wait_until(HEAL_TIMEOUT, reads).unwrap_or_else(|err| {
@@ -467,7 +467,7 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer(propagation: &str
     let dead_minor = node.crash(1);
     node.isolated(1);
 
-    let mut command = std::process::Command::new(fuse_supervisor::testbed::system::program("unshare"));
+    let mut command = std::process::Command::new(fuse_supervisor_testbed::system::program("unshare"));
     command.args(["--mount", "--propagation", propagation, "sleep", "600"]);
     let process = node.sandbox.spawn(command).expect("unshare");
     let sandbox_namespace = std::fs::metadata(node.sandbox.namespace_path()).expect("sandbox namespace").ino();
@@ -713,16 +713,10 @@ fn a_container_that_left_a_symlink_at_its_volume_gets_nothing_mounted_through_it
 fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
     let mut node = Node::new(Daemon::Bindfs, Restart::UnmountThenMount);
     let target = node.source.bind_volume(&node.sandbox, "plain", "data").expect("bind volume");
-    let reader = fuse_supervisor::testbed::ContainerReader::spawn(
-        &node.sandbox,
-        Path::new(BINARY),
-        "plain",
-        &target,
-        Path::new(DATA_FILE),
-    )
-    .expect("reader");
-    let volume = fuse_supervisor::testbed::ContainerReader::volume_in_container(
-        &fuse_supervisor::testbed::container::ContainerOptions {
+    let reader = fuse_supervisor_testbed::ContainerReader::spawn(&node.sandbox, "plain", &target, Path::new(DATA_FILE))
+        .expect("reader");
+    let volume = fuse_supervisor_testbed::ContainerReader::volume_in_container(
+        &fuse_supervisor_testbed::container::ContainerOptions {
             volume: target.clone(),
             rootfs: node.sandbox.root().join("containers/plain/rootfs"),
             hide: Vec::new(),
@@ -944,7 +938,7 @@ fn a_nested_mount_made_late_and_out_of_reach_at_the_death_is_reported_not_droppe
 /// replacement shows the same owners after every heal, one layer.
 #[test]
 fn an_idmapped_volume_stays_idmapped_through_heals() {
-    use fuse_supervisor::testbed::userns::UsernsContainer;
+    use fuse_supervisor_testbed::userns::UsernsContainer;
     let mut node = Node::new(Daemon::DemoFs, Restart::UnmountThenMount);
     let target = node.source.bind_volume(&node.sandbox, "userns", "data").expect("bind volume");
     let volume = node.sandbox.root().join("userns-volume");

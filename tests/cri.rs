@@ -10,9 +10,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::cri::{ContainerSpec, Containerd, CriContainer, Pod, Propagation, VolumeMount};
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::cri::{ContainerSpec, Containerd, CriContainer, Pod, Propagation, VolumeMount};
+use fuse_supervisor_testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess,
 };
 
@@ -133,7 +133,7 @@ struct Node {
 impl Node {
     fn new(daemon: Daemon, restart: Restart) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         // The mount point of the nested volume, in the FUSE volume.
         let nested = source.backing.join(NESTED);
         sandbox.run(move || std::fs::create_dir_all(nested)).expect("create the nested volume's directory");

@@ -14,12 +14,12 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::csi::{
-    CsiClient, CsiPluginProcess, CsiProxyProcess, children_of, staging_path, vol_data_json,
-};
 use fuse_supervisor_engine::csi::api::{self, node_service_capability, volume_capability};
 use fuse_supervisor_engine::csi::records::{self, Request, Secrets};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::csi::{
+    CsiClient, CsiPluginProcess, CsiProxyProcess, children_of, staging_path, vol_data_json,
+};
 use tonic::Code;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -59,15 +59,9 @@ impl World {
     fn new(record_secrets: bool, stage_unstage: bool, trust_proc_mounts: bool) -> World {
         let sandbox = Sandbox::new().expect("a sandbox (needs root)");
         let root = sandbox.root().to_path_buf();
-        let plugin = CsiPluginProcess::start(
-            &sandbox,
-            Path::new(BINARY),
-            &root.join("csi/plugin.sock"),
-            DRIVER,
-            stage_unstage,
-            trust_proc_mounts,
-        )
-        .expect("the CSI plugin starts");
+        let plugin =
+            CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, stage_unstage, trust_proc_mounts)
+                .expect("the CSI plugin starts");
         let listen = sandbox.kubelet_root().join("plugins").join(DRIVER).join("csi.sock");
         let dir = listen.parent().unwrap().to_path_buf();
         sandbox.run(move || fs::create_dir_all(dir)).unwrap();

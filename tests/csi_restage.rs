@@ -16,11 +16,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
-use fuse_supervisor::testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
 use fuse_supervisor_engine::csi::api::{self, volume_capability};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
+use fuse_supervisor_testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{self, SupervisorProcess};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const DRIVER: &str = "fuse.csi.test";
@@ -94,7 +94,6 @@ impl World {
         let call_log = root.join("plugin-calls.log");
         let plugin = CsiPluginProcess::start_with(
             &sandbox,
-            Path::new(BINARY),
             &root.join("csi/plugin.sock"),
             DRIVER,
             true,

@@ -9,8 +9,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -40,10 +40,9 @@ fn status(sandbox: &Sandbox) -> String {
 #[test]
 fn a_daemon_dead_before_run_starts_is_seen_dead_at_the_first_search() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::Bindfs, "early").expect("start daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "early").expect("start daemon");
     let target = source.bind_volume(&sandbox, "pod-uid", "data").expect("bind volume");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+    let reader = ContainerReader::spawn(&sandbox, "app", &target, Path::new(DATA_FILE)).expect("reader");
     let reads = |expected: String| move |seen: &Observation| seen.content() == Some(expected.as_str());
     reader.wait_until(TIMEOUT, reads(source.expected_content())).expect("reads before the crash");
     source.crash().expect("crash");
@@ -76,7 +75,7 @@ fn a_daemon_dead_before_run_starts_is_seen_dead_at_the_first_search() {
 fn a_daemon_killed_right_after_run_starts_is_seen_dead() {
     for round in 0..3 {
         let sandbox = Sandbox::new().expect("sandbox");
-        let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "race").expect("start daemon");
+        let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "race").expect("start daemon");
         source.bind_volume(&sandbox, "pod-uid", "data").expect("bind volume");
         let supervisor = supervise(&sandbox);
         source.crash().expect("crash");

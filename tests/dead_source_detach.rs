@@ -6,14 +6,13 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, layers_at};
-use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::{Executor, MountExecutor};
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::{listmount, mount, resolve};
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, layers_at};
+use fuse_supervisor_testbed::{CapturedLogs, Sandbox};
 
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const LAZILY: &str = "the dead source is in use: detached lazily";
 
 /// The kernel's behaviour the detach stands on, with tmpfs mounts: the first
@@ -63,7 +62,7 @@ struct DeadSource {
 impl DeadSource {
     fn new() -> DeadSource {
         let sandbox = Sandbox::new().expect("sandbox");
-        let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "data").expect("bindfs");
+        let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "data").expect("bindfs");
         let snapshot = Snapshot::parse(sandbox.mountinfo().as_bytes()).expect("table");
         let dead = snapshot.fuse_mounts.iter().find(|mount| mount.mount_point == source.path).expect("mounted").dev;
         source.crash().expect("crash");

@@ -9,12 +9,12 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::scenario::{
-    DATA_FILE, Daemon, FuseSource, Restart, ScenarioError, SupervisorProcess, wait_for,
-};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::pidfd::PidFd;
+use fuse_supervisor_testbed::scenario::{
+    DATA_FILE, Daemon, FuseSource, Restart, ScenarioError, SupervisorProcess, wait_for,
+};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -37,7 +37,7 @@ struct World {
 impl World {
     fn new(daemon: Daemon) -> World {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, binary(), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         World::with_source(sandbox, source)
     }
 
@@ -128,7 +128,7 @@ impl Drop for World {
 
 /// A reader of the target; returns once it has read once.
 fn spawn_reader(sandbox: &Sandbox, target: &Path) -> ContainerReader {
-    ContainerReader::spawn(sandbox, binary(), "pod-0000", target, Path::new(DATA_FILE)).expect("reader")
+    ContainerReader::spawn(sandbox, "pod-0000", target, Path::new(DATA_FILE)).expect("reader")
 }
 
 /// A field of a JSON log line (tracing puts them under `fields`).
@@ -248,7 +248,7 @@ fn a_connection_kept_open_without_its_daemon_is_aborted_for_a_hung_reader() {
 /// at once, the reader never notices, and a later real crash still counts.
 fn a_handed_off_connection_is_not_dead(backend: &str) {
     let sandbox = Sandbox::new().expect("sandbox");
-    let source = FuseSource::start_handing_off(&sandbox, binary(), "shared-data").expect("start daemon");
+    let source = FuseSource::start_handing_off(&sandbox, "shared-data").expect("start daemon");
     let mut world = World::without_reader(sandbox, source);
     let first = world.source.pid().expect("daemon running");
     world.supervise(&["--process-watch", backend]);
@@ -342,7 +342,7 @@ fn pids_in(line: &str) -> Vec<u32> {
 /// on, and its reader hangs beyond any signal until the connection ends.
 fn a_watchdogs_restarted_child_is_watched(backend: &str) {
     let sandbox = Sandbox::new().expect("sandbox");
-    let source = FuseSource::start_watchdog(&sandbox, binary(), "shared-data").expect("start the watchdog");
+    let source = FuseSource::start_watchdog(&sandbox, "shared-data").expect("start the watchdog");
     let mut world = World::without_reader(sandbox, source);
     let (watchdog, first) = (world.source.pid().expect("watchdog running"), world.source.serving_child().unwrap());
     world.supervise(&["--process-watch", backend]);

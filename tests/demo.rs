@@ -2,7 +2,7 @@
 //! say so only then. Needs root and /dev/fuse.
 use std::path::PathBuf;
 
-use fuse_supervisor::demo::{self, DemoOptions, DemoReport, HealKind};
+use fuse_supervisor_testbed::demo::{self, DemoOptions, DemoReport, HealKind};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 

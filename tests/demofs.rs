@@ -1,4 +1,4 @@
-//! Root tests of the built-in FUSE filesystem (`fuse-supervisor internal
+//! Root tests of the built-in FUSE filesystem (`fuse-supervisor-testbed
 //! demofs`): each runs in a `testbed::Sandbox` (a private mount namespace),
 //! with the daemon as a real child process in it. Files are made and read
 //! from the test thread through `Sandbox::outside_path`.
@@ -12,16 +12,19 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{self, DATA_FILE, FuseSource};
-use fuse_supervisor::testbed::{Sandbox, SandboxChild};
 use fuse_supervisor_engine::model::mountinfo::parse_table;
 use fuse_supervisor_sys::mount as sys_mount;
 use fuse_supervisor_sys::process::Signal;
 use fuse_supervisor_sys::resolve;
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, FuseSource};
+use fuse_supervisor_testbed::{Sandbox, SandboxChild};
+
+/// The test world's programs (demofs, refuse-calls…).
+const TESTBED: &str = env!("CARGO_BIN_EXE_fuse-supervisor-testbed");
 
 const NAME: &str = "demofs-test";
 
-/// A running `internal demofs` child in a sandbox; killed and reaped on drop
+/// A running `fuse-supervisor-testbed demofs` child in a sandbox; killed and reaped on drop
 /// (the sandbox would do it at its end anyway).
 struct Daemon {
     child: SandboxChild,
@@ -36,9 +39,9 @@ impl Daemon {
 
     /// Like [`Daemon::start`], with more arguments.
     fn start_with(sandbox: &Sandbox, backing: &Path, mountpoint: &Path, args: &[&str]) -> Daemon {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_fuse-supervisor"));
+        let mut command = Command::new(TESTBED);
         command
-            .args(["internal", "demofs", "--name", NAME, "--backing"])
+            .args(["demofs", "--name", NAME, "--backing"])
             .arg(backing)
             .arg("--mountpoint")
             .arg(mountpoint)
@@ -332,8 +335,7 @@ fn stopped_daemon_makes_requests_hang_until_continued() {
 #[test]
 fn a_watchdogs_next_child_serves_the_same_connection() {
     let sandbox = Sandbox::new().expect("sandbox: these tests must run as root");
-    let binary = Path::new(env!("CARGO_BIN_EXE_fuse-supervisor"));
-    let mut source = FuseSource::start_watchdog(&sandbox, binary, "watched").expect("start the watchdog");
+    let mut source = FuseSource::start_watchdog(&sandbox, "watched").expect("start the watchdog");
     let data = sandbox.outside_path(&source.path.join(DATA_FILE));
     assert_eq!(fs::read_to_string(&data).unwrap(), source.expected_content());
     let mounts = mounts_at(&sandbox, &source.path);

@@ -5,10 +5,10 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use fuse_supervisor::testbed::apiserver::{ApiRequest, ApiServerStandIn};
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SupervisorProcess};
-use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_testbed::apiserver::{ApiRequest, ApiServerStandIn};
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, app_pod, fuse_owner_pod, pod_list_body};
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SupervisorProcess};
+use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -74,10 +74,9 @@ struct Owned {
 
 impl Owned {
     fn start(sandbox: &Sandbox, daemon: Daemon) -> Owned {
-        let binary = Path::new(BINARY);
-        let source = FuseSource::start(sandbox, binary, daemon, "owned").expect("start daemon");
+        let source = FuseSource::start(sandbox, daemon, "owned").expect("start daemon");
         let target = source.bind_volume(sandbox, "app-pod-uid", "data").expect("bind volume");
-        let reader = ContainerReader::spawn(sandbox, binary, "app", &target, Path::new(DATA_FILE)).expect("reader");
+        let reader = ContainerReader::spawn(sandbox, "app", &target, Path::new(DATA_FILE)).expect("reader");
         Owned::reads(&reader, source.expected_content());
         let kubelet = KubeletStandIn::start().expect("kubelet stand-in");
         kubelet.set_pods(Owned::pods(sandbox, 0, SystemTime::now() - Duration::from_secs(3600)));
@@ -219,8 +218,7 @@ impl Drop for Dump<'_> {
 #[test]
 fn a_subpath_turned_into_a_symlink_is_a_warning_on_its_pod_alone() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut source = FuseSource::start(&sandbox, binary, Daemon::Bindfs, "owned").expect("start daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "owned").expect("start daemon");
     source.bind_volume(&sandbox, "app-pod-uid", "data").expect("bind volume");
     source.bind_subpath(&sandbox, "tenant-pod-uid", "data").expect("bind subPath");
     let kubelet = KubeletStandIn::start().expect("kubelet stand-in");

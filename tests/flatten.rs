@@ -4,10 +4,8 @@
 //! period) per target. A kernel that cannot slide (before 6.5) has the
 //! flatten pool detach each stale layer alone.
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
-use fuse_supervisor::testbed::{CapturedLogs, Sandbox};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::SourceHandles;
 use fuse_supervisor_engine::heal::{Executor, Healed, MountExecutor, Prepared};
@@ -15,8 +13,8 @@ use fuse_supervisor_engine::model::state::Journal;
 use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot};
 use fuse_supervisor_engine::plan::{learn, plan};
 use fuse_supervisor_sys::resolve;
-
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, layers_at};
+use fuse_supervisor_testbed::{CapturedLogs, Sandbox};
 
 #[test]
 fn one_detach_per_root_takes_every_stale_layer_of_a_batch() {
@@ -39,7 +37,7 @@ enum Kernel {
 /// baseline, and the flatten's debug line contains `flattened`.
 fn flattens_every_target_to_one_layer(kernel: Kernel, flattened: &str) {
     let sandbox = Sandbox::new().unwrap();
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "data").unwrap();
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "data").unwrap();
     let volumes: Vec<PathBuf> =
         (0..20).map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod}"), "pv").unwrap()).collect();
     let subpaths: Vec<PathBuf> =

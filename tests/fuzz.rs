@@ -1,5 +1,5 @@
 //! Every parser of outside input, fuzzed with mutations of the captured
-//! inputs in `fixtures/` (see `fuse_supervisor::testbed::fuzz`), checking
+//! inputs in `fixtures/` (see `fuse_supervisor_testbed::fuzz`), checking
 //! properties, not only that nothing panics: a mountinfo line that parses
 //! prints back to the same mount, a malformed line never hides the others'
 //! mounts, no pod of a PodList is dropped without being named, a state file
@@ -13,8 +13,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::testbed::fuzz::{Fuzzer, mountinfo_line, repo};
-use fuse_supervisor::webhook::{DEFAULT_OPT_OUT_ANNOTATION, ReviewError, Selection, VolumeCache, review};
 use fuse_supervisor_engine::kube::pods::PodList;
 use fuse_supervisor_engine::model::mountinfo::{self, MountInfo, ParseErrorKind, parse_line, parse_lines};
 use fuse_supervisor_engine::model::state::{Journal, StateError};
@@ -24,6 +22,8 @@ use fuse_supervisor_engine::watch::pods::{VolData, VolDataError};
 use fuse_supervisor_sys::fanotify::{self, MountEvent};
 use fuse_supervisor_sys::proc_connector::{self, ProcEvent, TimedEvent};
 use fuse_supervisor_sys::process::ExitStatus;
+use fuse_supervisor_testbed::fuzz::{Fuzzer, mountinfo_line, repo};
+use fuse_supervisor_webhook::{DEFAULT_OPT_OUT_ANNOTATION, ReviewError, Selection, VolumeCache, review};
 use serde_json::Value;
 
 fn fixtures(dir: &str) -> PathBuf {

@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
 };
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
@@ -42,7 +42,7 @@ impl Node {
     /// a reader of the data file.
     fn new(daemon: Daemon, pods: usize) -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, binary(), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         let mut node = Node {
             readers: Vec::new(),
             supervisor: None,
@@ -61,7 +61,7 @@ impl Node {
     }
 
     fn add_reader(&mut self, name: &str, volume: &Path, read: &Path) {
-        let reader = ContainerReader::spawn(&self.sandbox, binary(), name, volume, read).expect("reader");
+        let reader = ContainerReader::spawn(&self.sandbox, name, volume, read).expect("reader");
         self.readers.push(reader);
     }
 
@@ -369,7 +369,7 @@ fn a_crash_while_the_supervisor_is_down_is_healed_at_its_next_start() {
 #[test]
 fn a_stopped_daemon_does_not_hold_up_the_heal_of_another_source() {
     let mut node = Node::new(Daemon::Bindfs, 1);
-    let mut other = FuseSource::start(&node.sandbox, binary(), Daemon::Bindfs, "other-data").unwrap();
+    let mut other = FuseSource::start(&node.sandbox, Daemon::Bindfs, "other-data").unwrap();
     let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").unwrap();
     node.add_reader("pod-other", &other_target, Path::new(DATA_FILE));
     node.start_supervisor();

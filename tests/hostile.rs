@@ -8,10 +8,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart};
-use fuse_supervisor::testbed::tenant::{TenantFuse, cover_with_tmpfs};
-use fuse_supervisor::testbed::{ContainerReader, Observation};
+use fuse_supervisor_testbed::node::{Node, NodeOptions};
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart};
+use fuse_supervisor_testbed::tenant::{TenantFuse, cover_with_tmpfs};
+use fuse_supervisor_testbed::{ContainerReader, Observation};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,16 +57,9 @@ fn a_tenants_own_fuse_above_its_copy_holds_up_nothing() {
     check(&node, node.converge(TIMEOUT));
     check(&node, node.wait_until_watched(0, TIMEOUT));
     let (namespace, rootfs) = container_of(&node, 0);
-    let binary = Path::new(BINARY);
-    let tenant = TenantFuse::mount_over_copy(
-        &node.sandbox,
-        binary,
-        &namespace,
-        &rootfs.join("tenant"),
-        &rootfs.join("volume"),
-        "held",
-    )
-    .expect("the tenant's FUSE over its copy");
+    let tenant =
+        TenantFuse::mount_over_copy(&node.sandbox, &namespace, &rootfs.join("tenant"), &rootfs.join("volume"), "held")
+            .expect("the tenant's FUSE over its copy");
 
     for cycle in 1..=2 {
         let took = node.cycle(Daemon::Bindfs, Restart::UnmountThenMount, TIMEOUT);
@@ -108,10 +101,10 @@ fn a_new_daemon_that_answers_its_probe_then_hangs_holds_up_nothing() {
     let healed = |line: &str| line.contains("\"container healed\"");
     check(&node, node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, 0, 3, healed)));
     for target in node.targets.clone() {
-        let top = fuse_supervisor::testbed::node::top_dev(&node.sandbox, &target);
+        let top = fuse_supervisor_testbed::node::top_dev(&node.sandbox, &target);
         assert_eq!(
             top,
-            fuse_supervisor::testbed::node::top_dev(&node.sandbox, &node.source.path),
+            fuse_supervisor_testbed::node::top_dev(&node.sandbox, &node.source.path),
             "{}",
             node.describe()
         );
@@ -181,11 +174,10 @@ fn running(pid: u32) -> bool {
 fn demofs_beside_a_bindfs_source(volumes: usize) -> (Node, FuseSource, ContainerReader) {
     let options = NodeOptions { daemon: Daemon::DemoFs, volumes, subpaths: 1 };
     let mut node = Node::new(Path::new(BINARY), options).expect("node");
-    let other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+    let other = FuseSource::start(&node.sandbox, Daemon::Bindfs, "other-data").expect("other");
     let other_target = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
     let other_reader =
-        ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &other_target, Path::new(DATA_FILE))
-            .expect("reader");
+        ContainerReader::spawn(&node.sandbox, "pod-other", &other_target, Path::new(DATA_FILE)).expect("reader");
     check(&node, node.converge(TIMEOUT));
     node.start_supervisor(&[], &[]).expect("supervisor");
     check(&node, node.converge(TIMEOUT));

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::{probe, resolve};
 
-use fuse_supervisor::testbed::node::{Frozen, Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, ScenarioError};
-use fuse_supervisor::testbed::{ContainerReader, Observation};
+use fuse_supervisor_testbed::node::{Frozen, Node, NodeOptions};
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, ScenarioError};
+use fuse_supervisor_testbed::{ContainerReader, Observation};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -33,11 +33,10 @@ impl TwoSources {
     fn new(daemon: Daemon) -> TwoSources {
         let options = NodeOptions { daemon, volumes: 2, subpaths: 1 };
         let mut node = Node::new(Path::new(BINARY), options).expect("node");
-        let other = FuseSource::start(&node.sandbox, Path::new(BINARY), Daemon::Bindfs, "other-data").expect("other");
+        let other = FuseSource::start(&node.sandbox, Daemon::Bindfs, "other-data").expect("other");
         let target: PathBuf = other.bind_volume(&node.sandbox, "pod-other", "other").expect("bind");
         let other_reader =
-            ContainerReader::spawn(&node.sandbox, Path::new(BINARY), "pod-other", &target, Path::new(DATA_FILE))
-                .expect("reader");
+            ContainerReader::spawn(&node.sandbox, "pod-other", &target, Path::new(DATA_FILE)).expect("reader");
         node.converge(TIMEOUT).expect("readers read");
         node.start_supervisor(&[], &["--probe-timeout", PROBE_TIMEOUT]).expect("supervisor");
         node.converge(TIMEOUT).expect("the state saved");

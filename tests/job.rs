@@ -10,18 +10,20 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor::job::{PointError, RecordedMount, UnmountError, record_mounts, unmount_devices, unmount_recorded};
-use fuse_supervisor::testbed::cgroup::ContainerCgroup;
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
-use fuse_supervisor::testbed::scenario::{
-    DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
-};
-use fuse_supervisor::testbed::tenant::TenantFuse;
-use fuse_supervisor::testbed::{ContainerReader, Sandbox, SandboxChild, system};
 use fuse_supervisor_engine::model::table::Snapshot;
 use fuse_supervisor_engine::watch::processes::fuse_server::MountDevice;
+use fuse_supervisor_testbed::cgroup::ContainerCgroup;
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, pod_list_body};
+use fuse_supervisor_testbed::scenario::{
+    DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess, fuse_mount_ids_at, wait_for,
+};
+use fuse_supervisor_testbed::tenant::TenantFuse;
+use fuse_supervisor_testbed::{ContainerReader, Sandbox, SandboxChild, system};
 use serde_json::{Value, json};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+/// The test world's programs (demofs, refuse-calls…).
+const TESTBED: &str = env!("CARGO_BIN_EXE_fuse-supervisor-testbed");
 const TIMEOUT: Duration = Duration::from_secs(30);
 const UID: &str = "7d4c2a10-job0-4000-a000-000000000001";
 const LABEL: &str = "done.sidecar.fluid.io/inject";
@@ -88,11 +90,7 @@ impl JobPod {
         let command = match daemon {
             Daemon::DemoFs => {
                 let (b, m) = (backing.display().to_string(), mount.display().to_string());
-                fuse_cgroup.command(
-                    Path::new(BINARY),
-                    &["internal", "demofs", "--backing", &b, "--mountpoint", &m],
-                    ignore_term,
-                )
+                fuse_cgroup.command(Path::new(TESTBED), &["demofs", "--backing", &b, "--mountpoint", &m], ignore_term)
             }
             Daemon::Bindfs => {
                 let (b, m) = (backing.display().to_string(), mount.display().to_string());
@@ -328,8 +326,8 @@ fn a_daemon_that_outlives_its_unmount_and_ignores_sigterm_is_killed_after_the_gr
 fn sidecar_mode_heals_only_its_own_pods_targets() {
     let sandbox = Sandbox::new().expect("sandbox");
     let binary = Path::new(BINARY);
-    let mut mine = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "mine").expect("source");
-    let mut other = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "other").expect("source");
+    let mut mine = FuseSource::start(&sandbox, Daemon::DemoFs, "mine").expect("source");
+    let mut other = FuseSource::start(&sandbox, Daemon::DemoFs, "other").expect("source");
     let my_target = mine.bind_volume(&sandbox, "my-pod", "data").expect("bind");
     let other_target = other.bind_volume(&sandbox, "other-pod", "data").expect("bind");
     let state = sandbox.root().join("state");
@@ -379,8 +377,7 @@ fn a_directory_swapped_for_a_symlink_after_the_table_was_read_unmounts_nothing_e
     let sandbox = Sandbox::new().expect("sandbox");
     let (tenant, victim) = (sandbox.root().join("tenant"), sandbox.root().join("victim"));
     let mount_point = tenant.join("a/b/mnt");
-    let source =
-        FuseSource::start_at(&sandbox, Path::new(BINARY), Daemon::DemoFs, "swapped", &mount_point).expect("demofs");
+    let source = FuseSource::start_at(&sandbox, Daemon::DemoFs, "swapped", &mount_point).expect("demofs");
     let victim_mount = victim.join("b/mnt");
     let at = victim_mount.clone();
     sandbox
@@ -423,8 +420,7 @@ fn a_directory_swapped_for_a_symlink_after_the_table_was_read_unmounts_nothing_e
 fn recorded_mounts_are_detached_through_the_descriptor_checked() {
     let sandbox = Sandbox::new().expect("sandbox");
     let mount_point = sandbox.root().join("tenant/a/b/mnt");
-    let source =
-        FuseSource::start_at(&sandbox, Path::new(BINARY), Daemon::DemoFs, "plain", &mount_point).expect("demofs");
+    let source = FuseSource::start_at(&sandbox, Daemon::DemoFs, "plain", &mount_point).expect("demofs");
     let target = source.bind_volume(&sandbox, UID, "data").expect("bind into the pod");
     let namespace = sandbox.namespace_path();
     let devices = devices_at(&sandbox, &mount_point);
@@ -448,16 +444,14 @@ fn recorded_mounts_are_detached_through_the_descriptor_checked() {
 #[test]
 fn a_mount_beneath_a_tenants_fuse_is_not_walked_and_a_hung_walk_is_not_waited_for() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared").expect("demofs");
+    let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared").expect("demofs");
     let volume = source.bind_volume(&sandbox, UID, "data").expect("bind into the pod");
-    let reader = ContainerReader::spawn(&sandbox, binary, "app", &volume, Path::new(DATA_FILE)).expect("container");
+    let reader = ContainerReader::spawn(&sandbox, "app", &volume, Path::new(DATA_FILE)).expect("container");
     let pid = reader.child().pid();
     let namespace = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
     let rootfs = sandbox.root().join("containers/app/rootfs");
     let (tenant_dir, copy) = (rootfs.join("tenant"), rootfs.join("volume"));
-    let tenant =
-        TenantFuse::mount_over_copy(&sandbox, binary, &namespace, &tenant_dir, &copy, "hidden").expect("tenant");
+    let tenant = TenantFuse::mount_over_copy(&sandbox, &namespace, &tenant_dir, &copy, "hidden").expect("tenant");
     let devices = devices_at(&sandbox, &source.path);
 
     let recorded = record_mounts(&namespace, &devices, Instant::now() + TIMEOUT).expect("recorded");

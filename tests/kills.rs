@@ -8,8 +8,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{KillPoint, Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::Daemon;
+use fuse_supervisor_testbed::node::{KillPoint, Node, NodeOptions};
+use fuse_supervisor_testbed::scenario::Daemon;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);

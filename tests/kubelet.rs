@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use fuse_supervisor::events::PodNames;
-use fuse_supervisor::testbed::CapturedLogs;
-use fuse_supervisor::testbed::kubelet::{Fault, KubeletStandIn, full_node_pods, fuse_owner_pod, pod_list_body};
 use fuse_supervisor_engine::kube::Kubelet;
 use fuse_supervisor_engine::kube::{
     KubeletAuthz, KubeletClient, KubeletConfig, KubeletError, KubeletTls, PodList, TimeoutPhase,
 };
+use fuse_supervisor_testbed::CapturedLogs;
+use fuse_supervisor_testbed::kubelet::{Fault, KubeletStandIn, full_node_pods, fuse_owner_pod, pod_list_body};
 use tempfile::TempDir;
 
 const FIXTURES: [&str; 4] = [

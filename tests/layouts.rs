@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess, layers_at, wait_for,
 };
-use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 use sha2::{Digest, Sha256};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
@@ -24,7 +24,7 @@ fn binary() -> &'static Path {
 fn staged_volume(sandbox: &Sandbox) -> (FuseSource, PathBuf) {
     let hash: String = Sha256::digest(HANDLE.as_bytes()).iter().map(|byte| format!("{byte:02x}")).collect();
     let staging = sandbox.kubelet_root().join("plugins/kubernetes.io/csi").join(DRIVER).join(hash).join("globalmount");
-    let source = FuseSource::start_at(sandbox, binary(), Daemon::Bindfs, "staged", &staging).expect("daemon");
+    let source = FuseSource::start_at(sandbox, Daemon::Bindfs, "staged", &staging).expect("daemon");
     let volume = source.bind_volume(sandbox, "pod-a", "pvc-1234").expect("bind volume");
     let vol_data = volume.parent().expect("volume dir").join("vol_data.json");
     let json = format!(
@@ -40,8 +40,8 @@ fn a_supervisor_started_after_the_crash_heals_through_the_csi_staging_layout() {
     let (mut source, volume) = staged_volume(&sandbox);
     let subpath = source.bind_subpath(&sandbox, "pod-a", "data").expect("bind subPath");
     let readers = [
-        ContainerReader::spawn(&sandbox, binary(), "volume", &volume, Path::new(DATA_FILE)).expect("reader"),
-        ContainerReader::spawn(&sandbox, binary(), "subpath", &subpath, Path::new(SUBDIR_FILE)).expect("reader"),
+        ContainerReader::spawn(&sandbox, "volume", &volume, Path::new(DATA_FILE)).expect("reader"),
+        ContainerReader::spawn(&sandbox, "subpath", &subpath, Path::new(SUBDIR_FILE)).expect("reader"),
     ];
     let baseline = sandbox.count_mounts_under(sandbox.root());
 
@@ -75,7 +75,7 @@ fn a_supervisor_started_after_the_crash_heals_through_the_csi_staging_layout() {
 fn a_corrupt_state_file_is_kept_aside_and_the_supervisor_heals_without_it() {
     let sandbox = Sandbox::new().expect("sandbox");
     let (mut source, volume) = staged_volume(&sandbox);
-    let reader = ContainerReader::spawn(&sandbox, binary(), "volume", &volume, Path::new(DATA_FILE)).expect("reader");
+    let reader = ContainerReader::spawn(&sandbox, "volume", &volume, Path::new(DATA_FILE)).expect("reader");
     source.crash().expect("crash");
     source.restart(&sandbox, Restart::UnmountThenMount).expect("restart");
     reader.wait_until(TIMEOUT, |seen| seen.error().is_some()).expect("the crash is seen");

@@ -1,9 +1,10 @@
 //! The contract between the manifests under `deploy/` and the binary they run.
 //!
 //! Each container that runs the fuse-supervisor image has its `args` and
-//! `env` parsed by the binary's own command line (`fuse-supervisor internal
-//! check-args`, which also refuses a `FUSE_SUPERVISOR_*` variable that no
-//! flag of the command reads, and runs the checks the command's start runs)
+//! `env` parsed by the program's own command line (`--check-config` of
+//! `fuse-supervisor` or `fuse-supervisor-webhook`, which also refuses a
+//! `FUSE_SUPERVISOR_*` variable that no flag of the command reads, and runs
+//! the checks the command's start runs)
 //! and gets back what it would run. From that, the tables below name the
 //! pod fields, capabilities and API calls the code needs and where; the
 //! manifests must grant exactly those. Probe and scrape paths are asked of
@@ -25,15 +26,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
-use fuse_supervisor::testbed::system;
-use fuse_supervisor::webhook::{self, CertStore, Selection, Server, State, VolumeCache};
 use fuse_supervisor_engine::health::Health;
 use fuse_supervisor_engine::report::{Report, Reporter as _};
+use fuse_supervisor_testbed::system;
+use fuse_supervisor_webhook::{self as webhook, CertStore, Selection, Server, State, VolumeCache};
 use serde::Deserialize;
 use serde_json::Value;
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+/// The webhook's binary in the image, beside the node agent's entrypoint.
+const WEBHOOK_IN_IMAGE: &str = "/usr/local/bin/fuse-supervisor-webhook";
 /// The image's repository name, whatever registry `images:` points it at.
 const IMAGE: &str = "fuse-supervisor";
 
@@ -41,7 +44,7 @@ const IMAGE: &str = "fuse-supervisor";
 // What the code needs. Each row names the code that needs it, for a reviewer
 // who wonders why a manifest grants something.
 
-/// What `internal check-args` says a container would run.
+/// What `--check-config` says a container would run.
 #[derive(Debug, Clone, Deserialize)]
 struct Started {
     command: String,
@@ -441,26 +444,51 @@ fn container_env(container: &Value) -> Result<Vec<(String, String)>, String> {
     Ok(env)
 }
 
-/// Runs the binary's own parser on a container's args and env.
-fn check_args(args: &[String], env: &[(String, String)]) -> Result<Started, String> {
-    let output = Command::new(BINARY)
-        .args(["internal", "check-args", "--"])
+/// Runs `binary --check-config` on a container's args and env: its own
+/// parser and start checks.
+fn check_config(binary: &Path, args: &[String], env: &[(String, String)]) -> Result<Started, String> {
+    let output = Command::new(binary)
+        .arg("--check-config")
         .args(args)
         .env_clear()
         .envs(env.iter().map(|(key, value)| (key, value)))
         .output()
-        .map_err(|err| format!("cannot run {BINARY}: {err}"))?;
+        .map_err(|err| format!("cannot run {}: {err}", binary.display()))?;
     if !output.status.success() {
         return Err(String::from_utf8_lossy(&output.stderr).trim().to_owned());
     }
-    serde_json::from_slice(&output.stdout).map_err(|err| format!("check-args printed no summary: {err}"))
+    serde_json::from_slice(&output.stdout).map_err(|err| format!("--check-config printed no summary: {err}"))
+}
+
+/// The program a container of the image runs: the entrypoint (the node
+/// agent) unless `command` names the image's other one, the webhook.
+fn program_of(container: &Value) -> Result<PathBuf, String> {
+    match container.get("command") {
+        None => Ok(PathBuf::from(BINARY)),
+        Some(command) if strings(command) == [WEBHOOK_IN_IMAGE] => {
+            // Another package's binary: `cargo test --workspace` builds it
+            // beside this one.
+            let webhook = Path::new(BINARY).with_file_name("fuse-supervisor-webhook");
+            match webhook.is_file() {
+                true => Ok(webhook),
+                false => Err(format!(
+                    "{} is not built: cargo build -p fuse-supervisor-webhook (cargo xtask test builds it)",
+                    webhook.display()
+                )),
+            }
+        }
+        Some(command) => Err(format!(
+            "sets command {command}: the image's entrypoint is the node agent, \
+             and {WEBHOOK_IN_IMAGE} its one other program"
+        )),
+    }
 }
 
 /// What a container's args and env start.
 fn started_as(container: &Value) -> Result<Started, String> {
     let env = container_env(container)?;
     let args: Vec<String> = strings(&container["args"]).iter().map(|arg| expand(arg, &env)).collect();
-    check_args(&args, &env)
+    check_config(&program_of(container)?, &args, &env)
 }
 
 // ---------------------------------------------------------------------------
@@ -550,9 +578,6 @@ fn problems(objects: &[Value], rbac: &[Value]) -> Vec<String> {
             let mut complain = |problem: String| problems.push(format!("{at}: {problem}"));
             if tag != Some(env!("CARGO_PKG_VERSION")) {
                 complain(format!("image {image}: the tag is not this version, {}", env!("CARGO_PKG_VERSION")));
-            }
-            if container.get("command").is_some() {
-                complain("sets command: the image's entrypoint is the binary, give args only".into());
             }
             let started = match started_as(container) {
                 Ok(started) => {

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR_FILE, SupervisorProcess, layers_at,
 };
-use fuse_supervisor::testbed::{ContainerReader, Sandbox};
+use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(20);
@@ -43,7 +43,7 @@ fn metric(supervisor: &SupervisorProcess, series: &str) -> f64 {
 fn a_real_heal_shows_in_the_metrics_and_the_endpoints_answer() {
     // Dropped in reverse: readers, supervisor, source, sandbox.
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary(), Daemon::Bindfs, "shared-data").expect("start bindfs");
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "shared-data").expect("start bindfs");
     let mut targets: Vec<(PathBuf, &Path)> = (0..2)
         .map(|pod| (source.bind_volume(&sandbox, &format!("pod-{pod}"), "data").unwrap(), Path::new(DATA_FILE)))
         .collect();
@@ -54,7 +54,7 @@ fn a_real_heal_shows_in_the_metrics_and_the_endpoints_answer() {
         .iter()
         .enumerate()
         .map(|(i, (target, read))| {
-            ContainerReader::spawn(&sandbox, binary(), &format!("reader-{i}"), target, read).expect("reader")
+            ContainerReader::spawn(&sandbox, &format!("reader-{i}"), target, read).expect("reader")
         })
         .collect();
     for reader in &readers {
@@ -130,7 +130,7 @@ fn metrics_off_serves_nothing() {
 #[test]
 fn a_state_file_that_cannot_be_written_is_reported_once_and_by_readyz() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, binary(), Daemon::Bindfs, "shared-data").expect("start bindfs");
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "shared-data").expect("start bindfs");
     let target = source.bind_volume(&sandbox, "pod-0", "data").expect("bind");
     let state_dir = sandbox.root().join("state");
     let blocker = state_dir.join("state.json.tmp");
@@ -138,7 +138,7 @@ fn a_state_file_that_cannot_be_written_is_reported_once_and_by_readyz() {
     sandbox.run(move || std::fs::create_dir_all(dir)).expect("block the temporary file");
     let supervisor = SupervisorProcess::start(&sandbox, binary(), &state_dir).expect("supervisor");
     let _dump = DumpOnPanic(&supervisor);
-    let reader = ContainerReader::spawn(&sandbox, binary(), "reader", &target, Path::new(DATA_FILE)).expect("reader");
+    let reader = ContainerReader::spawn(&sandbox, "reader", &target, Path::new(DATA_FILE)).expect("reader");
     let crash_and_heal = |source: &mut FuseSource| {
         source.crash().unwrap();
         reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");

@@ -7,12 +7,12 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use fuse_supervisor::testbed::{synthetic_table, system};
 use fuse_supervisor_engine::model::mountinfo::{
     Escaped, Field, MountInfo, MountInfoReader, ParseErrorKind, Propagation, parse_line, parse_lines, parse_table,
     parse_table_with,
 };
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
+use fuse_supervisor_testbed::{synthetic_table, system};
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/mountinfo").join(name);

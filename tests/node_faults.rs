@@ -10,14 +10,16 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{Node, NodeOptions, top_dev};
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
+use fuse_supervisor_testbed::node::{Node, NodeOptions, top_dev};
 
-use fuse_supervisor::testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, layers_at, wait_for};
-use fuse_supervisor::testbed::system::program;
 use fuse_supervisor_sys::mount;
+use fuse_supervisor_testbed::scenario::{Daemon, Restart, ScenarioError, SupervisorProcess, layers_at, wait_for};
+use fuse_supervisor_testbed::system::program;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+/// The test world's programs (demofs, refuse-calls…).
+const TESTBED: &str = env!("CARGO_BIN_EXE_fuse-supervisor-testbed");
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 fn node(volumes: usize) -> Node {
@@ -214,10 +216,10 @@ fn without_cap_sys_admin_the_start_fails_clearly_and_mounts_nothing() {
 }
 
 /// `run` under a seccomp filter that refuses `calls` with `errno` (the
-/// test build's `internal refuse-calls`) stops at start naming the call,
+/// test world's `refuse-calls`) stops at start naming the call,
 /// the errno (`expected`) and what to change, and mounts nothing.
 fn a_refused_call_stops_the_start(calls: &str, errno: &str, expected: [&str; 2]) {
-    let filtered = [BINARY, "internal", "refuse-calls", "--calls", calls, "--errno", errno, "--"].map(OsString::from);
+    let filtered = [TESTBED, "refuse-calls", "--calls", calls, "--errno", errno, "--"].map(OsString::from);
     let [call, errno] = expected;
     a_refused_start_mounts_nothing(&filtered, &[call, errno, "seccompProfile", "nothing was mounted"]);
 }

@@ -8,11 +8,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{self, Restart, layers_at};
-use fuse_supervisor::testbed::storm::{StormNode, StormPlan};
-use fuse_supervisor::testbed::{ContainerReader, Observation};
 use fuse_supervisor_engine::model::state::Journal;
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
+use fuse_supervisor_testbed::scenario::{self, Restart, layers_at};
+use fuse_supervisor_testbed::storm::{StormNode, StormPlan};
+use fuse_supervisor_testbed::{ContainerReader, Observation};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 /// Generous: the resync walks 10,000 pod directories on a loaded machine.
@@ -87,12 +87,11 @@ fn a_storm_overflowing_both_queues_misses_nothing_and_heals_after() {
 
     // A crash after the storm heals every target, old and new, readers
     // included, to one layer on the new connection.
-    let binary = Path::new(BINARY);
     let (old, new) = (node.targets.first().unwrap().clone(), node.targets.last().unwrap().clone());
     let readers: Vec<ContainerReader> = [("old", &old), ("new", &new)]
         .into_iter()
         .map(|(name, target)| {
-            ContainerReader::spawn(&node.sandbox, binary, name, target, Path::new(scenario::DATA_FILE)).expect("reader")
+            ContainerReader::spawn(&node.sandbox, name, target, Path::new(scenario::DATA_FILE)).expect("reader")
         })
         .collect();
     for reader in &readers {

@@ -10,15 +10,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource};
-use fuse_supervisor::testbed::{Sandbox, system};
 use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
 use fuse_supervisor_engine::watch::processes::{
     ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
     ProcessWatchError, ProcessWatcher,
 };
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource};
+use fuse_supervisor_testbed::{Sandbox, system};
 
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
 const SIGKILL: ExitStatus = ExitStatus::Signaled { signal: 9, core_dumped: false };
 
@@ -106,7 +105,7 @@ fn server_of(sandbox: &Sandbox, source: &FuseSource) -> ProcessId {
 
 fn killed_daemon_is_reported(kind: Kind, daemon: Daemon) {
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "watched").expect("start daemon");
+    let mut source = FuseSource::start(&sandbox, daemon, "watched").expect("start daemon");
     let server = server_of(&sandbox, &source);
     assert_eq!(Some(server.pid), source.pid());
     let (watcher, inbox) = start(kind);
@@ -149,9 +148,8 @@ fn pidfd_reports_a_killed_bindfs_daemon() {
 #[test]
 fn finder_tells_the_daemons_of_two_mounts_apart() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let binary = Path::new(BINARY);
-    let mut demofs = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "first").expect("start demofs");
-    let bindfs = FuseSource::start(&sandbox, binary, Daemon::Bindfs, "second").expect("start bindfs");
+    let mut demofs = FuseSource::start(&sandbox, Daemon::DemoFs, "first").expect("start demofs");
+    let bindfs = FuseSource::start(&sandbox, Daemon::Bindfs, "second").expect("start bindfs");
     let (demofs_device, bindfs_device) = (device_of(&sandbox, &demofs.path), device_of(&sandbox, &bindfs.path));
     assert_ne!(demofs_device, bindfs_device);
 
@@ -175,7 +173,7 @@ fn finder_tells_the_daemons_of_two_mounts_apart() {
 #[test]
 fn lost_events_resync_reports_a_daemon_killed_during_a_burst() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "busy").expect("start daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "busy").expect("start daemon");
     let daemon = server_of(&sandbox, &source);
     let mut gate = Process::spawn("sleep", &["1000"]);
     let gate_id = gate.id();

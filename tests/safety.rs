@@ -3,21 +3,19 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, Restart, fuse_mount_ids_at, layers_at};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::SourceHandles;
 use fuse_supervisor_engine::heal::{Executor, HealError, MountExecutor, Prepared};
 use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::resolve;
-
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, Restart, fuse_mount_ids_at, layers_at};
 
 #[test]
 fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
     let sandbox = Sandbox::new().unwrap();
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "data").unwrap();
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "data").unwrap();
     // A broken FUSE bind outside the kubelet root...
     let outside = sandbox.root().join("outside");
     sandbox.bind(&source.path, &outside.join("mount")).unwrap();
@@ -77,8 +75,8 @@ fn a_target_swapped_for_a_symlink_out_of_the_kubelet_root_is_refused() {
 #[test]
 fn a_peer_covered_by_a_mount_of_another_device_is_not_reported_propagated() {
     let sandbox = Sandbox::new().unwrap();
-    let mut source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "data").unwrap();
-    let other = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "other").unwrap();
+    let mut source = FuseSource::start(&sandbox, Daemon::DemoFs, "data").unwrap();
+    let other = FuseSource::start(&sandbox, Daemon::DemoFs, "other").unwrap();
     let first = source.bind_volume(&sandbox, "pod-a", "pv").unwrap();
     let peer = source.bind_volume(&sandbox, "pod-b", "pv").unwrap();
     source.restart(&sandbox, Restart::UnmountThenMount).unwrap();

@@ -18,16 +18,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::cgroup::ContainerCgroup;
-use fuse_supervisor::testbed::container::ContainerOptions;
-use fuse_supervisor::testbed::kubelet::{KubeletStandIn, pod_list_body};
-use fuse_supervisor::testbed::scenario::{self, SupervisorProcess};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox, SandboxChild, system};
 use fuse_supervisor_engine::model::table::Snapshot;
 use fuse_supervisor_sys::process::{self, Signal};
+use fuse_supervisor_testbed::cgroup::ContainerCgroup;
+use fuse_supervisor_testbed::container::ContainerOptions;
+use fuse_supervisor_testbed::kubelet::{KubeletStandIn, pod_list_body};
+use fuse_supervisor_testbed::scenario::{self, SupervisorProcess};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox, SandboxChild, system};
 use serde_json::json;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+/// The test world's programs (demofs, refuse-calls…).
+const TESTBED: &str = env!("CARGO_BIN_EXE_fuse-supervisor-testbed");
 const TIMEOUT: Duration = Duration::from_secs(20);
 const DATA_FILE: &str = "data.txt";
 const SUBDIR_FILE: &str = "inner.txt";
@@ -212,7 +214,7 @@ impl Pod {
         let (backing, mountpoint) = (self.backing.display().to_string(), self.mountpoint.display().to_string());
         let (program, args) = match self.daemon_kind {
             Daemon::DemoFs => {
-                (PathBuf::from(BINARY), vec!["internal", "demofs", "--backing", &backing, "--mountpoint", &mountpoint])
+                (PathBuf::from(TESTBED), vec!["demofs", "--backing", &backing, "--mountpoint", &mountpoint])
             }
             Daemon::Bindfs => (system::program("bindfs"), vec!["-f", "-o", "allow_other", &backing, &mountpoint]),
         };
@@ -270,8 +272,7 @@ impl Pod {
             read: PathBuf::from(read),
             interval: Duration::from_millis(2),
         };
-        let reader =
-            ContainerReader::spawn_wrapped(&self.sandbox, &self.in_fuse_container(), Path::new(BINARY), name, &options);
+        let reader = ContainerReader::spawn_wrapped(&self.sandbox, &self.in_fuse_container(), name, &options);
         self.readers.push(reader.expect("reader"));
     }
 

@@ -12,8 +12,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::node::{MIXED, Node, NodeOptions};
-use fuse_supervisor::testbed::scenario::Daemon;
+use fuse_supervisor_testbed::node::{MIXED, Node, NodeOptions};
+use fuse_supervisor_testbed::scenario::Daemon;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(30);

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{
+use fuse_supervisor_testbed::scenario::{
     self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
 };
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -30,7 +30,7 @@ impl StagedNode {
     /// staging path as NodePublish does; a reader on every one of them.
     fn new(daemon: Daemon) -> StagedNode {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), daemon, "shared-data").expect("start daemon");
+        let source = FuseSource::start(&sandbox, daemon, "shared-data").expect("start daemon");
         let staging = sandbox
             .kubelet_root()
             .join("plugins/kubernetes.io/csi/csi.example.com")
@@ -61,7 +61,7 @@ impl StagedNode {
     }
 
     fn add_reader(&mut self, name: &str, volume: &Path, read: &str) {
-        let reader = ContainerReader::spawn(&self.sandbox, Path::new(BINARY), name, volume, Path::new(read));
+        let reader = ContainerReader::spawn(&self.sandbox, name, volume, Path::new(read));
         self.readers.push((volume.to_path_buf(), reader.expect("reader")));
     }
 

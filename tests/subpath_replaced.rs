@@ -7,21 +7,19 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{Daemon, FuseSource, SUBDIR, SUBDIR_FILE};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::SourceHandles;
 use fuse_supervisor_engine::heal::{Executor, Healed, MountExecutor, Prepared};
 use fuse_supervisor_engine::model::table::{Classified, Dev, Layout, Snapshot, TargetKind};
 use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::{mount, resolve};
-
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{Daemon, FuseSource, SUBDIR, SUBDIR_FILE};
 
 #[test]
 fn a_subpath_bound_to_a_removed_directory_is_healed_beneath_its_stale_bind() {
     let sandbox = Sandbox::new().expect("sandbox");
-    let source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "data").expect("demofs");
+    let source = FuseSource::start(&sandbox, Daemon::DemoFs, "data").expect("demofs");
     // The stale bind: of a directory removed since (a tmpfs stands for the
     // dead connection; the executor checks mount ID and device, not type).
     let old = sandbox.root().join("runtime/old");

@@ -11,11 +11,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::bomb::{BombOptions, MountBomb};
-use fuse_supervisor::testbed::node::Usage;
-use fuse_supervisor::testbed::runc::{self, Runc, RuncSpec, VolumePropagation};
-use fuse_supervisor::testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::bomb::{BombOptions, MountBomb};
+use fuse_supervisor_testbed::node::Usage;
+use fuse_supervisor_testbed::runc::{self, Runc, RuncSpec, VolumePropagation};
+use fuse_supervisor_testbed::scenario::{self, DATA_FILE, Daemon, FuseSource, Restart, SupervisorProcess};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -47,8 +47,7 @@ fn warnings_naming(supervisor: &SupervisorProcess, namespace: u64) -> usize {
 
 fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     let sandbox = Sandbox::new().expect("sandbox");
-    let mut source =
-        FuseSource::start(&sandbox, Path::new(BINARY), Daemon::Bindfs, "shared-data").expect("start daemon");
+    let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "shared-data").expect("start daemon");
     let runc = Runc::new(&sandbox).expect("runc image");
     let volume = source.bind_volume(&sandbox, "tenant", "data").expect("bind volume");
     let spec = RuncSpec {
@@ -64,7 +63,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     let container = runc.start(&spec).expect("start the container");
     let reads_current = |source: &FuseSource| {
         let expected = source.expected_content();
-        move |seen: &fuse_supervisor::testbed::Observation| seen.content() == Some(expected.as_str())
+        move |seen: &fuse_supervisor_testbed::Observation| seen.content() == Some(expected.as_str())
     };
     container.wait_until(TIMEOUT, reads_current(&source)).expect("the container reads its volume");
 
@@ -74,7 +73,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
         path_bytes: PATH_BYTES,
         fuse: Some(source.path.clone()),
     };
-    let before_start = MountBomb::start(&sandbox, Path::new(BINARY), &bomb("bomb-before")).expect("first bomb");
+    let before_start = MountBomb::start(&sandbox, &bomb("bomb-before")).expect("first bomb");
 
     let state_dir = sandbox.root().join("state");
     let args = [&["--kubelet", "none"], extra_args].concat();
@@ -92,7 +91,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     // binds are made (the connector's events are read in batches); read
     // again, whole, by the search at the death, since it receives
     // propagation (its root is a slave, as a container's is).
-    let after_start = MountBomb::start(&sandbox, Path::new(BINARY), &bomb("bomb-after")).expect("second bomb");
+    let after_start = MountBomb::start(&sandbox, &bomb("bomb-after")).expect("second bomb");
 
     let daemon = format!("[{}]", source.pid().expect("daemon running"));
     let watched = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains(&daemon);

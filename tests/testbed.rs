@@ -8,14 +8,13 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::scenario::{DATA_FILE, Daemon, FuseSource};
-use fuse_supervisor::testbed::tenant::{TenantFuse, cover_with_tmpfs};
-use fuse_supervisor::testbed::{ContainerReader, Observation, Sandbox};
 use fuse_supervisor_engine::model::mountinfo::parse_table;
 use fuse_supervisor_sys::mount;
 use fuse_supervisor_sys::resolve;
+use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource};
+use fuse_supervisor_testbed::tenant::{TenantFuse, cover_with_tmpfs};
+use fuse_supervisor_testbed::{ContainerReader, Observation, Sandbox};
 
-const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const WAIT: Duration = Duration::from_secs(10);
 
 fn require_root() {
@@ -94,18 +93,10 @@ impl Node {
             .iter()
             .enumerate()
             .map(|(i, target)| {
-                ContainerReader::spawn(
-                    &sandbox,
-                    Path::new(BINARY),
-                    &format!("pod-{}", i + 1),
-                    target,
-                    Path::new("data"),
-                )
-                .unwrap()
+                ContainerReader::spawn(&sandbox, &format!("pod-{}", i + 1), target, Path::new("data")).unwrap()
             })
             .collect();
-        let subpath_reader =
-            ContainerReader::spawn(&sandbox, Path::new(BINARY), "pod-4", &subpath_target, Path::new("data")).unwrap();
+        let subpath_reader = ContainerReader::spawn(&sandbox, "pod-4", &subpath_target, Path::new("data")).unwrap();
         Node { sandbox, global, pod_targets, subpath_target, pod_readers, subpath_reader }
     }
 
@@ -379,7 +370,7 @@ fn container_reader_reports_changes_of_its_volume() {
     let sandbox = Sandbox::new().unwrap();
     let volume = sandbox.pod_volume_dir("pod-1", "pv");
     fill_tmpfs(&sandbox, &volume, "v1", "first");
-    let reader = ContainerReader::spawn(&sandbox, Path::new(BINARY), "reader", &volume, Path::new("data")).unwrap();
+    let reader = ContainerReader::spawn(&sandbox, "reader", &volume, Path::new("data")).unwrap();
     let seen = reader.wait_until(WAIT, content_is("v1")).unwrap();
     assert_eq!(seen.entries().unwrap(), ["data", "first", "sub"]);
 
@@ -410,7 +401,7 @@ fn container_cannot_see_the_kubelet_and_runtime_trees() {
     let sandbox = Sandbox::new().unwrap();
     let volume = sandbox.pod_volume_dir("pod-1", "pv");
     fill_tmpfs(&sandbox, &volume, "v1", "first");
-    let reader = ContainerReader::spawn(&sandbox, Path::new(BINARY), "reader", &volume, Path::new("data")).unwrap();
+    let reader = ContainerReader::spawn(&sandbox, "reader", &volume, Path::new("data")).unwrap();
     let container_mountinfo = fs::read_to_string(format!("/proc/{}/mountinfo", reader.child().pid())).unwrap();
     let kubelet = sandbox.kubelet_root();
     let runtime = sandbox.runtime_root();
@@ -440,7 +431,7 @@ fn sandbox_leaves_nothing_behind_even_when_the_test_panics() {
         let mut sleeper = Command::new("sleep");
         sleeper.arg("1000");
         let sleeper = sandbox.spawn(sleeper).unwrap();
-        let reader = ContainerReader::spawn(&sandbox, Path::new(BINARY), "reader", &volume, Path::new("data")).unwrap();
+        let reader = ContainerReader::spawn(&sandbox, "reader", &volume, Path::new("data")).unwrap();
         assert!(sandbox.count_mounts_under(sandbox.root()) >= 5);
         assert!(!host_mountinfo_mentions(sandbox.root()), "sandbox mounts leaked into the host table");
         tx.send((sandbox.root().to_path_buf(), sleeper.pid(), reader.child().pid())).unwrap();
@@ -566,10 +557,9 @@ fn container_mounts(pid: u32) -> Vec<(u32, u32, String, PathBuf, String)> {
 fn a_tenant_fuse_holds_the_path_to_the_containers_copy_until_released() {
     require_root();
     let sandbox = Sandbox::new().unwrap();
-    let binary = Path::new(BINARY);
-    let source = FuseSource::start(&sandbox, binary, Daemon::DemoFs, "shared").unwrap();
+    let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared").unwrap();
     let volume = source.bind_volume(&sandbox, "pod-1", "data").unwrap();
-    let reader = ContainerReader::spawn(&sandbox, binary, "victim", &volume, Path::new(DATA_FILE)).unwrap();
+    let reader = ContainerReader::spawn(&sandbox, "victim", &volume, Path::new(DATA_FILE)).unwrap();
     let expected = source.expected_content();
     reader.wait_until(WAIT, |seen| seen.content() == Some(expected.as_str())).unwrap();
     let pid = reader.child().pid();
@@ -577,15 +567,9 @@ fn a_tenant_fuse_holds_the_path_to_the_containers_copy_until_released() {
     let rootfs = sandbox.root().join("containers/victim/rootfs");
     let namespace = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
 
-    let tenant = TenantFuse::mount_over_copy(
-        &sandbox,
-        binary,
-        &namespace,
-        &rootfs.join("tenant"),
-        &rootfs.join("volume"),
-        "hidden",
-    )
-    .unwrap();
+    let tenant =
+        TenantFuse::mount_over_copy(&sandbox, &namespace, &rootfs.join("tenant"), &rootfs.join("volume"), "hidden")
+            .unwrap();
     assert_eq!(tenant.copy, rootfs.join("tenant/hidden"));
     let mounts = container_mounts(pid);
     let volume_dev = &before.iter().find(|m| m.3 == rootfs.join("volume")).expect("the volume's copy").2;
@@ -619,7 +603,7 @@ fn cover_with_tmpfs_covers_a_mount_in_the_containers_namespace() {
     let sandbox = Sandbox::new().unwrap();
     let volume = sandbox.pod_volume_dir("pod-1", "pv");
     fill_tmpfs(&sandbox, &volume, "v1", "first");
-    let reader = ContainerReader::spawn(&sandbox, Path::new(BINARY), "covered", &volume, Path::new("data")).unwrap();
+    let reader = ContainerReader::spawn(&sandbox, "covered", &volume, Path::new("data")).unwrap();
     reader.wait_until(WAIT, content_is("v1")).unwrap();
     let pid = reader.child().pid();
     let copy = sandbox.root().join("containers/covered/rootfs/volume");

@@ -15,16 +15,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
-use fuse_supervisor::testbed::scenario::{
-    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
-};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::SourceHandles;
 use fuse_supervisor_engine::heal::{Executor, HealError, MountExecutor, Prepared};
 use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot, TargetKind};
 use fuse_supervisor_engine::plan::{HealBatch, TargetHeal};
 use fuse_supervisor_sys::{mount, resolve};
+use fuse_supervisor_testbed::Sandbox;
+use fuse_supervisor_testbed::scenario::{
+    self, DATA_FILE, Daemon, FuseSource, Restart, SUBDIR, SUBDIR_FILE, SupervisorProcess, layers_at,
+};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -51,7 +51,7 @@ struct Node {
 impl Node {
     fn new() -> Node {
         let sandbox = Sandbox::new().expect("sandbox");
-        let source = FuseSource::start(&sandbox, Path::new(BINARY), Daemon::DemoFs, "shared-data").expect("demofs");
+        let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared-data").expect("demofs");
         let bind = |pod: &str| source.bind_volume(&sandbox, pod, VOLUME).expect("bind volume");
         let (staying, deleted, recreated) = (bind("staying"), bind("deleted"), bind("recreated"));
         let staying_subpath = source.bind_subpath(&sandbox, "staying-subpath", VOLUME).expect("bind subPath");

@@ -11,13 +11,13 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fuse_supervisor::testbed::Sandbox;
 use fuse_supervisor_engine::watch::mount_table::{
     FanotifyWatcher, MountBatch, MountWatcher, MountinfoWatcher, Rearm, Unreported, Wake,
 };
 use fuse_supervisor_sys::fanotify::MountEvent;
 use fuse_supervisor_sys::poll::Waker;
 use fuse_supervisor_sys::{fuse, mount, ns};
+use fuse_supervisor_testbed::Sandbox;
 
 /// How long a report may take to arrive.
 const REPORT: Duration = Duration::from_secs(10);

@@ -63,7 +63,7 @@ pub fn is_root() -> bool {
 /// `pads`, creating the directories, from one task on the sandbox thread: a
 /// table of the size a bench wants.
 pub fn mount_targets_and_padding(
-    sandbox: &fuse_supervisor::testbed::Sandbox,
+    sandbox: &fuse_supervisor_testbed::Sandbox,
     source: &std::path::Path,
     targets: Vec<std::path::PathBuf>,
     pads: Vec<std::path::PathBuf>,
@@ -97,7 +97,7 @@ pub fn summary_ms(mut took: Vec<std::time::Duration>) -> String {
 
 /// The agent's JSON log lines whose message is `message`, in order.
 pub fn log_lines(
-    supervisor: &fuse_supervisor::testbed::scenario::SupervisorProcess,
+    supervisor: &fuse_supervisor_testbed::scenario::SupervisorProcess,
     message: &str,
 ) -> Vec<serde_json::Value> {
     let quoted = format!("\"message\":\"{message}\"");

@@ -14,9 +14,11 @@
 
 pub mod csi;
 pub mod errors;
+pub mod flag_env;
 pub mod heal;
 pub mod health;
 pub mod kube;
+pub mod logging;
 pub mod model;
 pub mod plan;
 pub mod report;

@@ -320,18 +320,14 @@ impl Reporter for Metrics {
     }
 }
 
-/// The value of one series in an exposition, e.g.
-/// `fuse_supervisor_heals_total{result="stacked"}`; for tests and benches.
-pub fn series_value(exposition: &str, series: &str) -> Option<f64> {
-    exposition.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.split(' ').next()?.parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::{Path, PathBuf};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::{Duration, SystemTime};
+
+    use fuse_supervisor_testbed::series_value;
 
     use super::*;
     use fuse_supervisor_engine::kube::{KubeletAuthz, KubeletError};

@@ -5,6 +5,10 @@
 //!
 //! `cargo xtask stress …`: the same packages, then the integration tests
 //! run repeatedly beside busy-looping processes (`stress.rs`).
+//!
+//! `cargo xtask demo [ARGS…]`: builds the node agent and the test world's
+//! binary (release) and runs `fuse-supervisor-testbed demo ARGS…`, which
+//! runs the agent built beside it.
 
 mod stress;
 mod system_packages;
@@ -17,12 +21,15 @@ use std::process::{Command, ExitCode};
 use system_packages::{PackageManager, SystemPackage, missing_message, missing_packages};
 
 const USAGE: &str = "usage: cargo xtask test [ARGS…]
-  installs the system packages the tests need (as root), then runs `cargo test --workspace ARGS…`";
+  installs the system packages the tests need (as root), then runs `cargo test --workspace ARGS…`
+usage: cargo xtask demo [ARGS…]
+  builds the node agent and the test world (release), then runs `fuse-supervisor-testbed demo ARGS…`";
 
 fn main() -> ExitCode {
     let mut args = env::args_os().skip(1);
     match args.next().as_deref().and_then(OsStr::to_str) {
         Some("test") => test(args.collect()),
+        Some("demo") => demo(args.collect()),
         Some("stress") => match stress::parse_args(args.collect()) {
             Ok(stress_args) => match ensure_test_packages() {
                 Ok(()) => stress::stress(stress_args),
@@ -60,6 +67,29 @@ fn test(cargo_args: Vec<OsString>) -> ExitCode {
         Ok(status) => ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).unwrap_or(1)),
         Err(err) => {
             eprintln!("xtask: cannot run {}: {err}", cargo.to_string_lossy());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn demo(demo_args: Vec<OsString>) -> ExitCode {
+    let (mut build, cargo) = cargo();
+    build.args(["build", "--release", "--features", "testbed", "--bin", "fuse-supervisor"]);
+    build.args(["--bin", "fuse-supervisor-testbed"]);
+    match build.status() {
+        Ok(status) if status.success() => {}
+        Ok(_) => return ExitCode::FAILURE,
+        Err(err) => {
+            eprintln!("xtask: cannot run {}: {err}", cargo.to_string_lossy());
+            return ExitCode::FAILURE;
+        }
+    }
+    let testbed = stress::workspace_root().join("target/release/fuse-supervisor-testbed");
+    match Command::new(&testbed).arg("demo").args(&demo_args).status() {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(err) => {
+            eprintln!("xtask: cannot run {}: {err}", testbed.display());
             ExitCode::FAILURE
         }
     }

@@ -125,8 +125,9 @@ pub fn stress(args: StressArgs) -> ExitCode {
     if tally.failures() == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }
 
-/// The workspace's root, where cargo runs the integration tests.
-fn workspace_root() -> PathBuf {
+/// The workspace's root, where cargo runs the integration tests and puts
+/// what it builds.
+pub(crate) fn workspace_root() -> PathBuf {
     let xtask = Path::new(env!("CARGO_MANIFEST_DIR"));
     xtask.parent().unwrap_or(xtask).to_owned()
 }

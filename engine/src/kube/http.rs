@@ -300,8 +300,8 @@ mod tests {
             "0\r\n\r\n",
             "HTTP/1.1 ",
         ];
-        let repo = fuse_supervisor::testbed::fuzz::repo();
-        fuse_supervisor::testbed::fuzz::Fuzzer::new("http-framing", &repo).corpus(corpus).dictionary(dictionary).run(
+        let repo = fuse_supervisor_testbed::fuzz::repo();
+        fuse_supervisor_testbed::fuzz::Fuzzer::new("http-framing", &repo).corpus(corpus).dictionary(dictionary).run(
             |raw| {
                 let (status, body) = match exchange(raw, LIMIT) {
                     Ok(read) => read,

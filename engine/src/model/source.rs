@@ -96,7 +96,7 @@ mod tests {
     use tracing::Level;
 
     use super::*;
-    use fuse_supervisor::testbed::CapturedLogs;
+    use fuse_supervisor_testbed::CapturedLogs;
 
     #[test]
     fn a_malformed_line_is_logged_once_and_the_others_are_used() {

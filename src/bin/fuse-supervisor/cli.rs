@@ -8,9 +8,6 @@ use crate::flags::LogArgs;
 use crate::kubelet::{EventsArgs, KubeletArgs};
 use crate::node::NodeArgs;
 use crate::run::{DaemonArgs, JobArgs, ServeArgs, WatchArgs};
-#[cfg(feature = "testbed")]
-use crate::testbed::{DemoDaemon, Internal};
-use crate::webhook::WebhookArgs;
 
 /// Heals the FUSE bind mounts of Kubernetes pods when the FUSE daemon behind
 /// them restarts, reaching containers that are still running.
@@ -19,6 +16,12 @@ use crate::webhook::WebhookArgs;
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,
+    /// Print the configuration the command's flags and this environment
+    /// give, as JSON, and exit without running it; a FUSE_SUPERVISOR_*
+    /// variable that no flag of the command reads is an error (a
+    /// manifest's variable for a renamed flag).
+    #[arg(long, global = true)]
+    pub(crate) check_config: bool,
 }
 
 // Parsed once at start and matched once: the size of a variant costs nothing.
@@ -90,15 +93,6 @@ pub(crate) enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
-    /// The mutating admission webhook (a Deployment, not the node agent):
-    /// gives the volume mounts of selected FUSE volumes
-    /// `mountPropagation: HostToContainer`, so heals reach running containers.
-    Webhook {
-        #[command(flatten)]
-        webhook: WebhookArgs,
-        #[command(flatten)]
-        log: LogArgs,
-    },
     /// A sidecar of a CSI driver's node-plugin pod: passes the kubelet's
     /// CSI calls to the driver unchanged and records every successful
     /// NodeStageVolume and NodePublishVolume request, so a global mount
@@ -109,25 +103,6 @@ pub(crate) enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
-    /// A self-contained demo in a private mount namespace: a FUSE daemon
-    /// crashes and restarts while the supervisor heals three pods (needs
-    /// root and /dev/fuse; never touches the machine's own mounts).
-    #[cfg(feature = "testbed")]
-    Demo {
-        /// Kill/restart cycles of the FUSE daemon.
-        #[arg(long, default_value_t = 4)]
-        cycles: usize,
-        /// The FUSE daemon: the built-in demofs, or bindfs if installed.
-        #[arg(long, value_enum, default_value = "demofs")]
-        daemon: DemoDaemon,
-        /// Restart only by unmount-then-mount (no final mount-over-stale).
-        #[arg(long)]
-        no_mount_over_stale: bool,
-    },
-    /// Building blocks of the demo and the tests; not for users.
-    #[cfg(feature = "testbed")]
-    #[command(hide = true, subcommand)]
-    Internal(Internal),
 }
 
 #[cfg(test)]

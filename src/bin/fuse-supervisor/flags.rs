@@ -50,12 +50,7 @@ impl LogArgs {
     }
 
     pub(crate) fn init(&self) {
-        let filter = tracing_subscriber::EnvFilter::new(&self.log);
-        let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-        match self.log_format {
-            LogFormat::Json => builder.json().init(),
-            LogFormat::Text => builder.init(),
-        }
+        fuse_supervisor_engine::logging::init(matches!(self.log_format, LogFormat::Json), &self.log);
     }
 }
 

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+mod check_config;
 mod cli;
 mod csi_proxy;
 mod flags;
@@ -12,14 +13,15 @@ mod kubelet;
 mod node;
 mod run;
 mod status;
-#[cfg(feature = "testbed")]
-mod testbed;
-mod webhook;
 
 use cli::{Cli, Command};
 
 fn main() -> ExitCode {
-    let result = match Cli::parse().command {
+    let cli = Cli::parse();
+    if cli.check_config {
+        return finish(check_config::check_config(cli.command));
+    }
+    finish(match cli.command {
         Command::Run { node, kubelet, job, daemons, watch, serve, events, log } => {
             run::command(node, kubelet, *job, daemons, watch, serve, events, log)
         }
@@ -39,15 +41,10 @@ fn main() -> ExitCode {
             log.init();
             csi_proxy::command(proxy)
         }
-        Command::Webhook { webhook, log } => {
-            log.init();
-            fuse_supervisor::webhook::run(webhook.config()).map_err(Into::into)
-        }
-        #[cfg(feature = "testbed")]
-        Command::Demo { cycles, daemon, no_mount_over_stale } => testbed::demo(cycles, daemon, !no_mount_over_stale),
-        #[cfg(feature = "testbed")]
-        Command::Internal(command) => testbed::internal(command),
-    };
+    })
+}
+
+fn finish(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

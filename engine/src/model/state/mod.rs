@@ -529,7 +529,7 @@ mod tests {
                 Some(contents) => fs::write(&file, contents).unwrap(),
                 None => fs::create_dir(&file).unwrap(),
             }
-            let logs = fuse_supervisor::testbed::CapturedLogs::default();
+            let logs = fuse_supervisor_testbed::CapturedLogs::default();
             let mut journal = logs.capture(tracing::Level::INFO, || Journal::load_or_set_aside(dir.path()));
             let logs = logs.text();
             assert!(journal.mappings().is_empty(), "{what}");
@@ -551,7 +551,7 @@ mod tests {
     fn a_state_file_that_is_not_json_says_where() {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join(STATE_FILE), b"{\"version\": 1,\n\"targets\": [").unwrap();
-        let logs = fuse_supervisor::testbed::CapturedLogs::default();
+        let logs = fuse_supervisor_testbed::CapturedLogs::default();
         logs.capture(tracing::Level::INFO, || Journal::load_or_set_aside(dir.path()));
         let logs = logs.text();
         assert!(logs.contains("line=2 column=11"), "{logs}");
