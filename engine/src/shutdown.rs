@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::error;
 
+use crate::errors::chain;
 use crate::watch::thread::Waker;
 
 /// Asks a running supervisor to stop; cheap to clone.
@@ -24,7 +25,7 @@ impl Shutdown {
     pub fn request(&self) {
         self.requested.store(true, Ordering::SeqCst);
         if let Err(err) = self.waker.wake() {
-            error!(?err, "cannot wake the watcher for shutdown");
+            error!(err = %chain(&err), "cannot wake the watcher for shutdown");
         }
     }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::occurrence::PodRef;
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::kube::{Kubelet, KubeletError, PodList};
 
 /// A UID the kubelet did not list is not asked about again for this long
@@ -112,7 +113,7 @@ impl Resolver {
             }
             Err(err) => {
                 if !self.failing {
-                    warn!(%err, "cannot list pods for events: events about application pods are dropped until it can");
+                    warn!(err = %chain(&err), "cannot list pods for events: events about application pods are dropped until it can");
                     self.failing = true;
                 }
                 for uid in missing {

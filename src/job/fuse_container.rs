@@ -7,6 +7,7 @@ use std::path::Path;
 use tracing::{debug, warn};
 
 use super::containers::ContainerProcesses;
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::kube::Pod;
 use fuse_supervisor_engine::kube::pods::runtime_id;
 use fuse_supervisor_engine::model::namespace_table::{self, TableCaps};
@@ -52,7 +53,7 @@ pub(super) fn identify_fuse(
         match FuseServers::scan(proc_root) {
             Ok(scan) => *servers = Some(scan),
             Err(err) => {
-                warn!(%err, "cannot find FUSE servers");
+                warn!(err = %chain(&err), "cannot find FUSE servers");
                 return None;
             }
         }
@@ -63,7 +64,7 @@ pub(super) fn identify_fuse(
         let serving = match servers.serving(device) {
             Ok(serving) => serving,
             Err(err) => {
-                debug!(%device, %err, "cannot tell who serves a FUSE mount");
+                debug!(%device, err = %chain(&err), "cannot tell who serves a FUSE mount");
                 continue;
             }
         };

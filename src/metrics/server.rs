@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, error, warn};
 
 use super::{CONTENT_TYPE, Metrics};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::health::Health;
 use fuse_supervisor_engine::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
@@ -144,7 +145,7 @@ impl MetricsServer {
     /// [`ANSWER_DEADLINE`].
     pub fn stop(self) {
         if let Err(err) = self.watching.stop() {
-            error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "metrics server did not stop cleanly");
+            error!(err = %chain(&err), "metrics server did not stop cleanly");
         }
     }
 }
@@ -189,7 +190,7 @@ impl Heads {
                 Ok(Woken::Ready(tokens)) => tokens.to_vec(),
                 Ok(Woken::Stop) => return,
                 Err(err) => {
-                    error!(?err, "metrics server cannot wait for connections; it stops");
+                    error!(err = %chain(&err), "metrics server cannot wait for connections; it stops");
                     return;
                 }
             };
@@ -211,7 +212,7 @@ impl Heads {
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
                 Err(err) if matches!(err.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
                 Err(err) => {
-                    warn!(?err, "metrics server cannot accept a connection");
+                    warn!(err = %chain(&err), "metrics server cannot accept a connection");
                     std::thread::sleep(ACCEPT_BACKOFF);
                     return;
                 }
@@ -224,7 +225,7 @@ impl Heads {
     fn admit(&mut self, stream: TcpStream, peer: SocketAddr, waiting: &Waiting) {
         // Accepted sockets do not inherit the listener's O_NONBLOCK on Linux.
         if let Err(err) = stream.set_nonblocking(true) {
-            return debug!(%peer, ?err, "cannot make a metrics connection non-blocking; closed");
+            return debug!(%peer, err = %chain(&err), "cannot make a metrics connection non-blocking; closed");
         }
         let mut pending = Pending { stream, peer, head: Vec::new(), deadline: Instant::now() + HEAD_DEADLINE };
         match pending.read() {
@@ -235,7 +236,7 @@ impl Heads {
         let token = self.next_token;
         self.next_token += 1;
         if let Err(err) = waiting.add_readable(pending.stream.as_fd(), token) {
-            return warn!(%peer, ?err, "cannot watch a metrics connection; closed");
+            return warn!(%peer, err = %chain(&err), "cannot watch a metrics connection; closed");
         }
         self.pending.insert(token, pending);
     }
@@ -344,13 +345,13 @@ fn answer(stream: TcpStream, peer: SocketAddr, method: String, path: String, sha
         // Never asked: probes go to the probe answerer.
         let response = route(&method, &path, &worker, &mut || false);
         if let Err(err) = write_response(&stream, &response, head_only) {
-            debug!(%peer, ?err, "cannot write a metrics answer");
+            debug!(%peer, err = %chain(&err), "cannot write a metrics answer");
         }
         worker.others_answering.fetch_sub(1, Ordering::SeqCst);
     });
     if let Err(err) = spawned {
         answering.fetch_sub(1, Ordering::SeqCst);
-        warn!(%peer, ?err, "cannot start a thread for a metrics answer");
+        warn!(%peer, err = %chain(&err), "cannot start a thread for a metrics answer");
     }
 }
 
@@ -389,7 +390,7 @@ fn queue_probe(request: Request, shared: &Arc<Shared>) {
         let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
         probes.answering = false;
         let dropped = std::mem::take(&mut probes.waiting).len();
-        warn!(?err, dropped, "cannot start the thread that answers probes; their connections are closed");
+        warn!(err = %chain(&err), dropped, "cannot start the thread that answers probes; their connections are closed");
     }
 }
 
@@ -435,7 +436,7 @@ fn reply_now(stream: &TcpStream, peer: SocketAddr, response: &Response, head_onl
     match (&*stream).write(&bytes) {
         Ok(written) if written == bytes.len() => {}
         Ok(_) => debug!(%peer, status = response.status, "metrics answer cut short: the send buffer was full"),
-        Err(err) => debug!(%peer, ?err, "cannot write a metrics answer"),
+        Err(err) => debug!(%peer, err = %chain(&err), "cannot write a metrics answer"),
     }
 }
 
@@ -515,7 +516,7 @@ fn route(method: &str, path: &str, shared: &Shared, is_alive: &mut dyn FnMut() -
         "/metrics" => match shared.metrics.encode() {
             Ok(body) => Response { status: 200, content_type: CONTENT_TYPE, body },
             Err(err) => {
-                error!(%err, "cannot serve /metrics");
+                error!(err = %chain(&err), "cannot serve /metrics");
                 Response::text(500, format!("{err}\n"))
             }
         },

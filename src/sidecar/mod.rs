@@ -33,6 +33,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, info, warn};
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::Healed;
 use fuse_supervisor_engine::heal::in_namespace::{
     self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed,
@@ -208,7 +209,7 @@ impl Sidecar<'_> {
                 // Drained before reading the channel: a message sent after
                 // this wakes the next wait.
                 if let Err(err) = inbox_waker.drain() {
-                    warn!(?err, "cannot drain the sidecar inbox eventfd");
+                    warn!(err = %chain(&err), "cannot drain the sidecar inbox eventfd");
                 }
                 for message in inbox.try_iter() {
                     match message {
@@ -242,7 +243,7 @@ impl Sidecar<'_> {
                 Err(ProcessWatchError::Gone { .. } | ProcessWatchError::Reused { .. }) => return Ok((false, true)),
                 // Its death will not be seen as it happens; the heal still
                 // follows the new daemon's mount.
-                Err(err) => warn!(pid = daemon.pid, err = %err, "cannot watch a fuse daemon"),
+                Err(err) => warn!(pid = daemon.pid, err = %chain(&err), "cannot watch a fuse daemon"),
             }
         }
         let plan = plan::plan(&scan.namespaces);
@@ -277,7 +278,7 @@ impl Sidecar<'_> {
                     self.tables.insert(id, file);
                     added = true;
                 }
-                Err(err) => debug!(namespace = id, pid, ?err, "cannot watch a container's mount table"),
+                Err(err) => debug!(namespace = id, pid, err = %chain(&err), "cannot watch a container's mount table"),
             }
         }
         added
@@ -382,11 +383,11 @@ impl Sidecar<'_> {
                         .reporters
                         .report(&Report::TargetHealed { target: &event(outage.as_ref()), heal: &report });
                     if let Some(err) = kept {
-                        warn!(%target, ?err, "healed, but the dead layer stays under the new mount");
+                        warn!(%target, err = %chain(&err), "healed, but the dead layer stays under the new mount");
                     }
                 }
                 Err(err) => {
-                    warn!(pid = heal.pid, %target, err = %err, "heal failed; retried later");
+                    warn!(pid = heal.pid, %target, err = %chain(&err), "heal failed; retried later");
                     let outage = self.broken.get_mut(&key);
                     let attempts = outage.map_or(1, |outage| {
                         outage.failed_attempts += 1;

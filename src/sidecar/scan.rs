@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use fuse_supervisor_sys::resolve;
 use tracing::debug;
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::fuse_calls;
 
 use super::SidecarError;
@@ -86,7 +87,7 @@ pub fn scan(proc_root: &Path, own_namespace: u64) -> Result<PodScan, SidecarErro
                 }
                 // Undecidable on this kernel: left alone rather than guessed.
                 Err(err) => {
-                    debug!(pid, %device, ?err, "cannot tell who serves a FUSE mount");
+                    debug!(pid, %device, err = %chain(&err), "cannot tell who serves a FUSE mount");
                     Serving::FromElsewhere
                 }
             };
@@ -129,7 +130,7 @@ pub fn confirm_dead(proc_root: &Path, heals: &[InNamespaceHeal], timeout: Durati
     });
     let mut dead = vec![false; heals.len()];
     if let Err(err) = spawned {
-        debug!(?err, "cannot start a probe thread; nothing confirmed");
+        debug!(err = %chain(&err), "cannot start a probe thread; nothing confirmed");
         return dead;
     }
     let deadline = Instant::now() + timeout;

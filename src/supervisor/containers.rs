@@ -10,6 +10,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::Propagation;
 use tracing::{debug, info, warn};
 
@@ -232,7 +233,7 @@ impl<E: Executor> Supervisor<E> {
             }) {
                 Ok(watch) => refusals.watch = Some(watch),
                 Err(err) => {
-                    info!(err = %error_chain(&err), "refused container heals are retried with back-off");
+                    info!(err = %chain(&err), "refused container heals are retried with back-off");
                     refusals.unavailable = true;
                     return Some(retry);
                 }

@@ -14,7 +14,7 @@ use tracing::{debug, error, info, warn};
 
 use super::{Supervisor, TargetRecord};
 use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
-use fuse_supervisor_engine::errors::error_chain;
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::containers::{ContainerHealError, ForeignMount};
 use fuse_supervisor_engine::heal::{Executor, Prepared};
 use fuse_supervisor_engine::model::state::{DaemonDeath, TargetState};
@@ -89,7 +89,7 @@ impl<E: Executor> Supervisor<E> {
                 daemons.rediscover_all();
             }
             DaemonEvent::Process(ProcessEvent::Failed(err)) => {
-                error!(%err, "process watcher stopped; daemon deaths are now seen only when a new mount appears");
+                error!(err = %chain(&err), "process watcher stopped; daemon deaths are now seen only when a new mount appears");
                 self.daemons = None;
             }
             DaemonEvent::Discovered(found) => {
@@ -188,7 +188,7 @@ impl<E: Executor> Supervisor<E> {
                 debug!(source = %source.display(), connection = %dev, "source no longer on the dead connection");
             }
             Err(err) => {
-                warn!(source = %source.display(), connection = %dev, %err, "cannot detach the dead source; its targets' stale layers stay held");
+                warn!(source = %source.display(), connection = %dev, err = %chain(&err), "cannot detach the dead source; its targets' stale layers stay held");
             }
         }
     }
@@ -301,7 +301,7 @@ impl<E: Executor> Supervisor<E> {
             by_namespace.entry(foreign.namespace).or_insert((foreign, err, 0)).2 += 1;
         }
         for (namespace, (foreign, err, mounts)) in by_namespace {
-            warn!(connection = %dev, namespace, pid = foreign.pid, mounts, first = %foreign.mount.mount_point.display(), err = %error_chain(err), "cannot isolate a container's dead mounts; the host heal may stack onto them");
+            warn!(connection = %dev, namespace, pid = foreign.pid, mounts, first = %foreign.mount.mount_point.display(), err = %chain(err), "cannot isolate a container's dead mounts; the host heal may stack onto them");
         }
         info!(
             connection = %dev,
@@ -336,7 +336,9 @@ impl<E: Executor> Supervisor<E> {
                     self.held.insert(path.clone(), Held { fd, mount_id: id, until });
                 }
                 Ok(_) => debug!(target = %path.display(), "target covered before it could be held"),
-                Err(err) => warn!(target = %path.display(), %err, "cannot hold the stale layer of a target"),
+                Err(err) => {
+                    warn!(target = %path.display(), err = %chain(&err), "cannot hold the stale layer of a target")
+                }
             }
         }
         debug!(held = self.held.len(), "stale layers held");
@@ -418,7 +420,7 @@ impl<E: Executor> Supervisor<E> {
                     removed
                 }
                 Err(err) => {
-                    warn!(target = %heal.path.display(), %err, "healed by propagation, but the covered stale layer remains");
+                    warn!(target = %heal.path.display(), err = %chain(&err), "healed by propagation, but the covered stale layer remains");
                     0
                 }
             };

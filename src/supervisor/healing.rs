@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::errors::error_chain;
 use fuse_supervisor_engine::heal::{Executor, HealError, Healed, Prepared};
 use fuse_supervisor_engine::model::state::{Mapping, TargetState, retry_delay};
@@ -53,7 +54,7 @@ impl<E: Executor> Supervisor<E> {
         // The heal's own changes need no report, and the rescan after it
         // reads what anyone else changed meanwhile.
         if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.pause()) {
-            warn!(%err, "the heal's own mount changes will be reported");
+            warn!(err = %chain(&err), "the heal's own mount changes will be reported");
         }
         // The connections the targets were on, before the loop below records
         // the new one: their mounts in containers are healed after the host's.
@@ -110,7 +111,7 @@ impl<E: Executor> Supervisor<E> {
                         "healed"
                     );
                     if let Some(err) = outcome.flatten_error {
-                        warn!(target = %outcome.path.display(), err = %err, "healed, but stale layers remain");
+                        warn!(target = %outcome.path.display(), err = %chain(&err), "healed, but stale layers remain");
                     }
                     let heal = HealReport {
                         how,

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, error, warn};
 
 use crate::supervisor::daemons::{DaemonEvent, DaemonWatch, Daemons};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::priority::{HealPriority, HealWindow};
 use fuse_supervisor_engine::heal::probe::{ProbeReport, Prober};
 use fuse_supervisor_engine::heal::{Executor, Prepared};
@@ -303,7 +304,7 @@ impl<E: Executor> Supervisor<E> {
             match event {
                 Ok(Event::TableChanged(attached)) => {
                     if let Some(Err(err)) = self.table_watch.as_ref().map(|watch| watch.rearm()) {
-                        error!(?err, "mount-table watcher stopped");
+                        error!(err = %chain(&err), "mount-table watcher stopped");
                         return;
                     }
                     self.reporters.report(&Report::TableChanged);
@@ -325,7 +326,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Restaged(outcome)) => self.on_restaged(outcome),
                 Ok(Event::NamespacesChanged) => self.retry_refused(),
                 Ok(Event::WatchFailed(err)) => {
-                    error!(?err, "mount-table watcher stopped");
+                    error!(err = %chain(&err), "mount-table watcher stopped");
                     return;
                 }
                 Ok(Event::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
@@ -365,7 +366,7 @@ impl<E: Executor> Supervisor<E> {
             None => self.journal.save(),
         };
         if let Err(err) = saved {
-            error!(%err, "cannot save state");
+            error!(err = %chain(&err), "cannot save state");
         }
     }
 
@@ -444,7 +445,7 @@ impl<E: Executor> Supervisor<E> {
                 Some(classified)
             }
             Err(err) => {
-                error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot read the mount table; keeping the last known state");
+                error!(err = %chain(&err), "cannot read the mount table; keeping the last known state");
                 None
             }
         }

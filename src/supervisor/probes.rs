@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tracing::{debug, error, info, warn};
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::Executor;
 use fuse_supervisor_engine::heal::probe::{ProbeOutcome, ProbeReport, open_mount_root};
 use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
@@ -52,7 +53,7 @@ impl<E: Executor> Supervisor<E> {
                 return false;
             }
             Err(err) => {
-                warn!(source = %source.display(), ?err, "cannot open source");
+                warn!(source = %source.display(), err = %chain(&err), "cannot open source");
                 return false;
             }
         };
@@ -61,7 +62,7 @@ impl<E: Executor> Supervisor<E> {
         if let Err(err) =
             self.prober.start(source, mount_id, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
-            error!(source = %source.display(), ?err, "cannot start probe");
+            error!(source = %source.display(), err = %chain(&err), "cannot start probe");
             return false;
         }
         true
@@ -121,11 +122,11 @@ impl<E: Executor> Supervisor<E> {
                     self.probing_targets.insert(path.clone());
                     if let Err(err) = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::Probed) {
                         self.probing_targets.remove(path);
-                        error!(target = %path.display(), ?err, "cannot start probe");
+                        error!(target = %path.display(), err = %chain(&err), "cannot start probe");
                     }
                 }
                 Ok(_) => {} // Changed since the table was read; the next scan sees it.
-                Err(err) => warn!(target = %path.display(), %err, "cannot open target to probe it"),
+                Err(err) => warn!(target = %path.display(), err = %chain(&err), "cannot open target to probe it"),
             }
         }
     }
@@ -172,7 +173,7 @@ impl<E: Executor> Supervisor<E> {
                     self.rescan();
                 }
                 ProbeOutcome::Failed(err) => {
-                    warn!(target = %report.source.display(), %err, "target on an unrecorded connection fails; leaving it")
+                    warn!(target = %report.source.display(), err = %chain(&err), "target on an unrecorded connection fails; leaving it")
                 }
                 ProbeOutcome::Live(_) => {
                     warn!(target = %report.source.display(), "target is on a live connection of its own; leaving it")
@@ -187,7 +188,7 @@ impl<E: Executor> Supervisor<E> {
         let handles = match report.outcome {
             ProbeOutcome::Live(handles) => handles,
             ProbeOutcome::Failed(err) => {
-                warn!(source = %report.source.display(), %err, "source is not serving; waiting for it to be replaced");
+                warn!(source = %report.source.display(), err = %chain(&err), "source is not serving; waiting for it to be replaced");
                 return;
             }
         };

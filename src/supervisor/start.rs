@@ -11,6 +11,7 @@ use fuse_supervisor_sys::{mount, ns};
 use tracing::{error, info, warn};
 
 use crate::supervisor::daemons::Daemons;
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::namespaces::{NamespaceKeeper, Namespaces};
 use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority, HealWindow};
 use fuse_supervisor_engine::heal::probe::Prober;
@@ -135,7 +136,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // From this thread: the writer sees the state directory as the loop does.
     let health = Arc::clone(&config.health);
     let report_save = move |err: Option<&StateError>| {
-        health.set_state_problem(err.map(|err| fuse_supervisor_engine::errors::error_chain(err)));
+        health.set_state_problem(err.map(fuse_supervisor_engine::errors::error_chain));
     };
     supervisor.state_writer = Some(
         StateWriter::spawn(Box::new(report_save))
@@ -166,10 +167,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     shutdown.request();
     drop(job);
     if let Err(err) = pod_watcher.stop() {
-        error!(%err, "pod-directory watcher failed");
+        error!(err = %chain(&err), "pod-directory watcher failed");
     }
     if let Err(err) = watching.stop() {
-        error!(err = %fuse_supervisor_engine::errors::error_chain(&err), "mount-table watcher failed");
+        error!(err = %chain(&err), "mount-table watcher failed");
     }
     Ok(())
 }
@@ -186,7 +187,7 @@ fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<N
     match namespaces.keep(host_network_namespace(proc_root), Arc::clone(heal_activity)) {
         Ok(keeper) => (namespaces, Some(keeper)),
         Err(err) => {
-            warn!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
+            warn!(err = %chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
             (namespaces, None)
         }
     }
@@ -247,7 +248,7 @@ fn spawn_watcher(
                     Some(Ok(false)) => continue,
                     Some(Err(SettleError::Rearm(err))) => Event::WatchFailed(err),
                     Some(Err(SettleError::Table(err))) => {
-                        warn!(err = %fuse_supervisor_engine::errors::error_chain(&err), "cannot apply mount events; the loop looks");
+                        warn!(err = %chain(&err), "cannot apply mount events; the loop looks");
                         Event::TableChanged(watcher.attached())
                     }
                     Some(Ok(true)) | None => Event::TableChanged(watcher.attached()),

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, error, info, warn};
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::{Executor, Healed};
 use fuse_supervisor_engine::model::state::TargetState;
 use fuse_supervisor_engine::model::table::{Classified, Dev, TargetKind};
@@ -98,7 +99,7 @@ impl<E: Executor> Supervisor<E> {
                 let removed = match self.executor.flatten_covered_unheld(&TargetHeal::of(path, target, &mapping)) {
                     Ok(removed) => removed,
                     Err(err) => {
-                        debug!(target = %path.display(), %err, "the covered stale layers are out of reach");
+                        debug!(target = %path.display(), err = %chain(&err), "the covered stale layers are out of reach");
                         0
                     }
                 };
@@ -162,7 +163,7 @@ impl<E: Executor> Supervisor<E> {
             PodChange::PodRemoved { uid } => self.forget_targets(|pod| pod == &**uid),
             PodChange::Resync(directory) => self.forget_targets(|pod| directory.pod(pod).is_none()),
             PodChange::VolDataInvalid { uid, name, error, .. } => {
-                warn!(pod = %uid, volume = %name, %error, "vol_data.json unreadable; its layout cannot be used");
+                warn!(pod = %uid, volume = %name, err = %chain(&error), "vol_data.json unreadable; its layout cannot be used");
                 false
             }
             PodChange::EventsLost(lost) => {
@@ -170,7 +171,7 @@ impl<E: Executor> Supervisor<E> {
                 false
             }
             PodChange::Failed(err) => {
-                error!(%err, "pod-directory watcher stopped; deleted pods are now found on each scan");
+                error!(err = %chain(&err), "pod-directory watcher stopped; deleted pods are now found on each scan");
                 self.pods_watched = false;
                 return;
             }

@@ -319,7 +319,7 @@ pub async fn feed<K: Watched>(api: Api<K>, cache: Arc<VolumeCache>, on_error: im
             Ok(Event::Apply(object)) => cache.apply(&object),
             Ok(Event::Delete(object)) => cache.delete(&object),
             Err(err) => {
-                tracing::warn!(kind = K::KIND, error = %err, "watch failed; retrying with back-off");
+                tracing::warn!(kind = K::KIND, err = %fuse_supervisor_engine::errors::chain(&err), "watch failed; retrying with back-off");
                 on_error(K::KIND);
             }
         }

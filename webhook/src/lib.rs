@@ -25,6 +25,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use fuse_supervisor_engine::errors::chain;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
@@ -120,7 +121,7 @@ async fn serve(config: WebhookConfig) -> Result<(), WebhookError> {
         match result {
             Ok(true) => tracing::info!("serving certificate reloaded"),
             Ok(false) => tracing::debug!("certificate files touched; same certificate"),
-            Err(err) => tracing::warn!(error = %fuse_supervisor_engine::errors::error_chain(err), "certificate reload failed; keeping the old one"),
+            Err(err) => tracing::warn!(err = %chain(err), "certificate reload failed; keeping the old one"),
         }
     })?;
 

@@ -10,6 +10,7 @@ use prometheus_client::registry::Registry;
 
 use super::cache::Unresolved;
 use super::review::Outcome;
+use fuse_supervisor_engine::errors::chain;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
@@ -130,7 +131,7 @@ impl Metrics {
         // Writing into a String cannot fail; a metric that failed to encode
         // would be a bug in the crate, and an empty page says so plainly.
         if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
-            tracing::error!(?err, "cannot encode metrics");
+            tracing::error!(err = %chain(&err), "cannot encode metrics");
         }
         text
     }

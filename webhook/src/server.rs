@@ -24,6 +24,7 @@ use super::cache::VolumeCache;
 use super::metrics::Metrics;
 use super::review;
 use super::selection::Selection;
+use fuse_supervisor_engine::errors::chain;
 
 /// How long open connections may finish after a shutdown request, or after
 /// an idle one was asked to close.
@@ -184,7 +185,7 @@ impl Server {
         let _ = self.stop.send(true);
         for task in self.tasks {
             if let Err(err) = task.await {
-                tracing::error!(?err, "listener task failed");
+                tracing::error!(err = %chain(&err), "listener task failed");
             }
         }
     }
@@ -211,7 +212,7 @@ async fn accept(
                 Ok(accepted) => accepted,
                 Err(err) => {
                     // EMFILE and the like: pause instead of spinning.
-                    tracing::warn!(?err, "accept failed");
+                    tracing::warn!(err = %chain(&err), "accept failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -225,13 +226,13 @@ async fn accept(
             let served = match tls {
                 Some(tls) => match tokio::time::timeout(limits.handshake_timeout, tls.accept(stream)).await {
                     Ok(Ok(stream)) => serve(&builder, stream, state, limits, true, stop).await,
-                    Ok(Err(err)) => return tracing::debug!(%peer, ?err, "TLS handshake failed"),
+                    Ok(Err(err)) => return tracing::debug!(%peer, err = %chain(&err), "TLS handshake failed"),
                     Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
                 },
                 None => serve(&builder, stream, state, limits, false, stop).await,
             };
             if let Err(err) = served {
-                tracing::debug!(%peer, err = %err, "connection ended with an error");
+                tracing::debug!(%peer, err = %chain(&*err), "connection ended with an error");
             }
         });
     }
@@ -370,7 +371,7 @@ fn readiness(state: &State) -> Response<Full<Bytes>> {
 
 async fn mutate(request: Request<Incoming>, state: &State, limits: &Limits) -> Response<Full<Bytes>> {
     let refuse = |status: StatusCode, message: String| {
-        tracing::warn!(%status, error = %message, "admission review body refused");
+        tracing::warn!(%status, err = %message, "admission review body refused");
         state.metrics.admitted(None, 0, &[], Duration::ZERO);
         reply(status, "application/json", refusal(status, &message))
     };
@@ -417,7 +418,7 @@ async fn mutate(request: Request<Incoming>, state: &State, limits: &Limits) -> R
         Err(err) => {
             state.metrics.admitted(None, 0, &[], started.elapsed());
             let message = fuse_supervisor_engine::errors::error_chain(&err);
-            tracing::warn!(error = %message, "malformed admission review");
+            tracing::warn!(err = %message, "malformed admission review");
             reply(StatusCode::BAD_REQUEST, "application/json", review::status_body(&message))
         }
     }

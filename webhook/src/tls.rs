@@ -20,6 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::watch::dir_changes::{Changes, DirChanges};
 use fuse_supervisor_engine::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
@@ -137,14 +138,14 @@ impl CertStore {
                 Ok(Woken::Ready(_)) => {}
                 Ok(Woken::Stop) => return,
                 Err(err) => {
-                    tracing::error!(?err, "certificate watch failed; certificates are no longer reloaded");
+                    tracing::error!(err = %chain(&err), "certificate watch failed; certificates are no longer reloaded");
                     return;
                 }
             }
             let changed = match changes.drain() {
                 Ok(changed) => changed,
                 Err(err) => {
-                    tracing::error!(?err, "cannot read certificate change events; certificates are no longer reloaded");
+                    tracing::error!(err = %chain(&err), "cannot read certificate change events; certificates are no longer reloaded");
                     return;
                 }
             };

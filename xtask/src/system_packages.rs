@@ -3,7 +3,7 @@
 //! which fails a test that needs a missing program with the same message.
 //!
 //! Standard library only, and self-contained: the test bed compiles this
-//! file into itself by path (`src/testbed/system.rs`).
+//! file into itself by path (`testbed/src/system.rs`).
 
 use std::ffi::OsStr;
 use std::os::unix::fs::PermissionsExt;

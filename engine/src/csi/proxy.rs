@@ -36,6 +36,7 @@ use tracing::{debug, info, warn};
 use super::api;
 use super::grpc::{self, Call, code};
 use super::records::{self, RecordDir, RecordError};
+use crate::errors::chain;
 
 /// The largest request passed on: gRPC's default limit of a received
 /// message; a CSI request is a few KiB.
@@ -124,7 +125,7 @@ pub async fn serve(config: ProxyConfig, shutdown: impl Future<Output = ()>) -> R
                     tokio::spawn(Arc::clone(&proxy).serve_connection(stream));
                 }
                 Err(err) => {
-                    warn!(listen = %config.listen.display(), ?err, "accept failed");
+                    warn!(listen = %config.listen.display(), err = %chain(&err), "accept failed");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
                 }
             },
@@ -153,7 +154,7 @@ impl Proxy {
         let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .serve_connection(TokioIo::new(stream), service);
         if let Err(err) = connection.await {
-            debug!(?err, "kubelet connection ended");
+            debug!(err = %chain(&err), "kubelet connection ended");
         }
     }
 
@@ -167,7 +168,7 @@ impl Proxy {
         let body = match Limited::new(body, MAX_REQUEST_BYTES).collect().await {
             Ok(collected) => collected.to_bytes(),
             Err(err) => {
-                debug!(call = call.name(), ?err, "request not read");
+                debug!(call = call.name(), err = %chain(&*err), "request not read");
                 let message = format!("fuse-supervisor csi-proxy takes requests of at most {MAX_REQUEST_BYTES} bytes");
                 return Ok(status_response(code::RESOURCE_EXHAUSTED, &message));
             }
@@ -180,7 +181,7 @@ impl Proxy {
                 response
             }
             Err(err) => {
-                warn!(call = call.name(), %err, "driver unavailable");
+                warn!(call = call.name(), err = %chain(&err), "driver unavailable");
                 return Ok(status_response(code::UNAVAILABLE, &err.to_string()));
             }
         };
@@ -191,7 +192,7 @@ impl Proxy {
         let answer = match Answer::read(answer).await {
             Ok(answer) => answer,
             Err(err) => {
-                warn!(call = call.name(), %err, "the driver's answer was cut");
+                warn!(call = call.name(), err = %chain(&err), "the driver's answer was cut");
                 let message = format!("the driver's socket {} cut its answer", self.driver.socket.display());
                 return Ok(status_response(code::UNAVAILABLE, &message));
             }
@@ -226,7 +227,7 @@ impl Proxy {
         };
         let request = match decoded {
             Ok(request) => request,
-            Err(err) => return warn!(call = call.name(), %err, "request not a CSI message: not recorded"),
+            Err(err) => return warn!(call = call.name(), err = %chain(&err), "request not a CSI message: not recorded"),
         };
         let driver = match self.driver.name() {
             Some(name) => Some(name),
@@ -238,8 +239,8 @@ impl Proxy {
             tokio::task::spawn_blocking(move || records.write(driver.as_deref(), request, &bytes, keep_secrets));
         match written.await {
             Ok(Ok(file)) => info!(call = call.name(), volume_id, path, file = %file.display(), "recorded"),
-            Ok(Err(err)) => warn!(call = call.name(), volume_id, path, ?err, "not recorded"),
-            Err(err) => warn!(call = call.name(), volume_id, path, ?err, "the record's writer failed"),
+            Ok(Err(err)) => warn!(call = call.name(), volume_id, path, err = %chain(&err), "not recorded"),
+            Err(err) => warn!(call = call.name(), volume_id, path, err = %chain(&err), "the record's writer failed"),
         }
     }
 
@@ -253,14 +254,16 @@ impl Proxy {
         };
         let (recorded, volume_id, path) = match decoded {
             Ok(key) => key,
-            Err(err) => return warn!(call = call.name(), %err, "request not a CSI message: records unchanged"),
+            Err(err) => {
+                return warn!(call = call.name(), err = %chain(&err), "request not a CSI message: records unchanged");
+            }
         };
         let (records, id, at) = (self.records.clone(), volume_id.clone(), path.clone());
         match tokio::task::spawn_blocking(move || records.remove(recorded, &id, &at)).await {
             Ok(Ok(true)) => info!(call = call.name(), volume_id, path, "record removed"),
             Ok(Ok(false)) => debug!(call = call.name(), volume_id, path, "no record to remove"),
-            Ok(Err(err)) => warn!(call = call.name(), volume_id, path, ?err, "record not removed"),
-            Err(err) => warn!(call = call.name(), volume_id, path, ?err, "the record's remover failed"),
+            Ok(Err(err)) => warn!(call = call.name(), volume_id, path, err = %chain(&err), "record not removed"),
+            Err(err) => warn!(call = call.name(), volume_id, path, err = %chain(&err), "the record's remover failed"),
         }
     }
 }
@@ -268,7 +271,7 @@ impl Proxy {
 /// The message of a unary body, or None (logged) if it is not one plain
 /// message.
 fn message_of(call: Call, body: &[u8]) -> Option<&[u8]> {
-    grpc::unframe(body).map_err(|err| warn!(call = call.name(), %err, "not a plain gRPC message")).ok()
+    grpc::unframe(body).map_err(|err| warn!(call = call.name(), err = %chain(&err), "not a plain gRPC message")).ok()
 }
 
 /// A trailers-only answer: the status in the headers, no body.
@@ -365,7 +368,7 @@ impl Driver {
         let socket = self.socket.clone();
         tokio::spawn(async move {
             if let Err(err) = driving.await {
-                debug!(driver_socket = %socket.display(), ?err, "driver connection ended");
+                debug!(driver_socket = %socket.display(), err = %chain(&err), "driver connection ended");
             }
         });
         *connection = Some(sender.clone());
@@ -398,7 +401,7 @@ impl Driver {
                 None
             }
             Err(err) => {
-                warn!(driver_socket = %self.socket.display(), %err, "GetPluginInfo not answered");
+                warn!(driver_socket = %self.socket.display(), err = %chain(&err), "GetPluginInfo not answered");
                 None
             }
         };

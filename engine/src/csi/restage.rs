@@ -39,6 +39,7 @@ use tracing::{debug, info, warn};
 use super::api;
 use super::records::{self, Record, RecordError, Request, Secrets};
 use super::unary;
+use crate::errors::chain;
 use crate::kube::Kubelet;
 use crate::model::table::Dev;
 
@@ -215,13 +216,13 @@ impl Restager {
             .name("restage".into())
             .spawn(move || {
                 if let Err(err) = ns::join_mount_namespace(&namespace) {
-                    warn!(namespace = %namespace.display(), %err, "cannot join the watched mount namespace; volumes are not staged again");
+                    warn!(namespace = %namespace.display(), err = %chain(&err), "cannot join the watched mount namespace; volumes are not staged again");
                     return;
                 }
                 let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                     Ok(runtime) => runtime,
                     Err(err) => {
-                        warn!(%err, "cannot start the re-staging runtime; volumes are not staged again");
+                        warn!(err = %chain(&err), "cannot start the re-staging runtime; volumes are not staged again");
                         return;
                     }
                 };
@@ -296,7 +297,7 @@ fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
         Ok(read) => read,
         Err(err) => {
             // No directory yet: no proxy has recorded anything.
-            debug!(err = %crate::errors::error_chain(&err), "no CSI records at start");
+            debug!(err = %chain(&err), "no CSI records at start");
             return Vec::new();
         }
     };
@@ -337,7 +338,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             return;
         }
         Err(err) => {
-            warn!(staging_path = %source.display(), err = %crate::errors::error_chain(&err), "cannot read the CSI records");
+            warn!(staging_path = %source.display(), err = %chain(&err), "cannot read the CSI records");
             return;
         }
     };
@@ -369,7 +370,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
                 return;
             }
             Err(err) => {
-                warn!(driver, volume_id, err = %crate::errors::error_chain(&err), "cannot read the stage record again");
+                warn!(driver, volume_id, err = %chain(&err), "cannot read the stage record again");
                 return;
             }
         };
@@ -388,10 +389,12 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             }
             Ok(AtPath::Dead) => match detach_dead(&source, dev) {
                 Ok(detached) => debug!(staging_path = %source.display(), detached, "dead staging mount detached"),
-                Err(err) => warn!(staging_path = %source.display(), %err, "cannot detach the dead staging mount"),
+                Err(err) => {
+                    warn!(staging_path = %source.display(), err = %chain(&err), "cannot detach the dead staging mount")
+                }
             },
             Ok(AtPath::Unmounted) => {}
-            Err(err) => warn!(staging_path = %source.display(), %err, "cannot look at the staging path"),
+            Err(err) => warn!(staging_path = %source.display(), err = %chain(&err), "cannot look at the staging path"),
         }
         attempts += 1;
         let started = Instant::now();
@@ -420,7 +423,7 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             Err(err) => {
                 told.code = err.code();
                 told.retry_in = Some(retry_in);
-                warn!(driver, volume_id, staging_path = %source.display(), took_us = took.as_micros() as u64, attempts, %err, retry_in_ms = retry_in.as_millis() as u64, "cannot stage the volume again; retrying");
+                warn!(driver, volume_id, staging_path = %source.display(), took_us = took.as_micros() as u64, attempts, err = %chain(&err), retry_in_ms = retry_in.as_millis() as u64, "cannot stage the volume again; retrying");
                 (shared.outcome)(told);
             }
         }
@@ -463,7 +466,7 @@ pub fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
         }
     }
     for err in &read.corrupt {
-        warn!(err = %crate::errors::error_chain(err), "corrupt CSI record skipped");
+        warn!(err = %chain(err), "corrupt CSI record skipped");
     }
     Ok(read.records)
 }
@@ -576,7 +579,7 @@ async fn wait_for_driver(socket: &Path) {
                 ready.clear_ready();
             }
             Err(err) => {
-                warn!(socket = %socket.display(), %err, "cannot wait on the socket's directory");
+                warn!(socket = %socket.display(), err = %chain(&err), "cannot wait on the socket's directory");
                 tokio::time::sleep(RETRY_MAX).await;
             }
         }
@@ -615,7 +618,7 @@ async fn probe_ready(socket: &Path) -> bool {
     match unary::call(socket, PROBE, &request, PROBE_DEADLINE).await {
         Ok(answer) => api::ProbeResponse::decode(answer).is_ok_and(|probe| probe.ready.unwrap_or(true)),
         Err(err) => {
-            debug!(socket = %socket.display(), %err, "driver not answering yet");
+            debug!(socket = %socket.display(), err = %chain(&err), "driver not answering yet");
             false
         }
     }

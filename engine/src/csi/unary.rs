@@ -19,6 +19,7 @@ use tokio::net::UnixStream;
 use tracing::debug;
 
 use super::grpc::{self, FrameError, code};
+use crate::errors::chain;
 
 /// Why a call got no successful answer.
 #[derive(Debug, thiserror::Error)]
@@ -118,7 +119,7 @@ async fn call_unbounded(socket: &Path, method: &'static str, message: &[u8]) -> 
     // deadline, or closed once the sender is.
     let connection = tokio::spawn(async move {
         if let Err(err) = driving.await {
-            debug!(?err, "driver connection ended");
+            debug!(err = %chain(&err), "driver connection ended");
         }
     });
     let answered = async {

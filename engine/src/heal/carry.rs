@@ -25,6 +25,7 @@ use fuse_supervisor_sys::statmount::{self, Idmapping, Namespace};
 use fuse_supervisor_sys::{listmount, probe, resolve};
 use tracing::{info, warn};
 
+use crate::errors::chain;
 use crate::heal::fuse_calls;
 use crate::model::mountinfo::{CappedLine, CappedLines};
 
@@ -57,7 +58,7 @@ pub fn attributes_of(
         Err(err) => {
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
-                info!(%err, "statmount cannot say a mount's attributes (before Linux 6.8?): they are read from the mount table, which costs a read of it per heal");
+                info!(err = %chain(&err), "statmount cannot say a mount's attributes (before Linux 6.8?): they are read from the mount table, which costs a read of it per heal");
             }
             attributes_from_table(mount_id, proc)
         }
@@ -282,7 +283,7 @@ fn mounts_on(parent_unique: u64, point: &Path, missed: &mut Vec<NotCarried>) -> 
         Err(err) => {
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
-                warn!(%err, "listmount cannot list the mounts on a mount (before Linux 6.8?): mounts nested in a volume are not carried over by its heal");
+                warn!(err = %chain(&err), "listmount cannot list the mounts on a mount (before Linux 6.8?): mounts nested in a volume are not carried over by its heal");
             }
             missed
                 .push(NotCarried { mount_point: point.join("*"), why: format!("cannot list the mounts on it: {err}") });

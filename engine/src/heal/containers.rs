@@ -46,6 +46,7 @@ use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHea
 use super::nested_copies::{self, NestedCopies};
 use super::priority::HealPriority;
 use super::probe::SourceHandles;
+use crate::errors::chain;
 use crate::model::table::{Dev, FuseMount, root_within};
 use tracing::debug;
 
@@ -234,7 +235,7 @@ pub fn copy_nested_ahead(mounts: &[ForeignMount], workers: &NamespaceWorkers, co
             || {}
         });
         if let Err(err) = started {
-            debug!(namespace, ?err, "nested mounts not copied ahead in a namespace");
+            debug!(namespace, err = %chain(&err), "nested mounts not copied ahead in a namespace");
         }
     }
 }
@@ -244,7 +245,7 @@ pub fn copy_nested_ahead(mounts: &[ForeignMount], workers: &NamespaceWorkers, co
 fn copy_in_namespace(mounts: &[ForeignMount], copies: &NestedCopies) {
     let Some(first) = mounts.first() else { return };
     if let Err(err) = enter_namespace_of(first) {
-        debug!(namespace = first.namespace, %err, "cannot enter a namespace to copy its nested mounts");
+        debug!(namespace = first.namespace, err = %chain(&err), "cannot enter a namespace to copy its nested mounts");
         return;
     }
     for foreign in mounts {
@@ -465,11 +466,12 @@ impl Drop for BusyUntilDropped {
 }
 
 /// Why no worker went into a namespace.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 enum Unstarted {
-    /// One is there still.
+    #[error("a worker is there still")]
     StillHeld,
-    Thread(io::Error),
+    #[error("cannot start a worker thread")]
+    Thread(#[source] io::Error),
 }
 
 impl NamespaceWorkers {

@@ -30,6 +30,7 @@ use fuse_supervisor_sys::fd_messages::{self, MAX_FDS};
 use fuse_supervisor_sys::probe as sys;
 use tracing::{debug, info, warn};
 
+use crate::errors::chain;
 use crate::heal::priority::HealPriority;
 
 /// The helper's subcommand.
@@ -107,7 +108,7 @@ fn ask_through(helper: &Helper, dir: BorrowedFd<'_>, ask: Ask, paths: &[PathBuf]
         Ok(answer) => answer,
         Err(err) => {
             if !FELL_BACK.swap(true, Ordering::Relaxed) {
-                warn!(%err, "the FUSE call helper does not answer; FUSE calls are made in the agent, whose exit a hung daemon can then hold");
+                warn!(err = %chain(&err), "the FUSE call helper does not answer; FUSE calls are made in the agent, whose exit a hung daemon can then hold");
             }
             answer_here(dir, ask, paths)
         }
@@ -168,13 +169,13 @@ pub fn serve(control: OwnedFd, priority: HealPriority) -> io::Result<()> {
                 while let Some(call) = read_call(connection.as_fd()).transpose() {
                     if let Err(err) = call.and_then(|call| answer_call(connection.as_fd(), call)) {
                         // The agent sees the connection end and makes the call itself.
-                        debug!(%err, "cannot serve a FUSE call");
+                        debug!(err = %chain(&err), "cannot serve a FUSE call");
                         return;
                     }
                 }
             });
             if let Err(err) = spawned {
-                warn!(%err, "cannot start a thread for a FUSE call; the agent makes it itself");
+                warn!(err = %chain(&err), "cannot start a thread for a FUSE call; the agent makes it itself");
             }
         }
     }

@@ -25,6 +25,7 @@ use fuse_supervisor_sys::{ns, resolve, statmount};
 
 use super::carry::{self, Nested, NestedMount, NotCarried};
 use super::nested_copies::{self, NestedCopies};
+use crate::errors::chain;
 use crate::heal::fuse_calls;
 use crate::model::table::{Dev, FuseMount};
 use tracing::debug;
@@ -301,7 +302,9 @@ fn copy_ahead(copies: Option<&NestedCopies>, namespace: u64, replacement: Borrow
     match resolve::unique_mount_id_of(replacement) {
         Ok(unique) => copies.put(namespace, unique, copied),
         // Copied at its death instead, if the mounts still resolve then.
-        Err(err) => debug!(%err, namespace, "cannot name the replacement to hold copies of the mounts on it"),
+        Err(err) => {
+            debug!(err = %chain(&err), namespace, "cannot name the replacement to hold copies of the mounts on it")
+        }
     }
 }
 

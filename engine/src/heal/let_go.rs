@@ -12,6 +12,7 @@ use std::os::fd::OwnedFd;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
+use crate::errors::chain;
 use tracing::debug;
 
 /// Closes `mount` (a handle on a dead mount just detached) on the closer
@@ -28,7 +29,7 @@ pub fn let_go(mount: OwnedFd) {
         match started {
             Ok(_) => Some(Mutex::new(send)),
             Err(err) => {
-                debug!(%err, "cannot start the thread that closes dead mounts; they close where they are let go");
+                debug!(err = %chain(&err), "cannot start the thread that closes dead mounts; they close where they are let go");
                 None
             }
         }

@@ -19,6 +19,7 @@ use fuse_supervisor_sys::mount::MountAttributes;
 use fuse_supervisor_sys::{fds, mount, ns, resolve};
 use tracing::{debug, info, warn};
 
+use crate::errors::chain;
 use crate::heal::priority::HealPriority;
 use crate::heal::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount};
@@ -281,7 +282,7 @@ fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> 
             // Its stack then fails to tell its copy from its own: see
             // `Mounter::stack`, which sets the copy's attributes.
             Err(err) => {
-                warn!(target = %target.path.display(), %err, "cannot take a target whose attributes differ from its peers' out of their group")
+                warn!(target = %target.path.display(), err = %chain(&err), "cannot take a target whose attributes differ from its peers' out of their group")
             }
         }
     }
@@ -571,22 +572,23 @@ impl Executor for MountExecutor {
             }
         };
         let searching = std::time::Instant::now();
-        let mut found =
-            match query.map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after)) {
-                None => namespaces::Holding::default(),
-                Some(Ok(found)) => {
-                    searched_at = generation;
-                    found
+        let mut found = match query
+            .map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after))
+        {
+            None => namespaces::Holding::default(),
+            Some(Ok(found)) => {
+                searched_at = generation;
+                found
+            }
+            Some(Err(err)) => {
+                warn!(connection = %dev, err = %chain(&err), "cannot look for the connection's mounts in containers");
+                if !searched_before {
+                    // Nothing recorded: the heal searches again.
+                    return Some(Isolated::default());
                 }
-                Some(Err(err)) => {
-                    warn!(connection = %dev, %err, "cannot look for the connection's mounts in containers");
-                    if !searched_before {
-                        // Nothing recorded: the heal searches again.
-                        return Some(Isolated::default());
-                    }
-                    namespaces::Holding::default()
-                }
-            };
+                namespaces::Holding::default()
+            }
+        };
         if searched_before && found.mounts.is_empty() && retried.is_empty() {
             self.isolated.insert(dev, Vec::new(), Vec::new(), searched_at);
             return None;
@@ -660,7 +662,7 @@ impl Executor for MountExecutor {
                     outcomes.extend(self.replace_in_containers(source, live, &found.mounts));
                 }
             }
-            Err(err) => warn!(%err, "cannot look for dead mounts made in containers during the outage"),
+            Err(err) => warn!(err = %chain(&err), "cannot look for dead mounts made in containers during the outage"),
         }
         drop(pinned);
         outcomes

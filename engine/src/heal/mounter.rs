@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 use super::carry;
 use super::probe::SourceHandles;
 use super::{FLATTEN_THREADS, HealError, Healed};
+use crate::errors::chain;
 use crate::model::table::Dev;
 use crate::plan::TargetHeal;
 
@@ -308,7 +309,7 @@ impl Mounter {
         match mount::move_mount_beneath(new_top, stale) {
             Ok(()) => Ok(None),
             Err(err) => {
-                debug!(?err, path = %target.path.display(), "cannot slide the new top beneath; detaching the stale layer alone");
+                debug!(err = %chain(&err), path = %target.path.display(), "cannot slide the new top beneath; detaching the stale layer alone");
                 self.remove_under_parked(target, new_top).map(Some)
             }
         }

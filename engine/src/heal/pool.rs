@@ -12,6 +12,7 @@ use tracing::warn;
 
 use super::HealError;
 use super::mounter::Mounter;
+use crate::errors::chain;
 use crate::heal::priority::HealPriority;
 use crate::plan::TargetHeal;
 
@@ -109,13 +110,13 @@ impl FlattenPool {
             let namespace = match namespace.try_clone() {
                 Ok(namespace) => namespace,
                 Err(err) => {
-                    warn!(?err, "cannot start a flatten helper; flattening with fewer threads");
+                    warn!(err = %chain(&err), "cannot start a flatten helper; flattening with fewer threads");
                     break;
                 }
             };
             let helper = std::thread::Builder::new().name("flatten".into()).spawn(move || {
                 if let Err(err) = ns::enter_mount_namespace(namespace.as_fd()) {
-                    warn!(?err, "flatten helper cannot enter the mount namespace");
+                    warn!(err = %chain(&err), "flatten helper cannot enter the mount namespace");
                     return;
                 }
                 drop(namespace);
@@ -126,7 +127,7 @@ impl FlattenPool {
             });
             match helper {
                 Ok(thread) => threads.push(thread),
-                Err(err) => warn!(?err, "cannot start a flatten helper; flattening with fewer threads"),
+                Err(err) => warn!(err = %chain(&err), "cannot start a flatten helper; flattening with fewer threads"),
             }
         }
         FlattenPool { queue, threads }

@@ -15,6 +15,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
+use crate::errors::chain;
 use fuse_supervisor_sys::process;
 use tracing::{debug, warn};
 
@@ -58,7 +59,7 @@ impl HealPriority {
             Ok(()) => true,
             Err(err) => {
                 if !REFUSED.swap(true, Ordering::Relaxed) {
-                    warn!(%err, priority, "cannot run heals at SCHED_FIFO; they run at the normal priority");
+                    warn!(err = %chain(&err), priority, "cannot run heals at SCHED_FIFO; they run at the normal priority");
                 }
                 false
             }
@@ -68,7 +69,7 @@ impl HealPriority {
     /// Back to the normal policy.
     fn lower(self) {
         if let Err(err) = process::set_thread_realtime(None) {
-            debug!(%err, "cannot return to the normal scheduling policy");
+            debug!(err = %chain(&err), "cannot return to the normal scheduling policy");
         }
     }
 }

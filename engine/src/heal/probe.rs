@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
+use crate::errors::chain;
 use crate::heal::fuse_calls::{self, Answer};
 use crate::heal::priority::HealPriority;
 
@@ -107,7 +108,9 @@ impl Prober {
         }
         match SpareThread::start(self.priority) {
             Ok(spare) => self.spare = Some(spare),
-            Err(err) => tracing::debug!(%err, "cannot start a spare probe thread; probes start their own"),
+            Err(err) => {
+                tracing::debug!(err = %chain(&err), "cannot start a spare probe thread; probes start their own")
+            }
         }
     }
 

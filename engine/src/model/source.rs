@@ -6,6 +6,7 @@ use std::io;
 
 use tracing::warn;
 
+use crate::errors::chain;
 use crate::model::incremental::IncrementalError;
 use crate::model::mountinfo::{MountInfoReader, ParseError};
 use crate::model::table::Snapshot;
@@ -73,7 +74,7 @@ impl TableSource for TextTable {
         let (snapshot, malformed) = Snapshot::parse_lenient(table);
         if malformed != self.malformed {
             for err in &malformed {
-                warn!(%err, "malformed mount table line left out; the other lines are used");
+                warn!(err = %chain(&err), "malformed mount table line left out; the other lines are used");
             }
             self.malformed = malformed;
         }

@@ -7,6 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::errors::chain;
 pub use fuse_supervisor_sys::fanotify::MountEvent;
 use fuse_supervisor_sys::fanotify::{MountEventReader, MountEvents};
 use fuse_supervisor_sys::mountinfo_poll::priority_pending;
@@ -441,7 +442,7 @@ fn undecodable(drained: &io::Result<usize>) -> bool {
 fn tolerate_undecodable(drained: io::Result<usize>) -> io::Result<usize> {
     match drained {
         Err(err) if err.kind() == io::ErrorKind::InvalidData => {
-            tracing::warn!(%err, "undecodable fanotify mount events; treated as a change");
+            tracing::warn!(err = %chain(&err), "undecodable fanotify mount events; treated as a change");
             Ok(0)
         }
         other => other,
@@ -451,7 +452,7 @@ fn tolerate_undecodable(drained: io::Result<usize>) -> io::Result<usize> {
 /// The watcher event mode uses for `wanted`, and which backend it is.
 /// `Auto` takes fanotify unless building it fails (a kernel before 6.15,
 /// no `CAP_SYS_ADMIN` over the namespace), then mountinfo, logging why.
-pub fn event_watcher<E: std::fmt::Debug>(
+pub fn event_watcher<E: std::error::Error>(
     wanted: TableEvents,
     fanotify: impl FnOnce() -> Result<FanotifyWatcher, E>,
     mountinfo: impl FnOnce() -> Result<MountinfoWatcher, E>,
@@ -460,7 +461,7 @@ pub fn event_watcher<E: std::fmt::Debug>(
         match fanotify() {
             Ok(watcher) => return Ok((Box::new(watcher), TableEvents::Fanotify)),
             Err(err) if wanted == TableEvents::Auto => {
-                tracing::info!(?err, "no fanotify mount events for this namespace: watching mountinfo instead");
+                tracing::info!(err = %chain(&err), "no fanotify mount events for this namespace: watching mountinfo instead");
             }
             Err(err) => return Err(err),
         }

@@ -13,6 +13,7 @@ use fuse_supervisor_sys::fanotify::{MountEventReader, MountEvents};
 use tracing::warn;
 
 use super::thread::{ThreadError, Waiting, Watching, Woken};
+use crate::errors::chain;
 
 const GROUP: u64 = 1;
 
@@ -49,7 +50,7 @@ impl NamespaceChanges {
                     Ok(Woken::Stop) => return,
                     Ok(Woken::Ready(_)) => {}
                     Err(err) => {
-                        warn!(%err, "the namespace-changes watcher stopped; refused container heals wait for the next heal of their source");
+                        warn!(err = %chain(&err), "the namespace-changes watcher stopped; refused container heals wait for the next heal of their source");
                         return;
                     }
                 }
@@ -59,7 +60,7 @@ impl NamespaceChanges {
                     Ok(0) => {}
                     Ok(_) => changed(),
                     Err(err) => {
-                        warn!(%err, "cannot read the namespaces' mount events");
+                        warn!(err = %chain(&err), "cannot read the namespaces' mount events");
                         changed();
                     }
                 }

@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::errors::chain;
 use fuse_supervisor_sys::poll::Poller;
 /// The eventfd that stops a watching thread (or, shared, every waiter of a
 /// shutdown): woken, never drained.
@@ -194,7 +195,7 @@ impl Watching {
 impl Drop for Watching {
     fn drop(&mut self) {
         if let Err(err) = self.stop_and_join() {
-            error!(err = %crate::errors::error_chain(&err), "watcher thread did not stop cleanly");
+            error!(err = %chain(&err), "watcher thread did not stop cleanly");
         }
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use fuse_supervisor::supervisor::daemons::DaemonWatch;
 use fuse_supervisor::supervisor::{Config, ContainerNamespaces};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::plan::layout::{self, SourceLayouts};
 use fuse_supervisor_engine::report::Reporters;
@@ -101,9 +102,9 @@ pub(crate) fn prepare_process() {
     }
     match fuse_supervisor_sys::fds::raise_open_file_limit() {
         Ok(limit) => tracing::debug!(?limit, "open-file limit"),
-        Err(err) => tracing::warn!(%err, "cannot raise the open-file limit"),
+        Err(err) => tracing::warn!(err = %chain(&err), "cannot raise the open-file limit"),
     }
     if let Err(err) = fuse_supervisor_sys::fds::reserve_descriptors(DESCRIPTORS_RESERVED) {
-        tracing::warn!(%err, "cannot grow the descriptor table ahead; the first large heal will wait for it");
+        tracing::warn!(err = %chain(&err), "cannot grow the descriptor table ahead; the first large heal will wait for it");
     }
 }

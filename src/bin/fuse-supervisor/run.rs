@@ -14,6 +14,7 @@ use fuse_supervisor::sidecar::{self, SidecarConfig};
 use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
 use fuse_supervisor::supervisor::{self, Config, ContainerNamespaces, KubeletConfirmation};
 use fuse_supervisor_engine::csi::restage::RestageConfig;
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::fuse_calls;
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::model::namespace_table::{TableReads, set_table_reads};
@@ -465,7 +466,7 @@ fn start_fuse_call_helper(log: &LogArgs, realtime_priority: u8) {
     let mut helper = std::process::Command::new("/proc/self/exe");
     helper.arg(fuse_calls::SUBCOMMAND).args(log.flags());
     if let Err(err) = fuse_calls::start_helper(helper, HealPriority::realtime(realtime_priority)) {
-        tracing::warn!(%err, "cannot start the FUSE call helper; the agent makes its FUSE calls itself");
+        tracing::warn!(err = %chain(&err), "cannot start the FUSE call helper; the agent makes its FUSE calls itself");
     }
 }
 

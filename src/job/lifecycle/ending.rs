@@ -13,6 +13,7 @@ use tracing::{debug, info, warn};
 use super::super::fuse_container::Fuse;
 use super::super::unmount::unmount_devices;
 use super::{Lifecycle, Phase, Step};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::watch::processes::{ProcessId, ProcessWatchError};
 
 impl Lifecycle {
@@ -30,7 +31,7 @@ impl Lifecycle {
                 Ok(meta) if !seen.insert((meta.dev(), meta.ino())) => continue,
                 Ok(_) => {}
                 Err(err) => {
-                    debug!(namespace = %namespace.display(), ?err, "namespace gone");
+                    debug!(namespace = %namespace.display(), err = %chain(&err), "namespace gone");
                     continue;
                 }
             }
@@ -40,10 +41,10 @@ impl Lifecycle {
                         info!(pod = %name, namespace = %namespace.display(), mount_point = %point.display(), "unmounted FUSE mount");
                     }
                     for err in &done.failed {
-                        warn!(pod = %name, namespace = %namespace.display(), mount_point = %err.path().display(), %err, "cannot unmount FUSE mount");
+                        warn!(pod = %name, namespace = %namespace.display(), mount_point = %err.path().display(), err = %chain(&err), "cannot unmount FUSE mount");
                     }
                 }
-                Err(err) => warn!(pod = %name, %err, "cannot unmount the FUSE mounts"),
+                Err(err) => warn!(pod = %name, err = %chain(&err), "cannot unmount the FUSE mounts"),
             }
         }
         let mut alive = BTreeSet::new();
@@ -56,7 +57,7 @@ impl Lifecycle {
                 Err(ProcessWatchError::Gone { .. } | ProcessWatchError::Reused { .. }) => {}
                 Err(err) => {
                     // Cannot see it exit: count it alive, the grace decides.
-                    warn!(pod = %name, pid = server.pid, %err, "cannot watch the FUSE daemon");
+                    warn!(pod = %name, pid = server.pid, err = %chain(&err), "cannot watch the FUSE daemon");
                     alive.insert(server);
                 }
             }
@@ -91,7 +92,7 @@ impl Lifecycle {
             for process in alive.iter() {
                 info!(pod = %pod.name, pid = process.pid, signal = ?signal, after_ms = grace.as_millis() as u64, "FUSE daemon has not exited; signalling");
                 if let Err(err) = send(&self.config.proc_root, *process, signal) {
-                    warn!(pod = %pod.name, pid = process.pid, %err, "cannot signal the FUSE daemon");
+                    warn!(pod = %pod.name, pid = process.pid, err = %chain(&err), "cannot signal the FUSE daemon");
                 }
             }
             *step = next;

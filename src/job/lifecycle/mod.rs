@@ -19,6 +19,7 @@ use tracing::{debug, error, info, warn};
 use super::assess::{Assessment, Exits, assess};
 use super::containers::ContainerProcesses;
 use super::fuse_container::{Fuse, identify_fuse};
+use fuse_supervisor_engine::errors::chain;
 mod ending;
 
 use super::{JobConfig, JobError, JobScope, WatcherKind};
@@ -124,7 +125,7 @@ fn watch_pods_dir(config: &JobConfig, waiting: &Waiting) -> Option<DirChanges> {
         Err(err) => {
             // Pods starting later are then found only when another pod's
             // event prompts a look.
-            warn!(pods = %pods.display(), ?err, "cannot watch the pod directories for new pods");
+            warn!(pods = %pods.display(), err = %chain(&err), "cannot watch the pod directories for new pods");
             None
         }
     }
@@ -222,7 +223,7 @@ impl Lifecycle {
                 Ok(Woken::Stop) => return,
                 Ok(Woken::Ready(ready)) => (ready.contains(&PODS), ready.contains(&PROCESSES)),
                 Err(err) => {
-                    error!(?err, "job lifecycle cannot wait for events; stopping");
+                    error!(err = %chain(&err), "job lifecycle cannot wait for events; stopping");
                     return;
                 }
             };
@@ -263,7 +264,7 @@ impl Lifecycle {
     fn on_pod_dirs(&mut self) {
         let Some(changes) = &mut self.pods_dir else { return };
         let changed = changes.drain().unwrap_or_else(|err| {
-            warn!(?err, "cannot read pod-directory events");
+            warn!(err = %chain(&err), "cannot read pod-directory events");
             false
         });
         if changed {
@@ -274,7 +275,7 @@ impl Lifecycle {
     /// Returns false if the watcher failed (the lifecycle cannot go on).
     fn on_process_events(&mut self) -> bool {
         if let Err(err) = self.arrived.drain() {
-            warn!(?err, "cannot reset the process-event wakeup");
+            warn!(err = %chain(&err), "cannot reset the process-event wakeup");
         }
         let events = std::mem::take(&mut *self.inbox.lock().unwrap_or_else(PoisonError::into_inner));
         for event in events {
@@ -284,7 +285,7 @@ impl Lifecycle {
                 ProcessEvent::Lost => self.ask_by(Instant::now()),
                 ProcessEvent::Exec { .. } => {}
                 ProcessEvent::Failed(err) => {
-                    error!(%err, "the job lifecycle's process watcher stopped; no more FUSE sidecars are ended");
+                    error!(err = %chain(&err), "the job lifecycle's process watcher stopped; no more FUSE sidecars are ended");
                     return false;
                 }
             }
@@ -336,7 +337,7 @@ impl Lifecycle {
             Err(err) => {
                 self.failures += 1;
                 let delay = recheck_delay(Wait::Start, self.failures);
-                warn!(%err, retry_in_ms = delay.as_millis() as u64, "job lifecycle cannot list the node's pods");
+                warn!(err = %chain(&err), retry_in_ms = delay.as_millis() as u64, "job lifecycle cannot list the node's pods");
                 self.ask_by(Instant::now() + delay);
                 return;
             }
@@ -407,7 +408,7 @@ impl Lifecycle {
         let processes = match ContainerProcesses::scan(&self.config.proc_root, &ids) {
             Ok(processes) => processes,
             Err(err) => {
-                error!(%err, "cannot find the containers' processes");
+                error!(err = %chain(&err), "cannot find the containers' processes");
                 return;
             }
         };
@@ -500,7 +501,7 @@ impl Lifecycle {
                             lagging = true;
                         }
                         Err(err) => {
-                            warn!(pod = %tracked.name, container = %run.container, %err, "cannot watch application process");
+                            warn!(pod = %tracked.name, container = %run.container, err = %chain(&err), "cannot watch application process");
                             unseen = true;
                         }
                     }

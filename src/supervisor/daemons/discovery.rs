@@ -9,6 +9,7 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{DaemonEvent, Daemons, Discovered, Known};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::priority::HealActivity;
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
@@ -86,7 +87,7 @@ pub(super) fn discover(
                         match watcher.watch(process) {
                             Ok(()) => true,
                             Err(err) => {
-                                debug!(pid = process.pid, %err, "holder gone before it could be watched");
+                                debug!(pid = process.pid, err = %chain(&err), "holder gone before it could be watched");
                                 remove_holder(holders, process, dev);
                                 false
                             }

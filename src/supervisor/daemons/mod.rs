@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority};
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
@@ -274,7 +275,7 @@ impl Daemons {
                 match ProcConnectorWatcher::start(connector, sink()) {
                     Ok(watcher) => Arc::new(watcher),
                     Err(err) => {
-                        warn!(%err, "process connector unavailable; watching daemons with pidfds");
+                        warn!(err = %chain(&err), "process connector unavailable; watching daemons with pidfds");
                         pidfd(options)?
                     }
                 }
@@ -292,7 +293,7 @@ impl Daemons {
                     // healed: the /proc walk waits for the heal, and takes
                     // no CPU another process wants.
                     if let Err(err) = HealPriority::lower_this_thread() {
-                        debug!(%err, "daemon discovery keeps the normal CPU priority");
+                        debug!(err = %chain(&err), "daemon discovery keeps the normal CPU priority");
                     }
                     discovery_loop(&queue, &proc_root, &*watcher, &holders, &heal_activity, send)
                 })

@@ -10,6 +10,7 @@ use tracing::{info, warn};
 
 use super::discovery::lock;
 use super::{Aborted, Daemons, PartialExit};
+use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::watch::processes::fuse_server::MountDevice;
 
@@ -54,7 +55,7 @@ impl Daemons {
         let waiting = match read_waiting(&control) {
             Ok(waiting) => waiting,
             Err(err) => {
-                warn!(dir = %control.display(), %err, "cannot read the FUSE connection's waiting count; not aborting it");
+                warn!(dir = %control.display(), err = %chain(&err), "cannot read the FUSE connection's waiting count; not aborting it");
                 self.orphans.remove(&dev);
                 return None;
             }
@@ -66,7 +67,7 @@ impl Daemons {
         }
         let orphan = self.orphans.remove(&dev)?;
         if let Err(err) = fs::write(control.join("abort"), b"1") {
-            warn!(dir = %control.display(), %err, "cannot abort the FUSE connection");
+            warn!(dir = %control.display(), err = %chain(&err), "cannot abort the FUSE connection");
             return None;
         }
         Some(Aborted { source, dev, pid: orphan.pid, exited_at: orphan.exited_at, waiting })

@@ -50,6 +50,7 @@ use super::carry::NestedSlot;
 use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, dead_tops, open_namespace_of};
 use super::nested_copies::NestedCopies;
 use super::priority::{HealActivity, HealPriority};
+use crate::errors::chain;
 use crate::model::namespace_table::{self, Overflow, TableCaps};
 use crate::model::table::{Dev, FuseMount};
 use crate::watch::processes::{
@@ -343,7 +344,7 @@ impl Namespaces {
             .name("namespaces".into())
             .spawn(move || {
                 if let Err(err) = HealPriority::lower_this_thread() {
-                    debug!(%err, "the namespace keeper keeps the normal CPU priority");
+                    debug!(err = %chain(&err), "the namespace keeper keeps the normal CPU priority");
                 }
                 namespaces.keep_by(&watcher, &events, &heal_activity);
             })
@@ -367,7 +368,7 @@ impl Namespaces {
                 }
                 Message::Process(ProcessEvent::Lost) => self.walk_again(watcher, heal_activity, "lost events"),
                 Message::Process(ProcessEvent::Failed(err)) => {
-                    warn!(%err, "the namespace keeper's process events stopped; heals in containers walk /proc again");
+                    warn!(err = %chain(&err), "the namespace keeper's process events stopped; heals in containers walk /proc again");
                     self.known().kept = false;
                     return;
                 }
@@ -405,7 +406,7 @@ impl Namespaces {
             // it), or out of descriptors for a moment.
             Ok(None) => return,
             Err(err) => {
-                warn!(pid, namespace, %err, "cannot read a new mount namespace");
+                warn!(pid, namespace, err = %chain(&err), "cannot read a new mount namespace");
                 return;
             }
         };
@@ -431,7 +432,7 @@ impl Namespaces {
             Ok(walked) => walked,
             Err(err) => {
                 // Kept as it was: queries walk until a walk succeeds.
-                warn!(%err, reason, "cannot walk the mount namespaces; heals in containers walk /proc");
+                warn!(err = %chain(&err), reason, "cannot walk the mount namespaces; heals in containers walk /proc");
                 self.known().kept = false;
                 return;
             }

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use tracing::warn;
 
+use crate::errors::chain;
 use crate::model::table::{Dev, TargetKind};
 
 mod writer;
@@ -204,7 +205,7 @@ impl Journal {
                 kept_as = %kept_as.display(),
                 line,
                 column,
-                ?err,
+                err = %chain(&err),
                 "state file cannot be used; kept aside, starting from the mount table and the layouts"
             ),
             // Then the next save replaces it, if the directory lets it.
@@ -212,7 +213,7 @@ impl Journal {
                 path = %path.display(),
                 line,
                 column,
-                ?err,
+                err = %chain(&err),
                 ?rename,
                 "state file cannot be used, nor renamed aside; starting from the mount table and the layouts"
             ),

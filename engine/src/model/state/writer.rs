@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use tracing::{debug, error, info};
 
 use super::StateError;
+use crate::errors::chain;
 /// Write, fsync, rename, fsync of the directory: a crash leaves the old
 /// file or the new one, never a mix.
 pub(super) fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StateError> {
@@ -115,11 +116,13 @@ fn write_submitted(shared: &(Mutex<Pending>, Condvar), on_change: &SaveOutcome) 
                         on_change(Some(&err));
                         error!(
                             path = %path.display(),
-                            ?err,
+                            err = %chain(&err),
                             "cannot save state; healing goes on, but a restarted supervisor will not know what this one learned"
                         );
                     }
-                    (Err(err), true) => debug!(path = %path.display(), ?err, "state still cannot be saved"),
+                    (Err(err), true) => {
+                        debug!(path = %path.display(), err = %chain(&err), "state still cannot be saved")
+                    }
                 }
                 drop(contents);
                 guard = pending.lock().unwrap_or_else(PoisonError::into_inner);

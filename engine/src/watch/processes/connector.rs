@@ -13,6 +13,7 @@ use fuse_supervisor_sys::proc_connector::{
 };
 use tracing::warn;
 
+use crate::errors::chain;
 use crate::watch::thread::{ThreadError, Watching};
 
 use super::{
@@ -139,7 +140,7 @@ impl Shared {
                 }
                 Err(err) => {
                     // Cannot tell: keep watching; the next loss re-checks.
-                    warn!(pid, ?err, "cannot re-check a watched process after lost events");
+                    warn!(pid, err = %chain(&err), "cannot re-check a watched process after lost events");
                     true
                 }
             }

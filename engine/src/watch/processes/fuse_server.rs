@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use tracing::debug;
 
 use super::{ProcessId, read_stat};
+use crate::errors::chain;
 use crate::model::namespace_table::{self, NamespaceTable, TableCaps};
 
 /// Kernel release from which every attached `/dev/fuse` descriptor surely
@@ -134,7 +135,7 @@ impl FuseServers {
             let held = match fuse_descriptors(proc_root, pid) {
                 Ok(held) => held,
                 Err(err) => {
-                    debug!(pid, ?err, "cannot list the descriptors of a process");
+                    debug!(pid, err = %chain(&err), "cannot list the descriptors of a process");
                     continue;
                 }
             };

@@ -9,6 +9,7 @@ use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::poll::Poller;
 use tracing::warn;
 
+use crate::errors::chain;
 use crate::watch::thread::Watching;
 
 use super::{
@@ -40,7 +41,7 @@ impl Shared {
         let watched = self.watched().remove(&pid)?;
         if let Err(err) = self.poller.remove(watched.pidfd.as_fd()) {
             // Closing the pidfd (dropping it) unregisters it anyway.
-            warn!(pid, ?err, "cannot remove a pidfd from epoll");
+            warn!(pid, err = %chain(&err), "cannot remove a pidfd from epoll");
         }
         Some(watched)
     }
@@ -123,7 +124,7 @@ fn run(shared: &Shared, mut sink: EventSink) {
             let status = match watched.pidfd.exit_status() {
                 Ok(status) => status,
                 Err(err) => {
-                    warn!(pid = watched.process.pid, ?err, "cannot read the exit status from a pidfd");
+                    warn!(pid = watched.process.pid, err = %chain(&err), "cannot read the exit status from a pidfd");
                     None
                 }
             };
