@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use fuse_supervisor_engine::model::state::{DaemonDeath, Journal, Owner};
-use fuse_supervisor_engine::model::table::{Classified, Dev, Layout, TargetKind};
+use fuse_supervisor_engine::model::table::{Dev, Layout, Snapshot, TargetKind};
 use fuse_supervisor_engine::plan::layout::SourceLayouts;
-use fuse_supervisor_engine::plan::locate::{self, VolDataCache};
-use fuse_supervisor_engine::plan::{self, Assessment};
+use fuse_supervisor_engine::plan::locate::VolDataCache;
+use fuse_supervisor_engine::plan::{self, Assessment, scan};
 
 #[derive(Debug, Serialize)]
 pub struct SourceRow {
@@ -66,22 +66,18 @@ pub struct Status {
 }
 
 impl Status {
-    /// Learns what it can from the table into `journal` (a copy of the
-    /// state file, or an empty one), locates the sources of the targets it
-    /// still has no mapping for by their layouts (with the `vol_data.json`s
-    /// under the kubelet root where there are any, from the target path
-    /// alone otherwise) and reports.
-    pub fn new(classified: &mut Classified, layout: &Layout, layouts: &SourceLayouts, journal: &mut Journal) -> Self {
-        plan::separate_source_binds(classified, layout, journal);
-        let classified = &*classified;
-        plan::learn(classified, layout, journal);
+    /// Runs the pipeline over `snapshot` ([`scan`]) with `journal` (a copy
+    /// of the state file, or an empty one): the sources of the targets no
+    /// peer group maps are located by their layouts (with the
+    /// `vol_data.json`s under the kubelet root where there are any, from the
+    /// target path alone otherwise), and reports.
+    pub fn new(snapshot: Snapshot, layout: &Layout, layouts: &SourceLayouts, journal: &mut Journal) -> Self {
+        let (classified, _) = scan::classify(snapshot, layout, journal);
+        let classified = &classified;
         let mut vol_data = VolDataCache::new(layout.pods_dir().to_path_buf());
-        let (located, _) = locate::locate_unmapped(classified, journal, layouts, layout, &mut vol_data);
-        let mut located_by = std::collections::HashMap::new();
-        for found in located {
-            located_by.insert(found.target.clone(), found.layout.to_string());
-            journal.record(&found.target, found.mapping);
-        }
+        let learnt = scan::learn_and_locate(classified, layout, layouts, journal, &mut vol_data);
+        let mut located_by: std::collections::HashMap<_, _> =
+            learnt.located.into_iter().map(|found| (found.target, found.layout.to_string())).collect();
         let mut sources: Vec<SourceRow> = classified
             .sources
             .values()

@@ -10,7 +10,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, info_span, warn};
 
 use super::{Supervisor, TargetRecord};
 use crate::supervisor::daemons::{Aborted, DaemonEvent, Daemons, Death, Retraction};
@@ -209,6 +209,7 @@ impl<E: Executor> Supervisor<E> {
     /// Every target on the dead connection becomes Degraded, with the
     /// death as the start of its outage.
     fn daemon_died(&mut self, source: &Path, dev: Dev, pid: u32, at: Instant, status: &str, detection: &str) {
+        let _span = info_span!("death", source = %source.display(), connection = %dev, pid).entered();
         self.heal_window.expect();
         let since = wall_clock(at);
         let targets = self.targets_on(source, dev);

@@ -44,8 +44,13 @@ impl<E: Executor> Supervisor<E> {
         handles: &fuse_supervisor_engine::heal::probe::SourceHandles,
         source_wait: Duration,
     ) {
-        let span = info_span!("heal", source = %batch.source.path.display(), targets = batch.targets.len());
-        let _entered = span.enter();
+        let _span = info_span!(
+            "heal",
+            source = %batch.source.path.display(),
+            connection = %batch.source.top().dev,
+            targets = batch.targets.len()
+        )
+        .entered();
         for target in &batch.targets {
             if let Some(record) = self.records.get_mut(&target.path) {
                 record.state = TargetState::Healing;
@@ -89,6 +94,7 @@ impl<E: Executor> Supervisor<E> {
         let put_off = !outcomes.is_empty()
             && outcomes.iter().all(|outcome| matches!(outcome.result, Err(HealError::Descriptors { .. })));
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
+            let _span = info_span!("target", target = %outcome.path.display(), pod = %target.pod_uid).entered();
             let record =
                 self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
             let event = TargetEvent {

@@ -27,7 +27,7 @@ use fuse_supervisor_engine::model::table::{Classified, Dev, Layout};
 use fuse_supervisor_engine::plan::flapping::Flapping;
 use fuse_supervisor_engine::plan::layout::SourceLayouts;
 use fuse_supervisor_engine::plan::locate::VolDataCache;
-use fuse_supervisor_engine::plan::{self, HealBatch};
+use fuse_supervisor_engine::plan::{self, HealBatch, scan};
 use fuse_supervisor_engine::report::{Report, Reporters};
 use fuse_supervisor_engine::watch::mount_table::{Rearm, WatchMode};
 use fuse_supervisor_engine::watch::pods::PodChange;
@@ -439,8 +439,8 @@ impl<E: Executor> Supervisor<E> {
         }
         match snapshot {
             Ok(snapshot) => {
-                let mut classified = Classified::from_snapshot(snapshot, &self.layout);
-                self.state_dirty |= plan::separate_source_binds(&mut classified, &self.layout, &mut self.journal);
+                let (classified, changed) = scan::classify(snapshot, &self.layout, &mut self.journal);
+                self.state_dirty |= changed;
                 debug!(took_us = self.scan_started.elapsed().as_micros() as u64, "table read");
                 Some(classified)
             }
@@ -455,8 +455,7 @@ impl<E: Executor> Supervisor<E> {
         let Some(classified) = self.read_table() else { return };
         self.unscanned = false;
         self.report_propagated_heals(&classified);
-        let mut changed = plan::learn(&classified, &self.layout, &mut self.journal);
-        changed |= self.locate_unmapped(&classified);
+        let mut changed = self.learn_and_locate(&classified);
         changed |= self.sight_sources(&classified);
         if !self.pods_watched {
             changed |= self.forget_deleted_pods();

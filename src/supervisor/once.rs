@@ -36,8 +36,9 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
     let mut supervisor = Supervisor::new(config, Box::new(TextTable::new(reader)), events, Arc::default())?;
     let mut summary = OnceSummary::default();
     let Some(classified) = supervisor.read_table() else { return Ok(summary) };
-    // The read may have learned binds of sources too.
-    if plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) | supervisor.state_dirty {
+    // The read may have learned binds of sources too; the targets no peer
+    // group maps are located by their layouts, as `run` and `status` do.
+    if supervisor.learn_and_locate(&classified) | supervisor.state_dirty {
         supervisor.journal.save()?;
     }
     let batches = plan::plan(&classified, &supervisor.journal, &BTreeSet::new());
@@ -106,7 +107,7 @@ pub fn heal_once(config: &Config, dry_run: bool, out: &mut dyn io::Write) -> Res
         }
     }
     if let Some(classified) = supervisor.read_table()
-        && (plan::learn(&classified, &supervisor.layout, &mut supervisor.journal) | supervisor.state_dirty)
+        && (supervisor.learn_and_locate(&classified) | supervisor.state_dirty)
     {
         supervisor.journal.save()?;
     }

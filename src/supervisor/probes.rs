@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, info_span, warn};
 
 use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::Executor;
@@ -45,6 +45,7 @@ impl<E: Executor> Supervisor<E> {
     /// Probes the mount `mount_id` at `source` if it is still the one there,
     /// opening `subdirs` below its root.
     pub(super) fn launch_probe(&mut self, source: &Path, mount_id: u32, subdirs: BTreeSet<PathBuf>) -> bool {
+        let _span = info_span!("probe", source = %source.display(), mount_id).entered();
         let opened = open_mount_root(source);
         let root = match opened {
             Ok((id, fd)) if id == mount_id => fd,

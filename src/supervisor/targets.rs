@@ -10,7 +10,8 @@ use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::{Executor, Healed};
 use fuse_supervisor_engine::model::state::TargetState;
 use fuse_supervisor_engine::model::table::{Classified, Dev, TargetKind};
-use fuse_supervisor_engine::plan::locate::{self, Located};
+use fuse_supervisor_engine::plan::locate::Located;
+use fuse_supervisor_engine::plan::scan;
 use fuse_supervisor_engine::plan::{self, Assessment, TargetHeal};
 use fuse_supervisor_engine::report::{HealReport, Report, ScanCounts, TargetEvent};
 use fuse_supervisor_engine::watch::pods::PodChange;
@@ -194,18 +195,19 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
-    /// Maps targets that no healthy observation mapped (a supervisor started
-    /// after the crash) to the source their layout names. Such a target is
-    /// judged by a probe: the mapping carries no connection of its own.
-    pub(super) fn locate_unmapped(&mut self, classified: &Classified) -> bool {
+    /// Step 2 of the pipeline ([`scan`]): what the peer groups show, then
+    /// the sources of the targets no healthy observation mapped (a
+    /// supervisor started after the crash) located by their layouts. Such
+    /// a target is judged by a probe: its mapping carries no connection of
+    /// its own. Returns whether the journal changed.
+    pub(super) fn learn_and_locate(&mut self, classified: &Classified) -> bool {
         if !self.pods_watched {
             // No changes arrive to keep what is known current.
             self.vol_data.clear();
         }
-        let (located, unmapped_pods) =
-            locate::locate_unmapped(classified, &self.journal, &self.layouts, &self.layout, &mut self.vol_data);
-        let mut changed = false;
-        for Located { target, mapping, layout } in located {
+        let learnt =
+            scan::learn_and_locate(classified, &self.layout, &self.layouts, &mut self.journal, &mut self.vol_data);
+        for Located { target, mapping, layout } in &learnt.located {
             info!(
                 target = %target.display(),
                 pod = %mapping.pod_uid,
@@ -213,11 +215,10 @@ impl<E: Executor> Supervisor<E> {
                 %layout,
                 "source located by layout"
             );
-            changed |= self.journal.record(&target, mapping);
         }
-        self.vol_data.retain(&unmapped_pods);
-        self.unmapped_pods = unmapped_pods;
-        changed
+        self.vol_data.retain(&learnt.unmapped_pods);
+        self.unmapped_pods = learnt.unmapped_pods;
+        learnt.changed
     }
 
     /// Healthy targets have no record: on a large node nearly every target

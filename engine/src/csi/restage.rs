@@ -34,7 +34,7 @@ use fuse_supervisor_sys::{mount, ns, resolve};
 use prost::Message as _;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, info, warn};
+use tracing::{Instrument as _, debug, info, warn};
 
 use super::api;
 use super::records::{self, Record, RecordError, Request, Secrets};
@@ -272,7 +272,7 @@ async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
     for source in unmounted_at_start(&shared.config) {
         let (sender, dead) = watch::channel(NO_CONNECTION);
         tasks.insert(source.clone(), sender);
-        tokio::spawn(restage(Arc::clone(&shared), source, dead));
+        tokio::spawn(restage(Arc::clone(&shared), source.clone(), dead).instrument(restage_span(&source)));
     }
     while let Some(Dead { source, dev }) = deaths.recv().await {
         tasks.retain(|_, task| !task.is_closed());
@@ -282,8 +282,13 @@ async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
         }
         let (sender, dead) = watch::channel(dev);
         tasks.insert(source.clone(), sender);
-        tokio::spawn(restage(Arc::clone(&shared), source, dead));
+        tokio::spawn(restage(Arc::clone(&shared), source.clone(), dead).instrument(restage_span(&source)));
     }
+}
+
+/// The span of one staging path's re-stage: its lines read as one story.
+fn restage_span(source: &Path) -> tracing::Span {
+    tracing::info_span!("restage", staging_path = %source.display())
 }
 
 /// The connection of a staging path found with nothing mounted: none is

@@ -502,9 +502,12 @@ impl NamespaceWorkers {
         }
         let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
         let priority = self.priority;
+        // The worker's lines read as part of what sent it (a heal, a death).
+        let span = tracing::info_span!("namespace", namespace);
         std::thread::Builder::new()
             .name("container-heal".into())
             .spawn(move || {
+                let _span = span.entered();
                 priority.raise();
                 let then = work();
                 drop(leaving);

@@ -7,6 +7,7 @@ pub mod confirm;
 pub mod flapping;
 pub mod layout;
 pub mod locate;
+pub mod scan;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

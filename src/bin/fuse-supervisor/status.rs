@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use fuse_supervisor::status::Status;
 use fuse_supervisor_engine::model::state::Journal;
-use fuse_supervisor_engine::model::table::{Classified, Layout, Snapshot};
+use fuse_supervisor_engine::model::table::{Layout, Snapshot};
 
 use crate::node::NodeArgs;
 
@@ -23,7 +23,6 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
         None => "in the live mount table".to_owned(),
     })?;
     let layout = Layout::new(&node.kubelet_root);
-    let mut classified = Classified::new(&snapshot, &layout);
     // The state file tells where stale targets came from (offline too, when
     // the report came with one); without it only peer groups can. A bad one
     // is only reported (with where it is bad): `status` changes nothing.
@@ -34,7 +33,7 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
             Journal::in_memory()
         }
     };
-    let mut status = Status::new(&mut classified, &layout, &layouts, &mut journal);
+    let mut status = Status::new(snapshot, &layout, &layouts, &mut journal);
     // Live only: a captured table comes without the node's records.
     if mountinfo.is_none() {
         status = status.with_csi_records(&read_namespace_records(&node.mount_namespace, csi_records));
