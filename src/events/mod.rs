@@ -9,6 +9,13 @@
 //! tokio runtime takes occurrences off the queue, resolves application pod
 //! UIDs through the local kubelet (`resolve`), limits and folds repeats
 //! (`limiter`, `series`) and writes through the kube client.
+//!
+//! Not kube-runtime's `Recorder`: it folds repeats into a series as
+//! `series` does, but limits no key's rate (client-go's spam filter, which
+//! `limiter` is), keeps its series cache for a fixed time rather than
+//! within a bound, counts no refused repeat, and its `publish` awaits the
+//! API server, so the queue and thread here would be needed around it
+//! anyway.
 mod limiter;
 mod occurrence;
 mod publisher;

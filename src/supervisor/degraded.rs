@@ -427,8 +427,11 @@ impl<E: Executor> Supervisor<E> {
             };
             // The kernel healed it the instant the new mount appeared; this
             // is when the covered layer went.
-            let latency =
-                self.sources_seen_at.get(&source).map_or_else(|| self.woke_at.elapsed(), |(_, at)| at.elapsed());
+            let latency = self
+                .sources
+                .get(&source)
+                .and_then(|record| record.seen)
+                .map_or_else(|| self.woke_at.elapsed(), |(_, at)| at.elapsed());
             self.report_propagated(&heal.path, &heal.pod_uid, &source, latency, layers_removed);
             if let Some(record) = self.records.get_mut(&heal.path) {
                 record.broken_since = None;

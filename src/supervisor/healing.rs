@@ -31,8 +31,7 @@ impl<E: Executor> Supervisor<E> {
     /// When a scan first saw the mount on connection `dev` at `source`;
     /// None if none has yet.
     pub(super) fn source_seen_at(&self, source: &Path, dev: Dev) -> Option<Instant> {
-        let (seen, at) = self.sources_seen_at.get(source)?;
-        (*seen == dev).then_some(*at)
+        self.sources.seen_at(source, dev)
     }
 
     /// Heals `batch` from the source whose probe waited `source_wait` for

@@ -4,7 +4,7 @@
 //! The loop thread joins the watched mount namespace and does all mounting
 //! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
 //! calls never reach the daemon). Probes, which do, run on worker threads.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,11 +23,11 @@ use fuse_supervisor_engine::kube::Answer;
 use fuse_supervisor_engine::kube::Kubelet;
 use fuse_supervisor_engine::model::source::TableSource;
 use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter, TargetState};
-use fuse_supervisor_engine::model::table::{Classified, Dev, Layout};
+use fuse_supervisor_engine::model::table::{Classified, Layout};
 use fuse_supervisor_engine::plan::flapping::Flapping;
 use fuse_supervisor_engine::plan::layout::SourceLayouts;
 use fuse_supervisor_engine::plan::locate::VolDataCache;
-use fuse_supervisor_engine::plan::{self, HealBatch, scan};
+use fuse_supervisor_engine::plan::{self, scan};
 use fuse_supervisor_engine::report::{Report, Reporters};
 use fuse_supervisor_engine::watch::mount_table::{Rearm, WatchMode};
 use fuse_supervisor_engine::watch::pods::PodChange;
@@ -40,11 +40,14 @@ mod healing;
 mod once;
 mod probes;
 mod restaging;
+mod sources;
 mod start;
 mod tables;
 mod targets;
 #[cfg(test)]
 mod tests;
+
+use sources::Probed;
 
 use confirmation::Confirmer;
 pub use once::{OnceSummary, heal_once};
@@ -204,27 +207,16 @@ struct Supervisor<E: Executor> {
     unscanned: bool,
     /// A table read happened since memory was last given back.
     read_since_trim: bool,
-    /// Each source's current connection and when a scan first saw it: the
-    /// heal latency of targets left behind by a replacement starts there.
-    /// By device, not mount ID: the kernel reuses a freed mount's ID at once.
-    sources_seen_at: HashMap<PathBuf, (Dev, Instant)>,
-    /// Sources whose probe overran, already reported.
-    reported_overdue: BTreeSet<PathBuf>,
+    /// A record per source path: its connection and when it was first
+    /// seen, the probe it is in and the heal that waits for it.
+    sources: sources::Sources,
     /// Targets on an unrecorded connection whose probe is running.
     probing_targets: BTreeSet<PathBuf>,
-    /// Sources on a connection no process was found holding, whose probe
-    /// is running: ENOTCONN says its daemon died before it was found.
-    probing_unheld: BTreeMap<PathBuf, Dev>,
     /// Targets on an unrecorded connection that a probe found dead.
     dead_targets: BTreeSet<PathBuf>,
     /// Table reads so far; a batch planned at read N is current while no
     /// other read happened and the table did not change since.
     table_reads: u64,
-    /// The batch each running source probe was started for, and the read it
-    /// was planned from: healed as it is if the table has not moved on.
-    /// With it, the handles its heal takes before the first stack, taken
-    /// while the probe waits for the daemon.
-    probed_batches: BTreeMap<PathBuf, (u64, HealBatch, Prepared)>,
     /// None when restarts are not confirmed with the kubelet.
     confirmer: Option<Confirmer>,
     /// Its last `/pods` list names the containers healed in their own
@@ -352,7 +344,7 @@ impl<E: Executor> Supervisor<E> {
     /// Whether a probe started for a planned heal is still within its time:
     /// its answer starts the heal.
     fn heal_imminent(&self) -> bool {
-        self.probed_batches.keys().any(|source| !self.reported_overdue.contains(source))
+        self.sources.iter().any(|(_, record)| record.probed.is_some() && !record.overdue_reported)
     }
 
     /// Writes the state file if the journal changed, through the writer
@@ -378,13 +370,13 @@ impl<E: Executor> Supervisor<E> {
             _ => None,
         });
         let probes =
-            self.prober.deadlines().filter(|(source, _)| !self.reported_overdue.contains(*source)).map(|(_, at)| at);
+            self.prober.deadlines().filter(|(source, _)| !self.sources.overdue_reported(source)).map(|(_, at)| at);
         let confirmations = self.confirmer.as_ref().and_then(|confirmer| confirmer.confirmations.next_deadline());
         let container_retries = self.container_retries.iter().map(|retry| retry.retry_at);
         let holds = self
-            .probed_batches
+            .sources
             .iter()
-            .filter(|(_, (_, _, prepared))| !prepared.is_empty())
+            .filter(|(_, record)| record.probed.as_ref().is_some_and(|probed| !probed.prepared.is_empty()))
             .filter_map(|(source, _)| self.prober.will_have_waited(source, PREPARED_HOLD));
         retries
             .chain(probes)
@@ -399,25 +391,30 @@ impl<E: Executor> Supervisor<E> {
     /// Whether a heal of `source` planned now may take its handles ahead:
     /// not once its probe has waited [`PREPARED_HOLD`] or overran its time.
     fn prepares_ahead(&self, source: &std::path::Path) -> bool {
-        !self.reported_overdue.contains(source) && !self.prober.waited(source, PREPARED_HOLD)
+        !self.sources.overdue_reported(source) && !self.prober.waited(source, PREPARED_HOLD)
     }
 
     fn on_deadline(&mut self) {
         self.on_degraded_deadline();
         self.retry_containers();
-        for (source, (_, _, prepared)) in &mut self.probed_batches {
-            if !prepared.is_empty() && self.prober.waited(source, PREPARED_HOLD) {
-                *prepared = Prepared::default();
+        let prober = &self.prober;
+        self.sources.update_all(|source, record| {
+            let Some(probed) = &mut record.probed else { return };
+            if !probed.prepared.is_empty() && prober.waited(source, PREPARED_HOLD) {
+                probed.prepared = Prepared::default();
                 debug!(source = %source.display(), "the new daemon is slow to answer: its targets' handles are let go until it does");
             }
-        }
+        });
         for source in self.prober.overdue() {
-            // Handles on its targets' stale layers would keep their pods'
-            // volumes busy for as long as the daemon does not answer.
-            if let Some((_, _, prepared)) = self.probed_batches.get_mut(&source) {
-                *prepared = Prepared::default();
-            }
-            if self.reported_overdue.insert(source.clone()) {
+            let newly = self.sources.update(&source, |record| {
+                // Handles on its targets' stale layers would keep their pods'
+                // volumes busy for as long as the daemon does not answer.
+                if let Some(probed) = &mut record.probed {
+                    probed.prepared = Prepared::default();
+                }
+                !std::mem::replace(&mut record.overdue_reported, true)
+            });
+            if newly {
                 warn!(source = %source.display(), "source does not answer; its heal waits until it does");
             }
         }
@@ -484,7 +481,8 @@ impl<E: Executor> Supervisor<E> {
                     true => self.prepare_heal(&batch),
                     false => Prepared::default(),
                 };
-                self.probed_batches.insert(batch.source.path.clone(), (self.table_reads, batch, prepared));
+                let (source, read) = (batch.source.path.clone(), self.table_reads);
+                self.sources.update(&source, |record| record.probed = Some(Probed { read, batch, prepared }));
             }
         }
         self.reporters.report(&Report::Scanned(&self.counts(&classified)));

@@ -14,7 +14,7 @@ use fuse_supervisor_engine::model::table::{Classified, Dev, Role};
 use fuse_supervisor_engine::plan::{self, Assessment, HealBatch};
 use fuse_supervisor_engine::watch::mount_table::describe_attached;
 
-use super::{Event, Supervisor};
+use super::{Event, Probed, Supervisor};
 
 impl<E: Executor> Supervisor<E> {
     /// Whether a probe of the batch's source was started.
@@ -98,7 +98,8 @@ impl<E: Executor> Supervisor<E> {
             }
             if stranded && self.launch_probe(&source, mount.mount_id, subdirs) {
                 // The heal's latency runs from this wake-up, not from the scan.
-                self.sources_seen_at.insert(source, (dev, self.woke_at));
+                let woke_at = self.woke_at;
+                self.sources.update(&source, |record| record.seen = Some((dev, woke_at)));
             }
         }
     }
@@ -136,7 +137,9 @@ impl<E: Executor> Supervisor<E> {
     /// found holding ([`Supervisor::died_unseen`] on ENOTCONN).
     pub(super) fn probe_unheld(&mut self, source: PathBuf, dev: Dev) {
         // A probe already under way (a new mount's) answers the same.
-        if self.probing_unheld.contains_key(&source) || self.prober.in_flight(&source) {
+        if self.sources.get(&source).is_some_and(|record| record.probing_unheld.is_some())
+            || self.prober.in_flight(&source)
+        {
             return;
         }
         let Some(classified) = self.read_table() else { return };
@@ -144,12 +147,12 @@ impl<E: Executor> Supervisor<E> {
             return;
         };
         if self.launch_probe(&source, top.mount_id, BTreeSet::new()) {
-            self.probing_unheld.insert(source, dev);
+            self.sources.update(&source, |record| record.probing_unheld = Some(dev));
         }
     }
 
     pub(super) fn on_probe(&mut self, report: ProbeReport) {
-        if let Some(dev) = self.probing_unheld.remove(&report.source) {
+        if let Some(dev) = self.sources.update(&report.source, |record| record.probing_unheld.take()) {
             self.prober.finished(&report.source);
             match report.outcome {
                 ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
@@ -184,8 +187,10 @@ impl<E: Executor> Supervisor<E> {
         }
         debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
         self.prober.finished(&report.source);
-        let planned = self.probed_batches.remove(&report.source);
-        self.reported_overdue.remove(&report.source);
+        let planned = self.sources.update(&report.source, |record| {
+            record.overdue_reported = false;
+            record.probed.take()
+        });
         let handles = match report.outcome {
             ProbeOutcome::Live(handles) => handles,
             ProbeOutcome::Failed(err) => {
@@ -196,7 +201,7 @@ impl<E: Executor> Supervisor<E> {
         let (mut batch, prepared) = match planned {
             // Nothing read or changed since the scan that planned it: a
             // re-read would plan the same (and costs most of a small heal).
-            Some((read, batch, prepared))
+            Some(Probed { read, batch, prepared })
                 if read == self.table_reads
                     && batch.source.top().mount_id == report.mount_id
                     && !self.reader.changed_since_read().unwrap_or(true) =>

@@ -1,6 +1,6 @@
 //! Start-up: the threads and watchers `run` wires together, and the
 //! loop's own construction.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
@@ -322,13 +322,10 @@ impl<E: Executor> Supervisor<E> {
             scan_started: Instant::now(),
             unscanned: false,
             read_since_trim: false,
-            sources_seen_at: HashMap::new(),
-            reported_overdue: BTreeSet::new(),
+            sources: Default::default(),
             probing_targets: BTreeSet::new(),
-            probing_unheld: BTreeMap::new(),
             dead_targets: BTreeSet::new(),
             table_reads: 0,
-            probed_batches: BTreeMap::new(),
             confirmer: None,
             kubelet: config.kubelet.as_ref().map(|confirmation| confirmation.kubelet.clone()),
             proc_root: std::path::PathBuf::from("/proc"),

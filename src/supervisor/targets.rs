@@ -54,12 +54,19 @@ impl<E: Executor> Supervisor<E> {
         let now = self.scanned_once.then(SystemTime::now);
         self.scanned_once = true;
         let mut changed = false;
-        self.sources_seen_at.retain(|path, _| classified.sources.contains_key(path));
+        let scan_started = self.scan_started;
+        self.sources.update_all(|path, record| {
+            if !classified.sources.contains_key(path) {
+                record.seen = None;
+            }
+        });
         for (path, source) in &classified.sources {
             let dev = source.top().dev;
-            if self.sources_seen_at.get(path).is_none_or(|(seen, _)| *seen != dev) {
-                self.sources_seen_at.insert(path.clone(), (dev, self.scan_started));
-            }
+            self.sources.update(path, |record| {
+                if record.seen.is_none_or(|(seen, _)| seen != dev) {
+                    record.seen = Some((dev, scan_started));
+                }
+            });
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
         let connections = classified.sources.values().map(|source| source.top().dev).collect();

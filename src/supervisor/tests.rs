@@ -295,7 +295,7 @@ fn a_replaced_source_is_planned_probed_healed_and_reported() {
     let global = harness.path(GLOBAL);
     let prepared = Call::Prepare { source: global.clone(), targets: targets.to_vec() };
     assert_eq!(harness.calls(), std::slice::from_ref(&prepared), "prepared while the probe waits, whole volumes first");
-    assert!(harness.supervisor.probed_batches.contains_key(&global));
+    assert!(harness.supervisor.sources.get(&global).is_some_and(|record| record.probed.is_some()));
 
     harness.source_answers();
     let roots = [PathBuf::new(), PathBuf::new(), PathBuf::from("sub")];
@@ -387,15 +387,18 @@ fn a_source_that_does_not_answer_has_nothing_prepared_by_later_scans() {
     let global = harness.path(GLOBAL);
     assert_eq!(harness.calls().len(), 1, "prepared while the probe waits: {:?}", harness.calls());
     // What on_deadline does once the probe is overdue.
-    harness.supervisor.reported_overdue.insert(global.clone());
-    harness.supervisor.probed_batches.get_mut(&global).expect("planned").2 = Prepared::default();
+    harness.supervisor.sources.update(&global, |record| {
+        record.overdue_reported = true;
+        record.probed.as_mut().expect("planned").prepared = Prepared::default();
+    });
 
     let mut without_a = node(50, 7, new);
     without_a.retain(|mount| mount.3 != POD_A);
     harness.table.set(harness.table(&without_a));
     harness.supervisor.rescan();
     assert_eq!(harness.calls().len(), 1, "nothing prepared for a silent source: {:?}", harness.calls());
-    let (_, batch, _) = &harness.supervisor.probed_batches[&global];
+    let record = harness.supervisor.sources.get(&global).expect("a record of the source");
+    let batch = &record.probed.as_ref().expect("planned").batch;
     assert_eq!(batch.targets.len(), 2, "planned again without the unmounted target");
 }
 
