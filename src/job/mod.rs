@@ -49,6 +49,7 @@ pub use unmount::{
 };
 
 use fuse_supervisor_engine::kube::Kubelet;
+use fuse_supervisor_engine::watch::processes::Backend;
 
 /// Fluid's label for pods whose injected FUSE sidecar should end with them.
 pub const DEFAULT_SELECTOR: &str = "done.sidecar.fluid.io/inject=true";
@@ -62,15 +63,6 @@ pub enum JobScope {
     Pod { uid: String },
 }
 
-/// Which process watcher sees the application containers end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WatcherKind {
-    /// One pidfd per watched process: any pid namespace, no extra privilege.
-    Pidfd,
-    /// The netlink process connector: hostPID, host network, exact exit codes.
-    ProcConnector,
-}
-
 /// How the lifecycle is set up.
 #[derive(Debug, Clone)]
 pub struct JobConfig {
@@ -79,7 +71,8 @@ pub struct JobConfig {
     /// How long the FUSE daemon may take to exit after its unmount, and
     /// again after SIGTERM, before the next signal.
     pub grace: Duration,
-    pub watcher: WatcherKind,
+    /// Which process watcher sees the application containers end.
+    pub watcher: Backend,
     /// `/proc` of the pid namespace the pods' processes are in.
     pub proc_root: PathBuf,
     /// The supervisor's mount namespace: FUSE mounts of an ended container

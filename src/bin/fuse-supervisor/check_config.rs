@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 
 use clap::{CommandFactory, ValueEnum};
-use fuse_supervisor::job;
 use fuse_supervisor_engine::flag_env;
+use fuse_supervisor_engine::watch::processes::Backend;
 
 use crate::cli::{Cli, Command};
 use crate::flags::OnOff;
@@ -38,7 +38,7 @@ pub(crate) fn check_config(command: Command) -> anyhow::Result<()> {
                 (false, _) => "node",
             };
             let connector = matches!(daemons.process_watch, ProcessWatchArg::Connector)
-                || lifecycle.as_ref().is_some_and(|job| matches!(job.watcher, job::WatcherKind::ProcConnector));
+                || lifecycle.as_ref().is_some_and(|job| matches!(job.watcher, Backend::ProcConnector));
             let authz = kubelet.kubelet_authz.to_possible_value().map(|value| value.get_name().to_owned());
             serde_json::json!({
                 "command": name,

@@ -11,7 +11,7 @@ use fuse_supervisor::events::Events;
 use fuse_supervisor::job;
 use fuse_supervisor::metrics::{Metrics, MetricsServer};
 use fuse_supervisor::sidecar::{self, SidecarConfig};
-use fuse_supervisor::supervisor::daemons::{DaemonWatch, ProcessWatch};
+use fuse_supervisor::supervisor::daemons::DaemonWatch;
 use fuse_supervisor::supervisor::{self, Config, ContainerNamespaces, KubeletConfirmation};
 use fuse_supervisor_engine::csi::restage::RestageConfig;
 use fuse_supervisor_engine::errors::chain;
@@ -22,6 +22,7 @@ use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
 use fuse_supervisor_engine::report::Reporters;
 use fuse_supervisor_engine::shutdown::Shutdown;
 use fuse_supervisor_engine::watch::mount_table::{TableEvents, WatchMode};
+use fuse_supervisor_engine::watch::processes::Backend;
 
 use crate::flags::{Listen, LogArgs, OnOff, parse_duration, parse_listen, parse_period};
 use crate::kubelet::{EventsArgs, KubeletArgs};
@@ -104,11 +105,11 @@ impl JobArgs {
             );
             // Without hostPID: the pod's processes, and this container's own
             // namespace (the FUSE container's is joined through its daemon).
-            (sidecar.proc_root.clone(), PathBuf::from("/proc/self/ns/mnt"), job::WatcherKind::Pidfd)
+            (sidecar.proc_root.clone(), PathBuf::from("/proc/self/ns/mnt"), Backend::Pidfd)
         } else {
             let watcher = match self.job_process_watcher {
-                JobWatcher::Pidfd => job::WatcherKind::Pidfd,
-                JobWatcher::ProcConnector => job::WatcherKind::ProcConnector,
+                JobWatcher::Pidfd => Backend::Pidfd,
+                JobWatcher::ProcConnector => Backend::ProcConnector,
             };
             (PathBuf::from("/proc"), node.mount_namespace.clone(), watcher)
         };
@@ -225,10 +226,10 @@ pub(crate) enum ProcessWatchArg {
 impl DaemonArgs {
     pub(crate) fn watch(&self) -> DaemonWatch {
         DaemonWatch {
-            mode: match self.process_watch {
-                ProcessWatchArg::Connector => ProcessWatch::Connector,
-                ProcessWatchArg::Pidfd => ProcessWatch::Pidfd,
-                ProcessWatchArg::Off => ProcessWatch::Off,
+            backend: match self.process_watch {
+                ProcessWatchArg::Connector => Some(Backend::ProcConnector),
+                ProcessWatchArg::Pidfd => Some(Backend::Pidfd),
+                ProcessWatchArg::Off => None,
             },
             abort_dead_connections: self.abort_dead_connections,
             fuse_connections: self.fuse_connections_dir.clone(),

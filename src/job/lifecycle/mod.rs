@@ -22,14 +22,14 @@ use super::fuse_container::{Fuse, identify_fuse};
 use fuse_supervisor_engine::errors::chain;
 mod ending;
 
-use super::{JobConfig, JobError, JobScope, WatcherKind};
+use super::{JobConfig, JobError, JobScope};
 use fuse_supervisor_engine::kube::pods::runtime_id;
 use fuse_supervisor_engine::kube::{Kubelet, Pod, PodList};
 use fuse_supervisor_engine::watch::dir_changes::{Changes, DirChanges};
 use fuse_supervisor_engine::watch::processes::fuse_server::FuseServers;
 use fuse_supervisor_engine::watch::processes::{
-    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError,
-    ProcessWatcher,
+    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
+    ProcessWatchError, ProcessWatcher,
 };
 use fuse_supervisor_engine::watch::thread::{Waiting, Waker, Watching, Woken};
 
@@ -67,8 +67,8 @@ impl JobLifecycle {
             })
         };
         let watcher: Box<dyn ProcessWatcher> = match config.watcher {
-            WatcherKind::Pidfd => Box::new(PidfdWatcher::start(config.proc_root.clone(), sink)?),
-            WatcherKind::ProcConnector => {
+            Backend::Pidfd => Box::new(PidfdWatcher::start(config.proc_root.clone(), sink)?),
+            Backend::ProcConnector => {
                 let options = ConnectorOptions {
                     exec: ExecReports::Off,
                     proc_root: config.proc_root.clone(),

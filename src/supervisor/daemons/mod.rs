@@ -50,25 +50,14 @@ use discovery::{Holders, discovery_loop, lock};
 use orphans::{Orphan, reads_fuse_device};
 pub use orphans::{connection_dir, read_waiting};
 
-/// Which process watcher `run` uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProcessWatch {
-    /// The netlink process connector (hostPID, hostNetwork, CAP_NET_ADMIN
-    /// before 6.6); the pidfd backend when it cannot subscribe. It wakes for
-    /// every exit and exec on the node, and its execs start a discovery for
-    /// a connection whose daemon was not found.
-    Connector,
-    /// pidfds: any pid namespace (a sidecar with `shareProcessNamespace`),
-    /// and wake-ups for the watched processes only.
-    Pidfd,
-    /// No process watching: deaths are seen only when a new mount appears.
-    Off,
-}
-
 /// How daemons are watched.
 #[derive(Debug, Clone)]
 pub struct DaemonWatch {
-    pub mode: ProcessWatch,
+    /// None: no process watching, deaths are seen only when a new mount
+    /// appears. The connector falls back to pidfds when it cannot
+    /// subscribe; its execs start a discovery for a connection whose daemon
+    /// was not found.
+    pub backend: Option<Backend>,
     /// Where pids are processes: the host's `/proc` with hostPID.
     pub proc_root: PathBuf,
     /// Abort a connection whose serving process exited while others still
@@ -87,7 +76,7 @@ pub struct DaemonWatch {
 impl Default for DaemonWatch {
     fn default() -> Self {
         DaemonWatch {
-            mode: ProcessWatch::Pidfd,
+            backend: Some(Backend::Pidfd),
             proc_root: PathBuf::from("/proc"),
             abort_dead_connections: false,
             fuse_connections: PathBuf::from("/sys/fs/fuse/connections"),
@@ -259,13 +248,13 @@ impl Daemons {
                 .map_err(|source| DaemonError::Watcher { backend: "pidfd", source })?;
             Ok(Arc::new(watcher))
         };
-        let watcher: Arc<dyn ProcessWatcher> = match options.mode {
-            ProcessWatch::Off => {
+        let watcher: Arc<dyn ProcessWatcher> = match options.backend {
+            None => {
                 info!("process watching is off: daemon deaths are seen only when a new mount appears");
                 return Ok(None);
             }
-            ProcessWatch::Pidfd => pidfd(options)?,
-            ProcessWatch::Connector => {
+            Some(Backend::Pidfd) => pidfd(options)?,
+            Some(Backend::ProcConnector) => {
                 let connector = ConnectorOptions {
                     exec: ExecReports::All,
                     proc_root: options.proc_root.clone(),

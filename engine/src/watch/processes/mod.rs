@@ -85,10 +85,16 @@ pub enum ProcessEvent {
 /// `false` stops the watcher.
 pub type EventSink = Box<dyn FnMut(ProcessEvent) -> bool + Send>;
 
-/// Which backend a watcher is, for logs and status.
+/// Which kernel source reports exits: the one choice every process watcher
+/// of the agent makes (the daemons', the Job lifecycle's), and what a
+/// watcher says it is, for logs and status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
+    /// The netlink process connector: node-wide (hostPID, hostNetwork,
+    /// CAP_NET_ADMIN before 6.6), exact exit codes, execs too.
     ProcConnector,
+    /// One pidfd per watched process: any pid namespace (a sidecar with
+    /// `shareProcessNamespace`), wake-ups for the watched processes only.
     Pidfd,
 }
 
