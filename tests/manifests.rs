@@ -35,8 +35,8 @@ use serde_json::Value;
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
-/// The webhook's binary in the image, beside the node agent's entrypoint.
-const WEBHOOK_IN_IMAGE: &str = "/usr/local/bin/fuse-supervisor-webhook";
+/// The webhook's image: its entrypoint is its binary.
+const WEBHOOK_IMAGE: &str = "fuse-supervisor-webhook";
 /// The image's repository name, whatever registry `images:` points it at.
 const IMAGE: &str = "fuse-supervisor";
 
@@ -460,35 +460,37 @@ fn check_config(binary: &Path, args: &[String], env: &[(String, String)]) -> Res
     serde_json::from_slice(&output.stdout).map_err(|err| format!("--check-config printed no summary: {err}"))
 }
 
-/// The program a container of the image runs: the entrypoint (the node
-/// agent) unless `command` names the image's other one, the webhook.
-fn program_of(container: &Value) -> Result<PathBuf, String> {
-    match container.get("command") {
-        None => Ok(PathBuf::from(BINARY)),
-        Some(command) if strings(command) == [WEBHOOK_IN_IMAGE] => {
-            // Another package's binary: `cargo test --workspace` builds it
-            // beside this one.
-            let webhook = Path::new(BINARY).with_file_name("fuse-supervisor-webhook");
-            match webhook.is_file() {
-                true => Ok(webhook),
-                false => Err(format!(
-                    "{} is not built: cargo build -p fuse-supervisor-webhook (cargo xtask test builds it)",
-                    webhook.display()
-                )),
-            }
-        }
-        Some(command) => Err(format!(
-            "sets command {command}: the image's entrypoint is the node agent, \
-             and {WEBHOOK_IN_IMAGE} its one other program"
+/// The program a container of the project's image `repository` runs: the
+/// node agent, or the webhook; either its image's entrypoint.
+fn program_of(repository: &str) -> Result<PathBuf, String> {
+    if repository != WEBHOOK_IMAGE {
+        return Ok(PathBuf::from(BINARY));
+    }
+    // Another package's binary: `cargo test --workspace` builds it beside
+    // this one.
+    let webhook = Path::new(BINARY).with_file_name("fuse-supervisor-webhook");
+    match webhook.is_file() {
+        true => Ok(webhook),
+        false => Err(format!(
+            "{} is not built: cargo build -p fuse-supervisor-webhook (cargo xtask test builds it)",
+            webhook.display()
         )),
     }
+}
+
+/// The project's image a container runs (its repository's last part),
+/// if it runs one.
+fn our_image(container: &Value) -> Option<&str> {
+    let repository = split_image(container["image"].as_str()?).0.rsplit('/').next()?;
+    [IMAGE, WEBHOOK_IMAGE].into_iter().find(|ours| *ours == repository)
 }
 
 /// What a container's args and env start.
 fn started_as(container: &Value) -> Result<Started, String> {
     let env = container_env(container)?;
     let args: Vec<String> = strings(&container["args"]).iter().map(|arg| expand(arg, &env)).collect();
-    check_config(&program_of(container)?, &args, &env)
+    let image = our_image(container).ok_or("not the project's image")?;
+    check_config(&program_of(image)?, &args, &env)
 }
 
 // ---------------------------------------------------------------------------
@@ -571,13 +573,15 @@ fn problems(objects: &[Value], rbac: &[Value]) -> Vec<String> {
         for container in containers(pod) {
             let at = format!("{} container {}", name_of(object), container["name"].as_str().unwrap_or("?"));
             let Some(image) = container["image"].as_str() else { continue };
-            let (repository, tag) = split_image(image);
-            if repository.rsplit('/').next() != Some(IMAGE) {
+            if our_image(container).is_none() {
                 continue;
             }
             let mut complain = |problem: String| problems.push(format!("{at}: {problem}"));
-            if tag != Some(env!("CARGO_PKG_VERSION")) {
+            if split_image(image).1 != Some(env!("CARGO_PKG_VERSION")) {
                 complain(format!("image {image}: the tag is not this version, {}", env!("CARGO_PKG_VERSION")));
+            }
+            if container.get("command").is_some() {
+                complain("sets command: the image's entrypoint is its program, give args only".into());
             }
             let started = match started_as(container) {
                 Ok(started) => {
@@ -614,9 +618,7 @@ fn problems(objects: &[Value], rbac: &[Value]) -> Vec<String> {
         }
         // A sidecar in another program's pod (the CSI proxy in a driver's
         // node plugin) leaves the pod's other fields to that program.
-        let shared = containers(pod).any(|container| {
-            container["image"].as_str().is_none_or(|image| split_image(image).0.rsplit('/').next() != Some(IMAGE))
-        });
+        let shared = containers(pod).any(|container| our_image(container).is_none());
         for (field, (wanted, why)) in pod_needs {
             let set = pod[field].as_bool().unwrap_or(false);
             if set != wanted && (wanted || !shared) {
