@@ -55,22 +55,29 @@ impl<E: Executor> Supervisor<E> {
         self.scanned_once = true;
         let mut changed = false;
         let scan_started = self.scan_started;
+        // Whether any source's connection changed: only then is the set of
+        // watched connections built again.
+        let mut connections_changed = false;
         self.sources.update_all(|path, record| {
             if !classified.sources.contains_key(path) {
                 record.seen = None;
+                connections_changed |= record.watched.take().is_some();
             }
         });
         for (path, source) in &classified.sources {
             let dev = source.top().dev;
-            self.sources.update(path, |record| {
+            connections_changed |= self.sources.update(path, |record| {
                 if record.seen.is_none_or(|(seen, _)| seen != dev) {
                     record.seen = Some((dev, scan_started));
                 }
+                record.watched.replace(dev) != Some(dev)
             });
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
-        let connections = classified.sources.values().map(|source| source.top().dev).collect();
-        self.executor.watch_connections(connections);
+        if connections_changed {
+            let connections = classified.sources.values().map(|source| source.top().dev).collect();
+            self.executor.watch_connections(connections);
+        }
         changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
     }
 

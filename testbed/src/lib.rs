@@ -40,7 +40,7 @@ pub mod tenant;
 pub mod userns;
 
 pub use logs::CapturedLogs;
-pub use observe::series_value;
+pub use observe::{series_value, unix_socket_listens};
 pub use reader::{ContainerReader, Observation, Outcome};
 pub use sandbox::{Sandbox, SandboxChild};
 pub use synthetic::synthetic_table;

@@ -123,3 +123,17 @@ pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -
 pub fn series_value(exposition: &str, series: &str) -> Option<f64> {
     exposition.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.split(' ').next()?.parse().ok())
 }
+
+/// Whether a unix socket bound at `path` listens: `/proc/net/unix` flags it
+/// `__SO_ACCEPTCON` (a sandbox shares this process's network namespace).
+/// Not whether the socket file exists: it appears at bind(), and
+/// connections are refused until listen().
+pub fn unix_socket_listens(path: &Path) -> bool {
+    const ACCEPTING: u32 = 0x0001_0000;
+    let Ok(table) = fs::read_to_string("/proc/net/unix") else { return false };
+    table.lines().skip(1).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let flags = fields.get(3).and_then(|flags| u32::from_str_radix(flags, 16).ok()).unwrap_or(0);
+        fields.get(7).is_some_and(|bound| Path::new(bound) == path) && flags & ACCEPTING != 0
+    })
+}

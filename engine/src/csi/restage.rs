@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd as _, AsRawFd, RawFd};
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::inotify::{EventReader, Inotify, WatchFlags};
@@ -177,14 +177,6 @@ pub struct RestageOutcome {
     pub retry_in: Option<Duration>,
 }
 
-/// A volume waiting for its driver, for `status` and the tests.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Waiting {
-    pub driver: String,
-    pub volume_id: String,
-    pub socket: PathBuf,
-}
-
 /// A dead source handed over by the loop.
 struct Dead {
     source: PathBuf,
@@ -195,7 +187,6 @@ struct Dead {
 /// and every call it was waiting on.
 pub struct Restager {
     inbox: mpsc::UnboundedSender<Dead>,
-    waiting: Arc<Mutex<BTreeMap<PathBuf, Waiting>>>,
 }
 
 impl Restager {
@@ -209,8 +200,7 @@ impl Restager {
         outcome: impl Fn(RestageOutcome) + Send + Sync + 'static,
     ) -> io::Result<Restager> {
         let (inbox, deaths) = mpsc::unbounded_channel();
-        let waiting = Arc::new(Mutex::new(BTreeMap::new()));
-        let shared = Arc::new(Shared { config, kubelet, outcome: Box::new(outcome), waiting: Arc::clone(&waiting) });
+        let shared = Arc::new(Shared { config, kubelet, outcome: Box::new(outcome) });
         let namespace = namespace.to_path_buf();
         std::thread::Builder::new()
             .name("restage".into())
@@ -229,7 +219,7 @@ impl Restager {
                 runtime.block_on(serve(shared, deaths));
                 // Tasks still waiting on a driver are dropped with the runtime.
             })?;
-        Ok(Restager { inbox, waiting })
+        Ok(Restager { inbox })
     }
 
     /// The source at `source` died on connection `dev`: staged again if it
@@ -237,28 +227,12 @@ impl Restager {
     pub fn source_dead(&self, source: &Path, dev: Dev) {
         let _ = self.inbox.send(Dead { source: source.to_path_buf(), dev });
     }
-
-    /// The volumes waiting for their driver, by staging path.
-    pub fn waiting(&self) -> BTreeMap<PathBuf, Waiting> {
-        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
 }
 
 struct Shared {
     config: RestageConfig,
     kubelet: Option<Kubelet>,
     outcome: Box<dyn Fn(RestageOutcome) + Send + Sync>,
-    waiting: Arc<Mutex<BTreeMap<PathBuf, Waiting>>>,
-}
-
-impl Shared {
-    fn set_waiting(&self, path: &Path, waiting: Option<Waiting>) {
-        let mut all = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        match waiting {
-            Some(waiting) => all.insert(path.to_path_buf(), waiting),
-            None => all.remove(path),
-        };
-    }
 }
 
 /// One task per staging path: a death while its task runs updates the
@@ -356,15 +330,10 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
     let mut attempts = 0u32;
     let mut retry_in = RETRY_FIRST;
     loop {
-        shared.set_waiting(
-            &source,
-            Some(Waiting { driver: driver.clone(), volume_id: volume_id.clone(), socket: socket.clone() }),
-        );
         info!(driver, volume_id, staging_path = %source.display(), socket = %socket.display(), "waiting for the driver to stage the volume again");
         wait_for_driver(&socket).await;
         info!(driver, volume_id, socket = %socket.display(), "the driver answers again");
         tokio::time::sleep(config.grace).await;
-        shared.set_waiting(&source, None);
         // The kubelet may have unstaged the volume meanwhile.
         let record = match records::read_one(&record.file) {
             Ok(record) => record,

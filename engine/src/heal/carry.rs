@@ -144,10 +144,13 @@ impl ContainerUsers {
     /// enters another namespace); None where it is in this process's own
     /// user namespace (no pod of its kind idmaps), or gone.
     pub fn of(pid: u32) -> Option<ContainerUsers> {
+        // This process's own user namespace never changes: read once.
+        static OWN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
         let proc = Path::new("/proc");
         let inode = |path: &Path| std::fs::metadata(path).map(|meta| std::os::unix::fs::MetadataExt::ino(&meta)).ok();
         let theirs = proc.join(pid.to_string());
-        if inode(&theirs.join("ns/user"))? == inode(&proc.join("self/ns/user"))? {
+        let own = *OWN.get_or_init(|| inode(&proc.join("self/ns/user")));
+        if inode(&theirs.join("ns/user"))? == own? {
             return None;
         }
         let namespace = std::fs::File::open(theirs.join("ns/user")).ok()?.into();

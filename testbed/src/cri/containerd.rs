@@ -148,7 +148,7 @@ impl Containerd {
         let outside_socket = sandbox.outside_path(&socket);
         let outside_log = sandbox.outside_path(&log);
         let deadline = Instant::now() + START_TIMEOUT;
-        while !outside_socket.exists() {
+        while !crate::unix_socket_listens(&socket) {
             let exited = process.try_wait().ok().flatten().is_some();
             if exited || Instant::now() > deadline {
                 let log = fs::read_to_string(&outside_log).unwrap_or_default();

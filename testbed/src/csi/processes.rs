@@ -156,7 +156,8 @@ impl CsiProxyProcess {
         command.stderr(log_file);
         let process = sandbox.spawn(command).map_err(io_step("start the CSI proxy"))?;
         let outside_listen = sandbox.outside_path(listen);
-        let listening = wait(START_TIMEOUT, || outside_listen.exists() || process.try_wait().ok().flatten().is_some());
+        let listening =
+            wait(START_TIMEOUT, || crate::unix_socket_listens(listen) || process.try_wait().ok().flatten().is_some());
         if let Ok(Some(status)) = process.try_wait() {
             return Err(exited("the CSI proxy", status));
         }
