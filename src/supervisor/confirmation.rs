@@ -25,10 +25,10 @@ impl<E: Executor> Supervisor<E> {
     /// targets needs the kubelet to confirm that its owner restarted; a
     /// dead target on a healthy source needs no confirmation.
     pub(super) fn confirmed(&mut self, batch: &HealBatch) -> bool {
-        let Some(confirmer) = &mut self.confirmer else { return true };
-        if batch.targets.iter().all(|target| self.dead_targets.contains(&target.path)) {
+        if batch.targets.iter().all(|target| self.found_dead(&target.path)) {
             return true;
         }
+        let Some(confirmer) = &mut self.confirmer else { return true };
         let stuck_on = batch
             .targets
             .iter()

@@ -283,7 +283,12 @@ impl<E: Executor> Supervisor<E> {
             .targets
             .iter()
             .map(|target| {
-                let held = self.held.get(&target.path).filter(|held| held.mount_id == target.top_mount_id)?;
+                let held = self
+                    .records
+                    .get(&target.path)?
+                    .held
+                    .as_ref()
+                    .filter(|held| held.mount_id == target.top_mount_id)?;
                 held.fd.try_clone().ok()
             })
             .collect();
@@ -334,7 +339,7 @@ impl<E: Executor> Supervisor<E> {
             }
             match self.executor.open_target(path) {
                 Ok((fd, id)) if id == top.mount_id => {
-                    self.held.insert(path.clone(), Held { fd, mount_id: id, until });
+                    self.update_record(path, |record| record.held = Some(Held { fd, mount_id: id, until }));
                 }
                 Ok(_) => debug!(target = %path.display(), "target covered before it could be held"),
                 Err(err) => {
@@ -342,7 +347,7 @@ impl<E: Executor> Supervisor<E> {
                 }
             }
         }
-        debug!(held = self.held.len(), "stale layers held");
+        debug!(held = self.records.values().filter(|record| record.held.is_some()).count(), "stale layers held");
     }
 
     /// After a scan: asks who serves new connections, forgets deaths of
@@ -361,20 +366,23 @@ impl<E: Executor> Supervisor<E> {
         }
         self.flatten_covered(classified);
         let now = Instant::now();
-        let records = &self.records;
-        self.held.retain(|path, held| {
-            let Some(target) = classified.targets.get(path) else { return false };
-            let present = target.stack.layers.iter().any(|layer| layer.mount_id == held.mount_id);
-            let outage = records.get(path).is_some_and(|record| {
-                matches!(
-                    record.state,
-                    TargetState::Degraded { .. }
-                        | TargetState::Broken { .. }
-                        | TargetState::Healing
-                        | TargetState::Failed { .. }
-                )
-            });
-            present && outage && held.until > now
+        self.records.retain(|path, record| {
+            let Some(held) = &record.held else { return true };
+            let present = classified
+                .targets
+                .get(path)
+                .is_some_and(|target| target.stack.layers.iter().any(|layer| layer.mount_id == held.mount_id));
+            let outage = matches!(
+                record.state,
+                TargetState::Degraded { .. }
+                    | TargetState::Broken { .. }
+                    | TargetState::Healing
+                    | TargetState::Failed { .. }
+            );
+            if !(present && outage && held.until > now) {
+                record.held = None;
+            }
+            !record.holds_nothing()
         });
         changed
     }
@@ -383,8 +391,9 @@ impl<E: Executor> Supervisor<E> {
     /// removed through its handle.
     fn flatten_covered(&mut self, classified: &Classified) {
         let covered: Vec<(TargetHeal, PathBuf)> = self
-            .held
+            .records
             .iter()
+            .filter_map(|(path, record)| Some((path, record.held.as_ref()?)))
             .filter_map(|(path, held)| {
                 let target = classified.targets.get(path)?;
                 let mapping = self.journal.get(path)?;
@@ -396,7 +405,7 @@ impl<E: Executor> Supervisor<E> {
             .collect();
         let mut containers_of = BTreeSet::new();
         for (heal, source) in covered {
-            let Some(held) = self.held.remove(&heal.path) else { continue };
+            let Some(held) = self.update_record(&heal.path, |record| record.held.take()) else { continue };
             // The covered layer is the dead connection's (the mapping may
             // already name the new one).
             let covered = classified.targets.get(&heal.path).and_then(|target| {
@@ -451,7 +460,8 @@ impl<E: Executor> Supervisor<E> {
     /// Discovery retries, orphan checks and the release of held layers.
     pub(super) fn degraded_deadline(&self) -> Option<Instant> {
         let daemons = self.daemons.as_ref().and_then(|daemons| daemons.next_deadline());
-        daemons.into_iter().chain(self.held.values().map(|held| held.until)).min()
+        let held = self.records.values().filter_map(|record| record.held.as_ref().map(|held| held.until));
+        daemons.into_iter().chain(held).min()
     }
 
     pub(super) fn on_degraded_deadline(&mut self) {
@@ -475,11 +485,14 @@ impl<E: Executor> Supervisor<E> {
     /// for as long as they would have been.
     pub(super) fn restart_expected(&self) -> bool {
         let recent = |death: &DaemonDeath| death.at.elapsed().is_ok_and(|age| age < HOLD_STALE_FOR);
-        !self.held.is_empty() || self.journal.deaths().any(|(_, death)| recent(death))
+        self.records.values().any(|record| record.held.is_some())
+            || self.journal.deaths().any(|(_, death)| recent(death))
     }
 
     /// Drops the handle on a target (healed, or its pod gone).
     pub(super) fn release_held(&mut self, target: &Path) {
-        self.held.remove(target);
+        if self.records.get(target).is_some_and(|record| record.held.is_some()) {
+            self.update_record(target, |record| record.held = None);
+        }
     }
 }

@@ -13,6 +13,7 @@ use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::HealBatch;
 use fuse_supervisor_engine::report::{HealReport, Report, TargetEvent};
 
+use super::targets::Unrecorded;
 use super::{Event, Supervisor, TargetRecord};
 
 impl<E: Executor> Supervisor<E> {
@@ -20,7 +21,7 @@ impl<E: Executor> Supervisor<E> {
     /// it left behind; from the wake-up, for targets found dead under a
     /// source that did not change.
     pub(super) fn heal_latency(&self, batch: &HealBatch) -> Duration {
-        let dead_target = batch.targets.iter().any(|target| self.dead_targets.contains(&target.path));
+        let dead_target = batch.targets.iter().any(|target| self.found_dead(&target.path));
         let since = match self.source_seen_at(&batch.source.path, batch.source.top().dev) {
             Some(at) if !dead_target => at,
             _ => self.woke_at,
@@ -130,8 +131,8 @@ impl<E: Executor> Supervisor<E> {
                     record.attempts = 0;
                     record.broken_since = None;
                     healed_any = true;
-                    self.dead_targets.remove(&outcome.path);
-                    self.held.remove(&outcome.path);
+                    record.unrecorded = Unrecorded::NotProbed;
+                    record.held = None;
                     // The target is now on the source's current mount: record
                     // it at once, since the daemon may die again before the
                     // next scan could learn it from the peer groups.

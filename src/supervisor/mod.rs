@@ -210,10 +210,6 @@ struct Supervisor<E: Executor> {
     /// A record per source path: its connection and when it was first
     /// seen, the probe it is in and the heal that waits for it.
     sources: sources::Sources,
-    /// Targets on an unrecorded connection whose probe is running.
-    probing_targets: BTreeSet<PathBuf>,
-    /// Targets on an unrecorded connection that a probe found dead.
-    dead_targets: BTreeSet<PathBuf>,
     /// Table reads so far; a batch planned at read N is current while no
     /// other read happened and the table did not change since.
     table_reads: u64,
@@ -241,8 +237,6 @@ struct Supervisor<E: Executor> {
     polling: bool,
     /// None when daemons are not watched (`--process-watch off`, `heal --once`).
     daemons: Option<Daemons>,
-    /// Handles on the stale tops of targets whose daemon died.
-    held: BTreeMap<PathBuf, degraded::Held>,
     /// Container heals that failed, waiting for their retry.
     container_retries: Vec<containers::ContainerRetry>,
     /// Container heals the tenant refused, waiting for its next change.
@@ -457,7 +451,7 @@ impl<E: Executor> Supervisor<E> {
         if !self.pods_watched {
             changed |= self.forget_deleted_pods();
         }
-        let batches = plan::plan(&classified, &self.journal, &self.dead_targets);
+        let batches = plan::plan(&classified, &self.journal, &self.found_dead_targets());
         if let Some(confirmer) = &mut self.confirmer {
             confirmer.confirmations.retain(|source| batches.iter().any(|batch| batch.source.path == source));
         }

@@ -14,6 +14,7 @@ use fuse_supervisor_engine::model::table::{Classified, Dev, Role};
 use fuse_supervisor_engine::plan::{self, Assessment, HealBatch};
 use fuse_supervisor_engine::watch::mount_table::describe_attached;
 
+use super::targets::Unrecorded;
 use super::{Event, Probed, Supervisor};
 
 impl<E: Executor> Supervisor<E> {
@@ -108,22 +109,31 @@ impl<E: Executor> Supervisor<E> {
     /// (an old state file, a bind made while the supervisor was away) is
     /// broken only if it is unreachable: probe it off-thread.
     pub(super) fn probe_unknown_targets(&mut self, classified: &Classified) {
-        self.dead_targets.retain(|path| classified.targets.contains_key(path));
+        // A probe's word holds while the target is still there, unknown.
+        let journal = &self.journal;
+        self.records.retain(|path, record| {
+            if record.unrecorded == Unrecorded::Dead {
+                let unknown = classified
+                    .targets
+                    .get(path)
+                    .is_some_and(|target| plan::assess(target, journal.get(path), classified) == Assessment::Unknown);
+                if !unknown {
+                    record.unrecorded = Unrecorded::NotProbed;
+                }
+            }
+            !record.holds_nothing()
+        });
         for (path, target) in &classified.targets {
             let assessment = plan::assess(target, self.journal.get(path), classified);
-            if assessment != Assessment::Unknown {
-                self.dead_targets.remove(path);
-                continue;
-            }
-            if self.dead_targets.contains(path) || self.prober.in_flight(path) {
+            if assessment != Assessment::Unknown || self.found_dead(path) || self.prober.in_flight(path) {
                 continue;
             }
             let top = target.stack.top().mount_id;
             match self.executor.open_target(path) {
                 Ok((fd, id)) if id == top => {
-                    self.probing_targets.insert(path.clone());
+                    self.update_record(path, |record| record.unrecorded = Unrecorded::Probing);
                     if let Err(err) = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::Probed) {
-                        self.probing_targets.remove(path);
+                        self.update_record(path, |record| record.unrecorded = Unrecorded::NotProbed);
                         error!(target = %path.display(), err = %chain(&err), "cannot start probe");
                     }
                 }
@@ -167,13 +177,16 @@ impl<E: Executor> Supervisor<E> {
             }
             return;
         }
-        if self.probing_targets.remove(&report.source) {
+        let target_probe =
+            self.records.get(&report.source).is_some_and(|record| record.unrecorded == Unrecorded::Probing);
+        if target_probe {
+            self.update_record(&report.source, |record| record.unrecorded = Unrecorded::NotProbed);
             self.prober.finished(&report.source);
             match report.outcome {
                 // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
                 ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
                     info!(target = %report.source.display(), "target on an unrecorded connection is dead");
-                    self.dead_targets.insert(report.source);
+                    self.update_record(&report.source, |record| record.unrecorded = Unrecorded::Dead);
                     self.rescan();
                 }
                 ProbeOutcome::Failed(err) => {
@@ -211,7 +224,7 @@ impl<E: Executor> Supervisor<E> {
             // The table may have moved on while the probe ran: plan afresh.
             _ => {
                 let Some(classified) = self.read_table() else { return };
-                let Some(batch) = plan::plan(&classified, &self.journal, &self.dead_targets)
+                let Some(batch) = plan::plan(&classified, &self.journal, &self.found_dead_targets())
                     .into_iter()
                     .find(|batch| batch.source.path == report.source && batch.source.top().mount_id == report.mount_id)
                 else {

@@ -17,23 +17,69 @@ use fuse_supervisor_engine::report::{HealReport, Report, ScanCounts, TargetEvent
 use fuse_supervisor_engine::watch::pods::PodChange;
 
 use super::Supervisor;
+use super::degraded::Held;
 
-/// Per-target bookkeeping beside the journal's mapping.
+/// What the loop knows of one target beside the journal's mapping. A
+/// healthy target that holds nothing else has no record: on a large node
+/// nearly every target is healthy.
 #[derive(Debug)]
 pub(super) struct TargetRecord {
     pub(super) state: TargetState,
     pub(super) attempts: u32,
     /// When the current outage began; kept through healing and retries.
     pub(super) broken_since: Option<SystemTime>,
+    /// On a connection no mapping records: whether a probe of it runs or
+    /// found it dead.
+    pub(super) unrecorded: Unrecorded,
+    /// The handle on its stale top, taken when its daemon died.
+    pub(super) held: Option<Held>,
+}
+
+/// What a probe said of a target on a connection no mapping records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unrecorded {
+    NotProbed,
+    Probing,
+    /// ENOTCONN: its connection's daemon is dead.
+    Dead,
 }
 
 impl TargetRecord {
     pub(super) fn new(state: TargetState) -> Self {
-        TargetRecord { state, attempts: 0, broken_since: None }
+        TargetRecord { state, attempts: 0, broken_since: None, unrecorded: Unrecorded::NotProbed, held: None }
+    }
+
+    /// Healthy, and nothing else kept: the record can go.
+    pub(super) fn holds_nothing(&self) -> bool {
+        matches!(self.state, TargetState::Healthy) && self.unrecorded == Unrecorded::NotProbed && self.held.is_none()
     }
 }
 
 impl<E: Executor> Supervisor<E> {
+    /// Whether a probe found `target`, on a connection no mapping records,
+    /// dead.
+    pub(super) fn found_dead(&self, target: &Path) -> bool {
+        self.records.get(target).is_some_and(|record| record.unrecorded == Unrecorded::Dead)
+    }
+
+    /// Every target a probe found dead: the plan heals them.
+    pub(super) fn found_dead_targets(&self) -> BTreeSet<PathBuf> {
+        let dead = self.records.iter().filter(|(_, record)| record.unrecorded == Unrecorded::Dead);
+        dead.map(|(path, _)| path.clone()).collect()
+    }
+
+    /// Changes the record of `target`, made healthy if there is none and
+    /// dropped if `change` leaves it holding nothing.
+    pub(super) fn update_record<T>(&mut self, target: &Path, change: impl FnOnce(&mut TargetRecord) -> T) -> T {
+        let record =
+            self.records.entry(target.to_path_buf()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+        let out = change(record);
+        if record.holds_nothing() {
+            self.records.remove(target);
+        }
+        out
+    }
+
     pub(super) fn counts(&self, classified: &Classified) -> ScanCounts {
         let mut counts =
             ScanCounts { mounts: classified.total_mounts, sources: classified.sources.len(), ..ScanCounts::default() };
@@ -104,7 +150,7 @@ impl<E: Executor> Supervisor<E> {
                 );
                 // With a handle held on the covered layer, the report
                 // follows its removal (flatten_covered).
-                if self.held.contains_key(path) {
+                if self.records.get(path).is_some_and(|record| record.held.is_some()) {
                     continue;
                 }
                 // A heal cut short after its stacks (the supervisor killed)
@@ -159,7 +205,18 @@ impl<E: Executor> Supervisor<E> {
             let keep = mapping.kind == TargetKind::SourceBind || !gone(&mapping.pod_uid);
             if !keep {
                 info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
-                records.remove(target);
+                // A probe of it still running reports to it: only that stays.
+                match records.get(target).map(|record| record.unrecorded) {
+                    Some(Unrecorded::Probing) => {
+                        records.insert(
+                            target.to_path_buf(),
+                            TargetRecord { unrecorded: Unrecorded::Probing, ..TargetRecord::new(TargetState::Healthy) },
+                        );
+                    }
+                    _ => {
+                        records.remove(target);
+                    }
+                }
             }
             keep
         })
@@ -167,7 +224,9 @@ impl<E: Executor> Supervisor<E> {
 
     pub(super) fn forget_held(&mut self) {
         let journal = &self.journal;
-        let gone: Vec<PathBuf> = self.held.keys().filter(|path| journal.get(path).is_none()).cloned().collect();
+        let held = self.records.iter().filter(|(_, record)| record.held.is_some());
+        let gone: Vec<PathBuf> =
+            held.filter(|(path, _)| journal.get(path).is_none()).map(|(path, _)| path.clone()).collect();
         for path in gone {
             self.release_held(&path);
         }
@@ -280,7 +339,18 @@ impl<E: Executor> Supervisor<E> {
                 *targets += 1;
             }
             if matches!(next, TargetState::Healthy) {
-                self.records.remove(path);
+                // What else it holds (a probe's word, a held layer) goes by
+                // its own rules; its outage is over.
+                if let Some(record) = self.records.get_mut(path) {
+                    *record = TargetRecord {
+                        unrecorded: record.unrecorded,
+                        held: record.held.take(),
+                        ..TargetRecord::new(next)
+                    };
+                    if record.holds_nothing() {
+                        self.records.remove(path);
+                    }
+                }
                 continue;
             }
             let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
