@@ -178,7 +178,17 @@ impl<E: Executor> Supervisor<E> {
                         attempts: failed_before + 1,
                     });
                     failures.mounts += 1;
-                    if why != Failure::GivenUp {
+                    if why == Failure::GivenUp {
+                        // Tried again once the namespace's worker ends
+                        // (`retry_given_up`); never while one is there.
+                        let retry = ContainerRetry {
+                            foreign: foreign.clone(),
+                            source: source.to_path_buf(),
+                            attempts: failed_before + 1,
+                            retry_at: now,
+                        };
+                        self.given_up.insert((namespace, foreign.mount.mount_id), retry);
+                    } else {
                         let attempts = failed_before + 1;
                         let retry = ContainerRetry {
                             foreign: foreign.clone(),
@@ -204,7 +214,7 @@ impl<E: Executor> Supervisor<E> {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal failed; retried");
                 }
                 Failure::GivenUp => {
-                    warn!(pod, container, namespace, pid, mounts, first = %first, "container heal given up: its namespace did not answer in time; waits for the next heal of its source")
+                    warn!(pod, container, namespace, pid, mounts, first = %first, "container heal given up: its namespace did not answer in time; tried again once its worker is done")
                 }
                 Failure::Refused if backs_off => {
                     warn!(pod, container, namespace, pid, mounts, first = %first, attempts, retry_in_ms, "container heal refused: the container changed its mount; retried")
@@ -271,6 +281,17 @@ impl<E: Executor> Supervisor<E> {
                 let _ = watch.unwatch(fd.as_fd());
             }
         }
+    }
+
+    /// The worker of `namespace`, where heals were given up on, ended: they
+    /// are tried again now.
+    pub(super) fn retry_given_up(&mut self, namespace: u64) {
+        let mounts: Vec<(u64, u32)> =
+            self.given_up.range((namespace, 0)..=(namespace, u32::MAX)).map(|(key, _)| *key).collect();
+        let now = Instant::now();
+        let due = mounts.into_iter().filter_map(|key| self.given_up.remove(&key));
+        self.container_retries.extend(due.map(|retry| ContainerRetry { retry_at: now, ..retry }));
+        self.retry_containers();
     }
 
     /// The pod and container of a namespace's process, from its cgroup and

@@ -182,6 +182,8 @@ enum Event {
     WatchFailed(fuse_supervisor_engine::watch::mount_table::WatchError),
     /// A mount changed in a namespace where a container heal was refused.
     NamespacesChanged,
+    /// The worker of a namespace whose container heal was given up on ended.
+    NamespaceFree(u64),
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
     /// How a re-staging through a CSI driver went.
@@ -239,6 +241,9 @@ struct Supervisor<E: Executor> {
     daemons: Option<Daemons>,
     /// Container heals that failed, waiting for their retry.
     container_retries: Vec<containers::ContainerRetry>,
+    /// Container heals given up on (their namespace's worker late, or one
+    /// still there), by namespace and mount: tried again once it ends.
+    given_up: BTreeMap<(u64, u32), containers::ContainerRetry>,
     /// Container heals the tenant refused, waiting for its next change.
     refusals: containers::Refusals,
     /// Heals per source, to tell a crash loop.
@@ -311,6 +316,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Ping(pong)) => pong.answer(),
                 Ok(Event::Restaged(outcome)) => self.on_restaged(outcome),
                 Ok(Event::NamespacesChanged) => self.retry_refused(),
+                Ok(Event::NamespaceFree(namespace)) => self.retry_given_up(namespace),
                 Ok(Event::WatchFailed(err)) => {
                     error!(err = %chain(&err), "mount-table watcher stopped");
                     return;

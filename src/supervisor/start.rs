@@ -309,6 +309,11 @@ impl<E: Executor> Supervisor<E> {
         events: Sender<Event>,
         heal_activity: Arc<HealActivity>,
     ) -> Self {
+        let mut executor = executor;
+        let freed = events.clone();
+        executor.when_namespace_free(Box::new(move |namespace| {
+            let _ = freed.send(Event::NamespaceFree(namespace));
+        }));
         Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load_or_set_aside(&config.state_dir),
@@ -336,6 +341,7 @@ impl<E: Executor> Supervisor<E> {
             polling: matches!(config.watch, WatchMode::Poll { .. }),
             daemons: None,
             container_retries: Vec::new(),
+            given_up: BTreeMap::new(),
             refusals: Default::default(),
             flapping: Flapping::new(config.daemons.flapping),
             state_dirty: false,

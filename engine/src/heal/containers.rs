@@ -35,7 +35,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
@@ -445,12 +445,26 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(1);
 /// worker is sent into that namespace, so a hostile tenant costs one thread
 /// and never more. At the heal priority: among 100 busy containers on two
 /// CPUs, each worker waited for a CPU behind the containers' shells.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NamespaceWorkers {
     priority: HealPriority,
     deadline: Duration,
     /// Namespaces (by inode) a worker is in now.
     busy: Arc<Mutex<BTreeSet<u64>>>,
+    /// Namespaces whose heal was given up on (its worker late, or one still
+    /// there): told to `when_free` once their worker ends, so that the heal
+    /// is tried again then rather than at the source's next heal.
+    late: Arc<Mutex<BTreeSet<u64>>>,
+    when_free: Arc<OnceLock<FreeNotify>>,
+}
+
+/// Hears a namespace (by inode) whose given-up heal can be tried again.
+pub type FreeNotify = Box<dyn Fn(u64) + Send + Sync>;
+
+impl std::fmt::Debug for NamespaceWorkers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NamespaceWorkers").field("deadline", &self.deadline).field("busy", &self.busy).finish()
+    }
 }
 
 /// Takes a namespace off the busy list when its worker ends, panicking or not.
@@ -476,7 +490,28 @@ enum Unstarted {
 
 impl NamespaceWorkers {
     pub fn new(priority: HealPriority, deadline: Duration) -> Self {
-        NamespaceWorkers { priority, deadline, busy: Arc::default() }
+        NamespaceWorkers { priority, deadline, busy: Arc::default(), late: Arc::default(), when_free: Arc::default() }
+    }
+
+    /// `notify` hears each namespace whose given-up heal can be tried again:
+    /// its worker ended. Set once; later calls change nothing.
+    pub fn when_free(&self, notify: FreeNotify) {
+        let _ = self.when_free.set(notify);
+    }
+
+    fn mark_late(&self, namespace: u64) {
+        self.late.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace);
+        // Its worker may have ended meanwhile: it told nobody then.
+        if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).contains(&namespace) {
+            self.tell_free(namespace);
+        }
+    }
+
+    fn tell_free(&self, namespace: u64) {
+        let was_late = self.late.lock().unwrap_or_else(PoisonError::into_inner).remove(&namespace);
+        if let Some(notify) = self.when_free.get().filter(|_| was_late) {
+            notify(namespace);
+        }
     }
 
     pub fn priority(&self) -> HealPriority {
@@ -502,6 +537,7 @@ impl NamespaceWorkers {
         }
         let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
         let priority = self.priority;
+        let workers = self.clone();
         // The worker's lines read as part of what sent it (a heal, a death).
         let span = tracing::info_span!("namespace", namespace);
         std::thread::Builder::new()
@@ -512,6 +548,7 @@ impl NamespaceWorkers {
                 let then = work();
                 drop(leaving);
                 then();
+                workers.tell_free(namespace);
             })
             .map(drop)
             .map_err(Unstarted::Thread)
@@ -553,6 +590,7 @@ impl NamespaceWorkers {
                 Err(Unstarted::StillHeld) => {
                     let held = |foreign: &ForeignMount| ContainerHealError::StillHeld { pid: foreign.pid, namespace };
                     outcomes.extend(failed_all(&group, held, &wrap));
+                    self.mark_late(namespace);
                 }
                 Err(Unstarted::Thread(err)) => {
                     let message = err.to_string();
@@ -584,6 +622,9 @@ impl NamespaceWorkers {
         }
         let deadline_ms = self.deadline.as_millis() as u64;
         for group in pending.into_values() {
+            if let Some(first) = group.first() {
+                self.mark_late(first.namespace);
+            }
             let late = |foreign: &ForeignMount| ContainerHealError::Deadline {
                 pid: foreign.pid,
                 namespace: foreign.namespace,
@@ -628,8 +669,12 @@ mod tests {
     }
 
     #[test]
-    fn a_namespace_that_misses_the_deadline_is_given_up_and_sent_nothing_more_until_its_worker_ends() {
+    fn a_namespace_that_misses_the_deadline_is_given_up_sent_nothing_more_and_told_free_when_its_worker_ends() {
         let workers = NamespaceWorkers::new(HealPriority::OFF, Duration::from_millis(50));
+        let (told, free) = mpsc::channel::<u64>();
+        workers.when_free(Box::new(move |namespace| {
+            let _ = told.send(namespace);
+        }));
         let (release, held) = mpsc::channel::<()>();
         let held = Arc::new(Mutex::new(held));
         // Namespace 1's worker is held (as by a FUSE request nobody
@@ -664,14 +709,17 @@ mod tests {
         assert!(second[2].1.is_ok());
         assert_eq!(workers.busy(), 1, "no second worker in the held namespace");
 
-        // Once its worker is let go, the namespace is worked again.
+        assert!(free.try_recv().is_err(), "told free while its worker is held");
+
+        // Once its worker is let go, the heal given up on is told of it,
+        // once, and the namespace is worked again.
         release.send(()).unwrap();
-        while workers.busy() > 0 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        assert_eq!(free.recv_timeout(Duration::from_secs(10)), Ok(1));
+        assert_eq!(workers.busy(), 0);
         release.send(()).unwrap();
         let third = run(&work);
         assert!(third.iter().all(|(_, outcome)| outcome.is_ok()), "{third:?}");
+        assert!(free.try_recv().is_err(), "told free twice, or for a heal not given up on");
     }
 
     /// A namespace with the recorded inode but another ID is one that got a

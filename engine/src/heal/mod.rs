@@ -227,6 +227,11 @@ pub trait Executor {
     /// The watched sources are on `connections` now: the mounts nested in
     /// containers' mounts of them are copied ahead (see [`nested_copies`]).
     fn watch_connections(&mut self, _connections: BTreeSet<Dev>) {}
+
+    /// `notify` hears each namespace (by inode) whose container heal was
+    /// given up on (its worker late, or one still there) once its worker
+    /// ended: the heal can be tried again then.
+    fn when_namespace_free(&mut self, _notify: containers::FreeNotify) {}
 }
 
 /// What a batch's stacks need of each target before the first: the handle
@@ -674,6 +679,10 @@ impl Executor for MountExecutor {
 
     fn watch_connections(&mut self, connections: BTreeSet<Dev>) {
         self.namespaces.watch_connections(connections);
+    }
+
+    fn when_namespace_free(&mut self, notify: containers::FreeNotify) {
+        self.workers.when_free(notify);
     }
 
     fn heal(&mut self, batch: &HealBatch, prepared: Prepared, source: &SourceHandles) -> Vec<TargetOutcome> {
