@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::supervisor::daemons::DaemonWatch;
-use fuse_supervisor_engine::heal::containers::{ForeignHealed, ForeignMount};
+use fuse_supervisor_engine::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::{ProbeOutcome, SourceHandles};
 use fuse_supervisor_engine::heal::{
@@ -68,8 +68,19 @@ impl TableSource for SetTableReader {
 /// One call the loop made to its executor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
-    Prepare { source: PathBuf, targets: Vec<PathBuf> },
-    Heal { source: PathBuf, mount_id: u32, targets: Vec<(PathBuf, PathBuf)> },
+    Prepare {
+        source: PathBuf,
+        targets: Vec<PathBuf>,
+    },
+    Heal {
+        source: PathBuf,
+        mount_id: u32,
+        targets: Vec<(PathBuf, PathBuf)>,
+    },
+    /// Container heals tried again: each mount's namespace and pid.
+    RetryContainers {
+        mounts: Vec<(u64, u32)>,
+    },
 }
 
 /// Records each call; a heal stacks every target (or fails the one named
@@ -131,6 +142,12 @@ impl Executor for RecordingExecutor {
         _live: Option<&fuse_supervisor_engine::heal::probe::SourceHandles>,
     ) -> Vec<ContainerOutcome> {
         std::mem::take(&mut self.containers)
+    }
+
+    fn retry_containers(&mut self, mounts: &[ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
+        let mounts = mounts.iter().map(|foreign| (foreign.namespace, foreign.pid)).collect();
+        lock(&self.calls).push(Call::RetryContainers { mounts });
+        Vec::new()
     }
 }
 
@@ -436,6 +453,31 @@ fn a_target_unmounted_just_before_its_stack_fails_once_and_leaves_with_its_pod()
     assert!(!harness.supervisor.records.contains_key(&pod_b));
 }
 
+/// A container's mount of the dead connection, in namespace `namespace`
+/// through process `pid`.
+fn foreign(pid: u32, namespace: u64) -> ForeignMount {
+    ForeignMount {
+        namespace,
+        pid,
+        mount: FuseMount {
+            mount_id: 99,
+            parent_id: 1,
+            dev: Dev { major: 0, minor: 50 },
+            root: "/".into(),
+            mount_point: "/data".into(),
+            peer_group: None,
+            master: None,
+            fs_type: "fuse.juicefs".into(),
+            source: "JuiceFS:data".into(),
+            table_order: 0,
+        },
+        propagation: Propagation::Private,
+        namespace_id: None,
+        unique_id: None,
+        nested: Default::default(),
+    }
+}
+
 #[test]
 fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
     const ID: &str = "4f1bd2c7e0a94b5f8c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b";
@@ -461,26 +503,6 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
     }];
     kubelet.set_last_listed(PodList { items: vec![pod], ..Default::default() });
     harness.supervisor.kubelet = Some(kubelet);
-    let foreign = |pid: u32, namespace: u64| ForeignMount {
-        namespace,
-        pid,
-        mount: FuseMount {
-            mount_id: 99,
-            parent_id: 1,
-            dev: Dev { major: 0, minor: 50 },
-            root: "/".into(),
-            mount_point: "/data".into(),
-            peer_group: None,
-            master: None,
-            fs_type: "fuse.juicefs".into(),
-            source: "JuiceFS:data".into(),
-            table_order: 0,
-        },
-        propagation: Propagation::Private,
-        namespace_id: None,
-        unique_id: None,
-        nested: Default::default(),
-    };
     harness.supervisor.executor.containers = vec![
         (foreign(4242, 1), Ok(ForeignHealed::Replaced { not_carried: Vec::new() })),
         (foreign(4242, 1), Ok(ForeignHealed::Stacked { why: io::Error::other("busy"), not_carried: Vec::new() })),
@@ -504,4 +526,32 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
         ],
         "the targets' heals first, then each container's, then one report for the pod: {reports:?}"
     );
+}
+
+/// A container heal given up on (its namespace's worker late) is tried
+/// again when the loop hears that worker ended, and not for another
+/// namespace's.
+#[test]
+fn a_container_heal_given_up_on_is_tried_again_once_its_worker_ends() {
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let late = ContainerHealError::Deadline { pid: 4242, namespace: 1, deadline_ms: 1000 };
+    harness.supervisor.executor.containers = vec![(foreign(4242, 1), Err(late))];
+    let (replaced, healed) = harness.replaced_and_healed();
+    harness.supervisor.executor.after_heal = Some(healed);
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    harness.source_answers();
+    let retries = |harness: &Harness| {
+        harness.calls().into_iter().filter(|call| matches!(call, Call::RetryContainers { .. })).collect::<Vec<_>>()
+    };
+    assert!(retries(&harness).is_empty(), "tried again before its worker ended");
+
+    harness.supervisor.retry_given_up(2);
+    assert!(retries(&harness).is_empty(), "tried again for another namespace's worker");
+    harness.supervisor.retry_given_up(1);
+    assert_eq!(retries(&harness), [Call::RetryContainers { mounts: vec![(1, 4242)] }]);
+    harness.supervisor.retry_given_up(1);
+    assert_eq!(retries(&harness).len(), 1, "tried again twice for one given-up heal");
 }
