@@ -187,7 +187,7 @@ impl<E: Executor> Supervisor<E> {
                             attempts: failed_before + 1,
                             retry_at: now,
                         };
-                        self.given_up.insert((namespace, foreign.mount.mount_id), retry);
+                        self.given_up.entry(namespace).or_default().insert(foreign.mount.mount_id, retry);
                     } else {
                         let attempts = failed_before + 1;
                         let retry = ContainerRetry {
@@ -286,11 +286,9 @@ impl<E: Executor> Supervisor<E> {
     /// The worker of `namespace`, where heals were given up on, ended: they
     /// are tried again now.
     pub(super) fn retry_given_up(&mut self, namespace: u64) {
-        let mounts: Vec<(u64, u32)> =
-            self.given_up.range((namespace, 0)..=(namespace, u32::MAX)).map(|(key, _)| *key).collect();
+        let Some(due) = self.given_up.remove(&namespace) else { return };
         let now = Instant::now();
-        let due = mounts.into_iter().filter_map(|key| self.given_up.remove(&key));
-        self.container_retries.extend(due.map(|retry| ContainerRetry { retry_at: now, ..retry }));
+        self.container_retries.extend(due.into_values().map(|retry| ContainerRetry { retry_at: now, ..retry }));
         self.retry_containers();
     }
 

@@ -13,7 +13,6 @@ use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::HealBatch;
 use fuse_supervisor_engine::report::{HealReport, Report, TargetEvent};
 
-use super::targets::Unrecorded;
 use super::{Event, Supervisor, TargetRecord};
 
 impl<E: Executor> Supervisor<E> {
@@ -131,7 +130,7 @@ impl<E: Executor> Supervisor<E> {
                     record.attempts = 0;
                     record.broken_since = None;
                     healed_any = true;
-                    record.unrecorded = Unrecorded::NotProbed;
+                    record.found_dead = false;
                     record.held = None;
                     // The target is now on the source's current mount: record
                     // it at once, since the daemon may die again before the

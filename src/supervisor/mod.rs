@@ -176,6 +176,8 @@ enum Event {
     /// watcher names them.
     TableChanged(Vec<u64>),
     Probed(ProbeReport),
+    /// A probe of a target on a connection no mapping records answered.
+    TargetProbed(ProbeReport),
     Kubelet(Answer),
     Pods(PodChange),
     Daemon(DaemonEvent),
@@ -242,8 +244,8 @@ struct Supervisor<E: Executor> {
     /// Container heals that failed, waiting for their retry.
     container_retries: Vec<containers::ContainerRetry>,
     /// Container heals given up on (their namespace's worker late, or one
-    /// still there), by namespace and mount: tried again once it ends.
-    given_up: BTreeMap<(u64, u32), containers::ContainerRetry>,
+    /// still there), by namespace and mount ID: tried again once it ends.
+    given_up: BTreeMap<u64, BTreeMap<u32, containers::ContainerRetry>>,
     /// Container heals the tenant refused, waiting for its next change.
     refusals: containers::Refusals,
     /// Heals per source, to tell a crash loop.
@@ -310,6 +312,7 @@ impl<E: Executor> Supervisor<E> {
                     }
                 }
                 Ok(Event::Probed(report)) => self.on_probe(report),
+                Ok(Event::TargetProbed(report)) => self.on_target_probe(report),
                 Ok(Event::Kubelet(answer)) => self.on_kubelet(answer),
                 Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::Daemon(event)) => self.on_daemon(event),

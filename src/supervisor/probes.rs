@@ -14,7 +14,6 @@ use fuse_supervisor_engine::model::table::{Classified, Dev, Role};
 use fuse_supervisor_engine::plan::{self, Assessment, HealBatch};
 use fuse_supervisor_engine::watch::mount_table::describe_attached;
 
-use super::targets::Unrecorded;
 use super::{Event, Probed, Supervisor};
 
 impl<E: Executor> Supervisor<E> {
@@ -112,13 +111,13 @@ impl<E: Executor> Supervisor<E> {
         // A probe's word holds while the target is still there, unknown.
         let journal = &self.journal;
         self.records.retain(|path, record| {
-            if record.unrecorded == Unrecorded::Dead {
+            if record.found_dead {
                 let unknown = classified
                     .targets
                     .get(path)
                     .is_some_and(|target| plan::assess(target, journal.get(path), classified) == Assessment::Unknown);
                 if !unknown {
-                    record.unrecorded = Unrecorded::NotProbed;
+                    record.found_dead = false;
                 }
             }
             !record.holds_nothing()
@@ -131,9 +130,9 @@ impl<E: Executor> Supervisor<E> {
             let top = target.stack.top().mount_id;
             match self.executor.open_target(path) {
                 Ok((fd, id)) if id == top => {
-                    self.update_record(path, |record| record.unrecorded = Unrecorded::Probing);
-                    if let Err(err) = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::Probed) {
-                        self.update_record(path, |record| record.unrecorded = Unrecorded::NotProbed);
+                    // Its answer comes as a target's: `on_target_probe`.
+                    let started = self.prober.start(path, id, fd, Vec::new(), self.events.clone(), Event::TargetProbed);
+                    if let Err(err) = started {
                         error!(target = %path.display(), err = %chain(&err), "cannot start probe");
                     }
                 }
@@ -161,6 +160,26 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
+    /// The answer of a probe of a target on a connection no mapping records
+    /// (`probe_unknown_targets`); `report.source` is the target.
+    pub(super) fn on_target_probe(&mut self, report: ProbeReport) {
+        self.prober.finished(&report.source);
+        match report.outcome {
+            // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
+            ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
+                info!(target = %report.source.display(), "target on an unrecorded connection is dead");
+                self.update_record(&report.source, |record| record.found_dead = true);
+                self.rescan();
+            }
+            ProbeOutcome::Failed(err) => {
+                warn!(target = %report.source.display(), err = %chain(&err), "target on an unrecorded connection fails; leaving it")
+            }
+            ProbeOutcome::Live(_) => {
+                warn!(target = %report.source.display(), "target is on a live connection of its own; leaving it")
+            }
+        }
+    }
+
     pub(super) fn on_probe(&mut self, report: ProbeReport) {
         if let Some(dev) = self.sources.update(&report.source, |record| record.probing_unheld.take()) {
             self.prober.finished(&report.source);
@@ -173,27 +192,6 @@ impl<E: Executor> Supervisor<E> {
                 outcome => {
                     let live = matches!(outcome, ProbeOutcome::Live(_));
                     debug!(source = %report.source.display(), connection = %dev, live, "unheld connection is not dead");
-                }
-            }
-            return;
-        }
-        let target_probe =
-            self.records.get(&report.source).is_some_and(|record| record.unrecorded == Unrecorded::Probing);
-        if target_probe {
-            self.update_record(&report.source, |record| record.unrecorded = Unrecorded::NotProbed);
-            self.prober.finished(&report.source);
-            match report.outcome {
-                // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
-                ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
-                    info!(target = %report.source.display(), "target on an unrecorded connection is dead");
-                    self.update_record(&report.source, |record| record.unrecorded = Unrecorded::Dead);
-                    self.rescan();
-                }
-                ProbeOutcome::Failed(err) => {
-                    warn!(target = %report.source.display(), err = %chain(&err), "target on an unrecorded connection fails; leaving it")
-                }
-                ProbeOutcome::Live(_) => {
-                    warn!(target = %report.source.display(), "target is on a live connection of its own; leaving it")
                 }
             }
             return;

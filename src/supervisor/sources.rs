@@ -16,9 +16,6 @@ pub(super) struct SourceRecord {
     /// latency of targets left behind by a replacement starts there. By
     /// device, not mount ID: the kernel reuses a freed mount's ID at once.
     pub(super) seen: Option<(Dev, Instant)>,
-    /// The connection last handed to the executor's watch (mounts nested
-    /// in its containers' copies are copied ahead).
-    pub(super) watched: Option<Dev>,
     /// The batch its running probe was started for, and the table read it
     /// was planned from: healed as it is if the table has not moved on.
     /// With it, the handles its heal takes before the first stack, taken
@@ -41,11 +38,7 @@ pub(super) struct Probed {
 
 impl SourceRecord {
     fn is_empty(&self) -> bool {
-        self.seen.is_none()
-            && self.watched.is_none()
-            && self.probed.is_none()
-            && !self.overdue_reported
-            && self.probing_unheld.is_none()
+        self.seen.is_none() && self.probed.is_none() && !self.overdue_reported && self.probing_unheld.is_none()
     }
 }
 

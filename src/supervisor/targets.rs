@@ -28,30 +28,20 @@ pub(super) struct TargetRecord {
     pub(super) attempts: u32,
     /// When the current outage began; kept through healing and retries.
     pub(super) broken_since: Option<SystemTime>,
-    /// On a connection no mapping records: whether a probe of it runs or
-    /// found it dead.
-    pub(super) unrecorded: Unrecorded,
+    /// On a connection no mapping records, a probe found it dead (ENOTCONN).
+    pub(super) found_dead: bool,
     /// The handle on its stale top, taken when its daemon died.
     pub(super) held: Option<Held>,
 }
 
-/// What a probe said of a target on a connection no mapping records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Unrecorded {
-    NotProbed,
-    Probing,
-    /// ENOTCONN: its connection's daemon is dead.
-    Dead,
-}
-
 impl TargetRecord {
     pub(super) fn new(state: TargetState) -> Self {
-        TargetRecord { state, attempts: 0, broken_since: None, unrecorded: Unrecorded::NotProbed, held: None }
+        TargetRecord { state, attempts: 0, broken_since: None, found_dead: false, held: None }
     }
 
     /// Healthy, and nothing else kept: the record can go.
     pub(super) fn holds_nothing(&self) -> bool {
-        matches!(self.state, TargetState::Healthy) && self.unrecorded == Unrecorded::NotProbed && self.held.is_none()
+        matches!(self.state, TargetState::Healthy) && !self.found_dead && self.held.is_none()
     }
 }
 
@@ -59,12 +49,12 @@ impl<E: Executor> Supervisor<E> {
     /// Whether a probe found `target`, on a connection no mapping records,
     /// dead.
     pub(super) fn found_dead(&self, target: &Path) -> bool {
-        self.records.get(target).is_some_and(|record| record.unrecorded == Unrecorded::Dead)
+        self.records.get(target).is_some_and(|record| record.found_dead)
     }
 
     /// Every target a probe found dead: the plan heals them.
     pub(super) fn found_dead_targets(&self) -> BTreeSet<PathBuf> {
-        let dead = self.records.iter().filter(|(_, record)| record.unrecorded == Unrecorded::Dead);
+        let dead = self.records.iter().filter(|(_, record)| record.found_dead);
         dead.map(|(path, _)| path.clone()).collect()
     }
 
@@ -101,29 +91,24 @@ impl<E: Executor> Supervisor<E> {
         self.scanned_once = true;
         let mut changed = false;
         let scan_started = self.scan_started;
-        // Whether any source's connection changed: only then is the set of
-        // watched connections built again.
-        let mut connections_changed = false;
         self.sources.update_all(|path, record| {
             if !classified.sources.contains_key(path) {
                 record.seen = None;
-                connections_changed |= record.watched.take().is_some();
             }
         });
         for (path, source) in &classified.sources {
             let dev = source.top().dev;
-            connections_changed |= self.sources.update(path, |record| {
+            self.sources.update(path, |record| {
                 if record.seen.is_none_or(|(seen, _)| seen != dev) {
                     record.seen = Some((dev, scan_started));
                 }
-                record.watched.replace(dev) != Some(dev)
             });
             changed |= self.journal.sight_source(path, source.top().mount_id, now);
         }
-        if connections_changed {
-            let connections = classified.sources.values().map(|source| source.top().dev).collect();
-            self.executor.watch_connections(connections);
-        }
+        // New connections only are looked at: the same set again costs a
+        // comparison.
+        let connections = classified.sources.values().map(|source| source.top().dev).collect();
+        self.executor.watch_connections(connections);
         changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
     }
 
@@ -205,18 +190,7 @@ impl<E: Executor> Supervisor<E> {
             let keep = mapping.kind == TargetKind::SourceBind || !gone(&mapping.pod_uid);
             if !keep {
                 info!(target = %target.display(), pod = %mapping.pod_uid, "pod deleted; forgetting target");
-                // A probe of it still running reports to it: only that stays.
-                match records.get(target).map(|record| record.unrecorded) {
-                    Some(Unrecorded::Probing) => {
-                        records.insert(
-                            target.to_path_buf(),
-                            TargetRecord { unrecorded: Unrecorded::Probing, ..TargetRecord::new(TargetState::Healthy) },
-                        );
-                    }
-                    _ => {
-                        records.remove(target);
-                    }
-                }
+                records.remove(target);
             }
             keep
         })
@@ -343,7 +317,7 @@ impl<E: Executor> Supervisor<E> {
                 // its own rules; its outage is over.
                 if let Some(record) = self.records.get_mut(path) {
                     *record = TargetRecord {
-                        unrecorded: record.unrecorded,
+                        found_dead: record.found_dead,
                         held: record.held.take(),
                         ..TargetRecord::new(next)
                     };

@@ -61,35 +61,30 @@ fn test(cargo_args: Vec<OsString>) -> ExitCode {
         eprintln!("xtask: {message}");
         return ExitCode::from(2);
     }
-    let (mut command, cargo) = cargo();
-    match command.args(["test", "--workspace"]).args(&cargo_args).status() {
-        Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(status) => ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).unwrap_or(1)),
-        Err(err) => {
-            eprintln!("xtask: cannot run {}: {err}", cargo.to_string_lossy());
-            ExitCode::FAILURE
-        }
-    }
+    let (mut command, _) = cargo();
+    command.args(["test", "--workspace"]).args(&cargo_args);
+    run(&mut command)
 }
 
 fn demo(demo_args: Vec<OsString>) -> ExitCode {
-    let (mut build, cargo) = cargo();
+    let (mut build, _) = cargo();
     build.args(["build", "--release", "--features", "testbed", "--bin", "fuse-supervisor"]);
     build.args(["--bin", "fuse-supervisor-testbed"]);
-    match build.status() {
-        Ok(status) if status.success() => {}
-        Ok(_) => return ExitCode::FAILURE,
-        Err(err) => {
-            eprintln!("xtask: cannot run {}: {err}", cargo.to_string_lossy());
-            return ExitCode::FAILURE;
-        }
+    let built = run(&mut build);
+    if built != ExitCode::SUCCESS {
+        return built;
     }
-    let testbed = stress::workspace_root().join("target/release/fuse-supervisor-testbed");
-    match Command::new(&testbed).arg("demo").args(&demo_args).status() {
+    let target = env::var_os("CARGO_TARGET_DIR").map_or_else(|| stress::workspace_root().join("target"), Into::into);
+    run(Command::new(target.join("release/fuse-supervisor-testbed")).arg("demo").args(&demo_args))
+}
+
+/// Runs `command` and exits as it did.
+fn run(command: &mut Command) -> ExitCode {
+    match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(_) => ExitCode::FAILURE,
+        Ok(status) => ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).unwrap_or(1)),
         Err(err) => {
-            eprintln!("xtask: cannot run {}: {err}", testbed.display());
+            eprintln!("xtask: cannot run {}: {err}", command.get_program().to_string_lossy());
             ExitCode::FAILURE
         }
     }

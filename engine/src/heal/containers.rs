@@ -449,13 +449,18 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(1);
 pub struct NamespaceWorkers {
     priority: HealPriority,
     deadline: Duration,
-    /// Namespaces (by inode) a worker is in now.
-    busy: Arc<Mutex<BTreeSet<u64>>>,
-    /// Namespaces whose heal was given up on (its worker late, or one still
-    /// there): told to `when_free` once their worker ends, so that the heal
-    /// is tried again then rather than at the source's next heal.
-    late: Arc<Mutex<BTreeSet<u64>>>,
+    occupied: Arc<Mutex<Occupied>>,
     when_free: Arc<OnceLock<FreeNotify>>,
+}
+
+/// The namespaces (by inode) a worker is in now, and those of them whose
+/// heal was given up on (the worker late, or one still there): `when_free`
+/// hears of these once their worker ends, so that the heal is tried again
+/// then rather than at the source's next heal.
+#[derive(Debug, Default)]
+struct Occupied {
+    busy: BTreeSet<u64>,
+    late: BTreeSet<u64>,
 }
 
 /// Hears a namespace (by inode) whose given-up heal can be tried again.
@@ -463,19 +468,27 @@ pub type FreeNotify = Box<dyn Fn(u64) + Send + Sync>;
 
 impl std::fmt::Debug for NamespaceWorkers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NamespaceWorkers").field("deadline", &self.deadline).field("busy", &self.busy).finish()
+        f.debug_struct("NamespaceWorkers").field("deadline", &self.deadline).field("occupied", &self.occupied).finish()
     }
 }
 
-/// Takes a namespace off the busy list when its worker ends, panicking or not.
+/// Takes a namespace off the busy list when its worker ends, panicking or
+/// not, and tells `when_free` if its heal was given up on.
 struct BusyUntilDropped {
-    busy: Arc<Mutex<BTreeSet<u64>>>,
+    workers: NamespaceWorkers,
     namespace: u64,
 }
 
 impl Drop for BusyUntilDropped {
     fn drop(&mut self) {
-        self.busy.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.namespace);
+        let late = {
+            let mut occupied = self.workers.occupied();
+            occupied.busy.remove(&self.namespace);
+            occupied.late.remove(&self.namespace)
+        };
+        if late {
+            self.workers.tell_free(self.namespace);
+        }
     }
 }
 
@@ -490,7 +503,7 @@ enum Unstarted {
 
 impl NamespaceWorkers {
     pub fn new(priority: HealPriority, deadline: Duration) -> Self {
-        NamespaceWorkers { priority, deadline, busy: Arc::default(), late: Arc::default(), when_free: Arc::default() }
+        NamespaceWorkers { priority, deadline, occupied: Arc::default(), when_free: Arc::default() }
     }
 
     /// `notify` hears each namespace whose given-up heal can be tried again:
@@ -499,17 +512,24 @@ impl NamespaceWorkers {
         let _ = self.when_free.set(notify);
     }
 
+    fn occupied(&self) -> std::sync::MutexGuard<'_, Occupied> {
+        self.occupied.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The heal in `namespace` was given up on: tried again once its worker
+    /// ends, or now if it ended meanwhile.
     fn mark_late(&self, namespace: u64) {
-        self.late.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace);
-        // Its worker may have ended meanwhile: it told nobody then.
-        if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).contains(&namespace) {
-            self.tell_free(namespace);
+        let mut occupied = self.occupied();
+        if occupied.busy.contains(&namespace) {
+            occupied.late.insert(namespace);
+            return;
         }
+        drop(occupied);
+        self.tell_free(namespace);
     }
 
     fn tell_free(&self, namespace: u64) {
-        let was_late = self.late.lock().unwrap_or_else(PoisonError::into_inner).remove(&namespace);
-        if let Some(notify) = self.when_free.get().filter(|_| was_late) {
+        if let Some(notify) = self.when_free.get() {
             notify(namespace);
         }
     }
@@ -520,7 +540,7 @@ impl NamespaceWorkers {
 
     /// How many namespaces hold a worker now (each at most one).
     pub fn busy(&self) -> usize {
-        self.busy.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.occupied().busy.len()
     }
 
     /// Starts `work` on a worker of `namespace` unless one is there
@@ -532,12 +552,11 @@ impl NamespaceWorkers {
         W: FnOnce() -> Then + Send + 'static,
         Then: FnOnce(),
     {
-        if !self.busy.lock().unwrap_or_else(PoisonError::into_inner).insert(namespace) {
+        if !self.occupied().busy.insert(namespace) {
             return Err(Unstarted::StillHeld);
         }
-        let leaving = BusyUntilDropped { busy: Arc::clone(&self.busy), namespace };
+        let leaving = BusyUntilDropped { workers: self.clone(), namespace };
         let priority = self.priority;
-        let workers = self.clone();
         // The worker's lines read as part of what sent it (a heal, a death).
         let span = tracing::info_span!("namespace", namespace);
         std::thread::Builder::new()
@@ -548,7 +567,6 @@ impl NamespaceWorkers {
                 let then = work();
                 drop(leaving);
                 then();
-                workers.tell_free(namespace);
             })
             .map(drop)
             .map_err(Unstarted::Thread)
