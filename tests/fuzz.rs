@@ -4,8 +4,7 @@
 //! prints back to the same mount, a malformed line never hides the others'
 //! mounts, no pod of a PodList is dropped without being named, a state file
 //! that loads saves back to itself, and every error names the input and
-//! where in it. The kubelet's HTTP framing is fuzzed beside its code
-//! (`kube::http`'s unit tests), being private.
+//! where in it. The kubelet's HTTP framing is hyper's.
 //!
 //! `FUZZ_CASES` mutants per target (3,000 by default: a few seconds in
 //! all); a long run: `FUZZ_CASES=1000000 cargo test --release --test fuzz

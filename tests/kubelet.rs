@@ -2,7 +2,7 @@
 //! and every fault gives its own clear error.
 use std::fs;
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use fuse_supervisor::events::PodNames;
@@ -221,9 +221,36 @@ fn a_dropped_connection_is_a_retryable_protocol_error() {
     node.kubelet.set_fault(Some(Fault::Close));
     let err = node.client().pods().unwrap_err();
     assert!(matches!(err, KubeletError::Protocol { .. }), "{err:?}");
-    assert!(chain(&err).contains("closed at byte 0, before the response headers"), "{}", chain(&err));
+    assert!(chain(&err).contains("closed before the response was complete"), "{}", chain(&err));
     assert!(err.is_retryable());
     assert_eq!(node.kubelet.requests(), 1);
+}
+
+#[test]
+fn a_body_cut_short_is_a_retryable_protocol_error() {
+    let node = Node::start();
+    node.kubelet.set_pods(full_node_pods(20));
+    node.kubelet.set_fault(Some(Fault::CutShort));
+    let err = node.client().pods().unwrap_err();
+    assert!(matches!(err, KubeletError::Protocol { .. }), "{err:?}");
+    assert!(chain(&err).contains("closed before the response was complete"), "{}", chain(&err));
+    assert!(err.is_retryable());
+}
+
+/// The responses that once fooled the client (`fixtures/fuzz/http-framing`).
+#[test]
+fn every_framing_regression_case_is_a_protocol_error() {
+    let node = Node::start();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/fuzz/http-framing");
+    let mut cases = 0;
+    for entry in fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        node.kubelet.set_fault(Some(Fault::Raw(fs::read(&path).unwrap())));
+        let err = node.client().pods().unwrap_err();
+        assert!(matches!(err, KubeletError::Protocol { .. }), "{}: {err:?}", path.display());
+        cases += 1;
+    }
+    assert!(cases > 0, "no case in {}", dir.display());
 }
 
 #[test]

@@ -52,6 +52,11 @@ pub enum Fault {
     Malformed,
     /// Read the request, then close without answering.
     Close,
+    /// Send the head with the whole body's `Content-Length` and half the
+    /// body, then close the connection cleanly (with close_notify).
+    CutShort,
+    /// Send these bytes as the whole response, then close cleanly.
+    Raw(Vec<u8>),
 }
 
 #[derive(Default)]
@@ -298,6 +303,11 @@ fn respond(sock: TcpStream, config: Arc<ServerConfig>, shared: &Shared) -> io::R
             Some(Fault::Malformed) => write_response(&mut tls, 200, "application/json", MALFORMED_BODY.as_bytes())?,
             // Dropped without close_notify, as a crashing kubelet would.
             Some(Fault::Close) => return Ok(()),
+            Some(Fault::CutShort) => {
+                write!(tls, "{}", head(200, "application/json", Some(pods.len())))?;
+                tls.write_all(&pods[..pods.len() / 2])?;
+            }
+            Some(Fault::Raw(bytes)) => tls.write_all(&bytes)?,
         }
     }
     tls.conn.send_close_notify();

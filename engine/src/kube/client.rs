@@ -1,32 +1,38 @@
 //! A blocking client for the one kubelet call fuse-supervisor makes:
 //! `GET https://<node>:10250/pods`.
 //!
-//! Why rustls over a `TcpStream` and a small HTTP/1.1 exchange, not ureq:
-//! pinning needs a verifier that accepts exactly one serving certificate
-//! (kubelets with self-signed certificates are common), and ureq 3's TLS
-//! settings take root certificates or no verification, not a custom rustls
-//! verifier, short of writing our own connector on its unversioned transport
-//! API. What is left to write is small: one request with `Connection: close`,
-//! a response framed by `Content-Length` or chunks (what Go's net/http sends;
-//! see `http.rs`), and one deadline over every socket operation so that the
-//! read timeout bounds the whole response, not each read. rustls runs on the
-//! ring provider, which builds without cmake.
+//! hyper's HTTP/1.1 client over tokio-rustls, on a current-thread runtime
+//! made for each call (calls are rare: a restart to confirm, a Job's pods, a
+//! pod's name for an Event). Not kube's client: pinning needs a verifier
+//! that accepts exactly one serving certificate (kubelets with self-signed
+//! certificates are common), which is a rustls `ServerCertVerifier` here
+//! ([`super::tls::ExactCert`]), and the kubelet is no API server. One
+//! deadline bounds the connect, another the handshake, and a third the
+//! whole exchange after it, body included, however slowly its bytes come.
+//! rustls runs on the ring provider, which builds without cmake.
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
-use std::io::{self, BufReader};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, CONNECTION, HOST, USER_AGENT};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use rustls::{CertificateError, ClientConfig, ClientConnection, RootCertStore};
+use rustls::{CertificateError, ClientConfig, RootCertStore};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 use tracing::{debug, warn};
 
-use super::http::{self, HttpError};
 use super::pods::{ParseError, PodList, SkippedPod};
-use super::tls::{ExactCert, TlsStream, read_certs};
+use super::tls::{ExactCert, read_certs};
 
 /// Where a pod's service-account token is mounted.
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
@@ -38,6 +44,8 @@ pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_BODY: usize = 64 * 1024 * 1024;
 /// How much of an error response's body goes into the error message.
 const SNIPPET: usize = 200;
+/// How much of an error response's body is read, to explain its status.
+const ERROR_BODY: usize = 64 * 1024;
 
 #[derive(Clone, Debug)]
 pub struct KubeletConfig {
@@ -202,12 +210,26 @@ pub enum KubeletError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot start the runtime that calls the kubelet")]
+    Runtime(#[source] io::Error),
 }
 
 /// What was wrong with an HTTP response (opaque; see its message).
 #[derive(Debug, thiserror::Error)]
 #[error(transparent)]
-pub struct HttpProblem(HttpError);
+pub struct HttpProblem(Problem);
+
+#[derive(Debug, thiserror::Error)]
+enum Problem {
+    #[error(transparent)]
+    Http(hyper::Error),
+    /// Also without TLS's close_notify, which the kubelet sends before it
+    /// closes: a connection that ends early was dropped.
+    #[error("the connection closed before the response was complete")]
+    ClosedEarly(#[source] hyper::Error),
+    #[error("the body is larger than {limit} bytes")]
+    TooLarge { limit: usize },
+}
 
 impl KubeletError {
     /// Whether calling again later may succeed without anyone changing the
@@ -220,7 +242,8 @@ impl KubeletError {
             | Self::Connect { .. }
             | Self::Timeout { .. }
             | Self::Protocol { .. }
-            | Self::Read { .. } => true,
+            | Self::Read { .. }
+            | Self::Runtime(_) => true,
             Self::Status { code, .. } => *code >= 500 || *code == 429 || *code == 408,
             Self::ReadTrust { .. }
             | Self::NoCa { .. }
@@ -253,7 +276,8 @@ impl KubeletError {
             | Self::Tls { .. }
             | Self::Protocol { .. }
             | Self::Read { .. }
-            | Self::Token { .. } => None,
+            | Self::Token { .. }
+            | Self::Runtime(_) => None,
         }
     }
 }
@@ -331,32 +355,60 @@ impl KubeletClient {
     /// `GET /pods`: every pod bound to this node, as the kubelet knows it.
     pub fn pods(&self) -> Result<PodList, KubeletError> {
         let token = self.config.token_file.as_deref().map(read_token).transpose()?;
-        let mut stream = self.connect()?;
-        let mut request = format!(
-            "GET /pods HTTP/1.1\r\nHost: {}\r\nUser-Agent: fuse-supervisor/{}\r\nAccept: application/json\r\n\
-             Connection: close\r\n",
-            self.addr,
-            env!("CARGO_PKG_VERSION")
-        );
-        if let Some(token) = &token {
-            request.push_str(&format!("Authorization: Bearer {token}\r\n"));
-        }
-        request.push_str("\r\n");
-
-        stream.deadline = Instant::now() + self.config.read_timeout;
-        stream.send(request.as_bytes()).map_err(|err| self.io_error(err, TimeoutPhase::Response))?;
-        let mut reader = BufReader::with_capacity(64 * 1024, stream);
-        let head = http::read_head(&mut reader).map_err(|err| self.http_error(err))?;
-        if head.status != 200 {
-            // The body only explains the status; a broken one does not matter.
-            let body = http::read_body(&mut reader, &head, 64 * 1024).unwrap_or_default();
-            return Err(self.status_error(head.status, &body));
-        }
-        let body = http::read_body(&mut reader, &head, MAX_BODY).map_err(|err| self.http_error(err))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(KubeletError::Runtime)?;
+        let body = runtime.block_on(self.fetch_pods(token.as_deref()))?;
         let list =
             PodList::from_slice(&body).map_err(|source| KubeletError::Body { addr: self.addr.clone(), source })?;
         self.report_skipped(&list.skipped);
         Ok(list)
+    }
+
+    /// Connects, then sends the request and reads the whole answer within
+    /// the read timeout.
+    async fn fetch_pods(&self, token: Option<&str>) -> Result<Bytes, KubeletError> {
+        let stream = self.connect().await?;
+        let limit = self.config.read_timeout;
+        tokio::time::timeout(limit, self.exchange(stream, token)).await.map_err(|_| KubeletError::Timeout {
+            addr: self.addr.clone(),
+            phase: TimeoutPhase::Response,
+            limit,
+        })?
+    }
+
+    async fn exchange(&self, stream: TlsStream<TcpStream>, token: Option<&str>) -> Result<Bytes, KubeletError> {
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|err| self.http_error(err))?;
+        // Dropped with the runtime when the call ends, whatever state it is in.
+        tokio::spawn(connection);
+        let mut request = http::Request::get("/pods")
+            .header(HOST, &self.addr)
+            .header(USER_AGENT, concat!("fuse-supervisor/", env!("CARGO_PKG_VERSION")))
+            .header(ACCEPT, "application/json")
+            .header(CONNECTION, "close");
+        if let Some(token) = token {
+            request = request.header(AUTHORIZATION, format!("Bearer {token}"));
+        }
+        // The host was checked as a server name and the token as printable
+        // ASCII: no header value here can be refused.
+        let request = request.body(Empty::<Bytes>::new()).map_err(|err| KubeletError::Read {
+            addr: self.addr.clone(),
+            source: io::Error::new(io::ErrorKind::InvalidInput, err),
+        })?;
+        let response = sender.send_request(request).await.map_err(|err| self.http_error(err))?;
+        let status = response.status().as_u16();
+        if status != 200 {
+            // The body only explains the status; a broken one does not matter.
+            let body = collect(response.into_body(), ERROR_BODY).await.unwrap_or_default();
+            return Err(self.status_error(status, &body));
+        }
+        collect(response.into_body(), MAX_BODY).await.map_err(|err| match err {
+            Problem::Http(err) => self.http_error(err),
+            problem => KubeletError::Protocol { addr: self.addr.clone(), source: HttpProblem(problem) },
+        })
     }
 
     /// Names the pods the list left out: a warning the first time, debug
@@ -386,36 +438,32 @@ impl KubeletClient {
     }
 
     /// TCP connect and TLS handshake, each within the connect timeout.
-    fn connect(&self) -> Result<TlsStream, KubeletError> {
+    async fn connect(&self) -> Result<TlsStream<TcpStream>, KubeletError> {
         let addrs: Vec<SocketAddr> = (self.config.host.as_str(), self.config.port)
             .to_socket_addrs()
             .map_err(|source| KubeletError::Resolve { host: self.config.host.clone(), source })?
             .collect();
-        let deadline = Instant::now() + self.config.connect_timeout;
-        let mut last = io::Error::new(io::ErrorKind::NotFound, "the host resolved to no address");
-        let mut sock = None;
-        for addr in addrs {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                last = io::ErrorKind::TimedOut.into();
-                break;
-            }
-            match TcpStream::connect_timeout(&addr, left) {
-                Ok(connected) => {
-                    sock = Some(connected);
-                    break;
+        let limit = self.config.connect_timeout;
+        let connected = tokio::time::timeout(limit, async {
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "the host resolved to no address");
+            for addr in addrs {
+                match TcpStream::connect(addr).await {
+                    Ok(sock) => return Ok(sock),
+                    Err(err) => last = err,
                 }
-                Err(err) => last = err,
             }
-        }
-        let sock = sock.ok_or_else(|| self.io_error(last, TimeoutPhase::Connect))?;
+            Err(last)
+        })
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()));
+        let sock = connected.map_err(|err| self.io_error(err, TimeoutPhase::Connect))?;
         // One small request; do not wait to coalesce it.
         let _ = sock.set_nodelay(true);
-        let conn = ClientConnection::new(self.tls.clone(), self.server_name.clone())
-            .map_err(|err| KubeletError::TlsSetup(Box::new(err)))?;
-        let mut stream = TlsStream { conn, sock, deadline: Instant::now() + self.config.connect_timeout };
-        stream.handshake().map_err(|err| self.io_error(err, TimeoutPhase::Tls))?;
-        Ok(stream)
+        let handshake = TlsConnector::from(self.tls.clone()).connect(self.server_name.clone(), sock);
+        match tokio::time::timeout(limit, handshake).await {
+            Ok(stream) => stream.map_err(|err| self.io_error(err, TimeoutPhase::Tls)),
+            Err(_) => Err(self.io_error(io::ErrorKind::TimedOut.into(), TimeoutPhase::Tls)),
+        }
     }
 
     fn io_error(&self, err: io::Error, phase: TimeoutPhase) -> KubeletError {
@@ -438,11 +486,17 @@ impl KubeletClient {
         }
     }
 
-    fn http_error(&self, err: HttpError) -> KubeletError {
-        match err {
-            HttpError::Io(err) => self.io_error(err, TimeoutPhase::Response),
-            other => KubeletError::Protocol { addr: self.addr.clone(), source: HttpProblem(other) },
-        }
+    /// A response cut short or not HTTP as it should be is a protocol
+    /// error; another failure of the socket under hyper, a failed read.
+    fn http_error(&self, err: hyper::Error) -> KubeletError {
+        let addr = self.addr.clone();
+        let problem = match io_cause(&err) {
+            _ if err.is_incomplete_message() => Problem::ClosedEarly(err),
+            Some(io::ErrorKind::UnexpectedEof) => Problem::ClosedEarly(err),
+            Some(kind) => return KubeletError::Read { addr, source: io::Error::new(kind, err) },
+            None => Problem::Http(err),
+        };
+        KubeletError::Protocol { addr, source: HttpProblem(problem) }
     }
 
     fn status_error(&self, code: u16, body: &[u8]) -> KubeletError {
@@ -505,6 +559,30 @@ fn snippet(body: &[u8]) -> String {
         Some((cut, _)) => format!("{}…", &text[..cut]),
         None => text,
     }
+}
+
+/// A whole body, refusing more than `limit` bytes.
+async fn collect(body: Incoming, limit: usize) -> Result<Bytes, Problem> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) => match err.downcast::<hyper::Error>() {
+            Ok(err) => Err(Problem::Http(*err)),
+            // Limited's error is the body's (hyper's) or its own limit.
+            Err(_) => Err(Problem::TooLarge { limit }),
+        },
+    }
+}
+
+/// The kind of the socket error under a hyper error, if one is.
+fn io_cause(err: &hyper::Error) -> Option<io::ErrorKind> {
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            return Some(io.kind());
+        }
+        source = cause.source();
+    }
+    None
 }
 
 #[cfg(test)]

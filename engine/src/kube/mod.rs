@@ -4,7 +4,6 @@
 mod asker;
 pub mod cgroup;
 mod client;
-mod http;
 mod kubelet;
 pub mod pods;
 mod tls;
