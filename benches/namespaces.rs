@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use fuse_supervisor_engine::heal::namespaces::{Namespaces, walk};
 use fuse_supervisor_engine::heal::priority::HealActivity;
 use fuse_supervisor_engine::model::table::Dev;
+use fuse_supervisor_engine::watch::processes::{ConnectorOptions, ProcessConnector};
 use fuse_supervisor_testbed::Sandbox;
 use fuse_supervisor_testbed::system;
 
@@ -77,7 +78,8 @@ fn main() {
 
     let kept = Namespaces::new(Path::new("/proc"));
     let started = Instant::now();
-    let keeper = kept.keep(None, Arc::new(HealActivity::default())).expect("subscribe to the process connector");
+    let connector = ProcessConnector::open(ConnectorOptions::default()).expect("subscribe to the process connector");
+    let keeper = kept.keep(&connector, Arc::new(HealActivity::default())).expect("keep the namespaces");
     wait("the first walk", || kept.is_kept());
     println!("  first walk, keeper started → kept        {:.1} ms ({} namespaces)", ms(started.elapsed()), kept.len());
 

@@ -15,7 +15,9 @@
 //! 2. CPU of the proc-connector watcher thread (`schedstat` on-CPU time)
 //!    while the bench forks and reaps `/bin/true` at a steady rate: without
 //!    the kernel filter, with it (exit + exec, the default), with exit only,
-//!    and with no load (what the rest of the machine costs it meanwhile).
+//!    and with no load (what the rest of the machine costs it meanwhile);
+//!    then the daemons' watcher beside a second that takes every exec (the
+//!    namespace keeper), on one shared connector and on two.
 //!
 //! Every flag is also an environment variable (`PROCESS_WATCH_BENCH_RATE`…).
 //! Needs root (and /dev/fuse for the daemons).
@@ -27,7 +29,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_engine::watch::processes::{
-    ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatcher,
+    ConnectorOptions, EventSink, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessConnector, ProcessEvent,
+    ProcessId, ProcessWatcher, Subscription,
 };
 use fuse_supervisor_testbed::Sandbox;
 use fuse_supervisor_testbed::scenario::{Daemon, FuseSource};
@@ -79,7 +82,8 @@ impl Kind {
         let sink = Box::new(move |event| events.send(event).is_ok());
         let watcher: Box<dyn ProcessWatcher> = match self {
             Kind::Connector => {
-                Box::new(ProcConnectorWatcher::start(ConnectorOptions::default(), sink).expect("subscribe"))
+                let watcher = ProcConnectorWatcher::start(ConnectorOptions::default(), Subscription::default(), sink);
+                Box::new(watcher.expect("subscribe"))
             }
             Kind::Pidfd => Box::new(PidfdWatcher::start(PathBuf::from("/proc"), sink).expect("pidfd watcher")),
         };
@@ -173,15 +177,21 @@ fn daemon_latency(kind: Kind, kills: usize) {
 
 /// On-CPU nanoseconds of this process's thread named `name`. A thread names
 /// itself once it runs, so a just-started one is waited for a little.
+/// The on-CPU time of every thread named `name`, added up.
 fn thread_cpu_ns(name: &str) -> u64 {
     for _ in 0..100 {
         let tasks = std::fs::read_dir("/proc/self/task").expect("list threads");
+        let mut found = None;
         for task in tasks.map_while(Result::ok) {
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
             if comm.trim() == name {
                 let schedstat = std::fs::read_to_string(task.path().join("schedstat")).expect("schedstat");
-                return schedstat.split_whitespace().next().and_then(|ns| ns.parse().ok()).expect("on-CPU time");
+                let ns: u64 = schedstat.split_whitespace().next().and_then(|ns| ns.parse().ok()).expect("on-CPU time");
+                *found.get_or_insert(0) += ns;
             }
+        }
+        if let Some(ns) = found {
+            return ns;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -225,16 +235,22 @@ struct Load {
     kernel_filter: bool,
     exec: ExecReports,
     rate: u64,
+    /// A second watcher of every exec, as the namespace keeper is beside
+    /// the daemons' watcher: on the same connector (true) or its own.
+    second: Option<bool>,
 }
 
 fn connector_cpu(load: &Load, window: Duration) {
     let lost = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&lost);
     let ready = Arc::new(Barrier::new(2));
-    let options =
-        ConnectorOptions { kernel_filter: load.kernel_filter, exec: load.exec, ..ConnectorOptions::default() };
-    let watcher = ProcConnectorWatcher::start(
-        options,
+    let options = ConnectorOptions {
+        kernel_filter: load.kernel_filter,
+        execs: load.exec != ExecReports::Off || load.second.is_some(),
+        ..ConnectorOptions::default()
+    };
+    let sink = move || -> EventSink {
+        let counter = Arc::clone(&counter);
         Box::new(move |event| {
             match event {
                 ProcessEvent::Lost => {
@@ -244,9 +260,20 @@ fn connector_cpu(load: &Load, window: Duration) {
                 _ => {}
             }
             true
-        }),
-    )
-    .expect("subscribe");
+        })
+    };
+    let connector = ProcessConnector::open(options.clone()).expect("subscribe");
+    let watcher = connector.watcher(Subscription { exec: load.exec, batch_window: None }, sink());
+    let every_exec = Subscription { exec: ExecReports::All, batch_window: None };
+    let second = match load.second {
+        None => None,
+        Some(true) => Some(connector.watcher(every_exec, sink())),
+        Some(false) => Some(ProcConnectorWatcher::start(options, every_exec, sink()).expect("subscribe")),
+    };
+    let decoded = || {
+        let own = second.as_ref().filter(|_| load.second == Some(false));
+        connector.events_decoded() + own.map_or(0, |watcher| watcher.connector().events_decoded())
+    };
     // One watched process, as a supervisor would have: its daemon.
     let mut daemon = Command::new("sleep").arg("1000").stdin(Stdio::null()).spawn().expect("spawn sleep");
     watcher.watch(ProcessId::of(Path::new("/proc"), daemon.id()).expect("identity")).expect("watch");
@@ -262,21 +289,21 @@ fn connector_cpu(load: &Load, window: Duration) {
         }
     });
     let before = thread_cpu_ns("procwatch");
-    let decoded_before = watcher.events_decoded();
+    let decoded_before = decoded();
     let opened = Instant::now();
     ready.wait();
     let spawned = generator.join().expect("generator");
     // Let the watcher drain what is queued before reading its clock.
     std::thread::sleep(Duration::from_millis(200));
     let cpu = Duration::from_nanos(thread_cpu_ns("procwatch") - before);
-    let decoded = watcher.events_decoded() - decoded_before;
+    let decoded = decoded() - decoded_before;
     let elapsed = opened.elapsed();
     let per_event =
         if decoded > 0 { format!("{:.2} µs", cpu.as_secs_f64() * 1e6 / decoded as f64) } else { "-".to_owned() };
     println!(
         "{:<42} filter {:<5} {:>6} processes ({:>5.0}/s)  {:>7} events decoded  watcher CPU {:>7.1} ms = {:>5.2} % of a core  {per_event:>8}/event  lost {}",
         load.label,
-        watcher.kernel_filter(),
+        connector.kernel_filter(),
         spawned,
         spawned as f64 / window.as_secs_f64(),
         decoded,
@@ -286,6 +313,7 @@ fn connector_cpu(load: &Load, window: Duration) {
     );
     let _ = daemon.kill();
     let _ = daemon.wait();
+    drop(second);
 }
 
 fn main() {
@@ -303,19 +331,47 @@ fn main() {
         options.rate
     );
     let loads = [
-        Load { label: "no load (the rest of the machine)", kernel_filter: true, exec: ExecReports::Watched, rate: 0 },
-        Load { label: "churn, no kernel filter", kernel_filter: false, exec: ExecReports::Watched, rate: options.rate },
+        Load {
+            label: "no load (the rest of the machine)",
+            kernel_filter: true,
+            exec: ExecReports::Watched,
+            rate: 0,
+            second: None,
+        },
+        Load {
+            label: "churn, no kernel filter",
+            kernel_filter: false,
+            exec: ExecReports::Watched,
+            rate: options.rate,
+            second: None,
+        },
         Load {
             label: "churn, kernel filter exit+exec (default)",
             kernel_filter: true,
             exec: ExecReports::Watched,
             rate: options.rate,
+            second: None,
         },
         Load {
             label: "churn, kernel filter exit only",
             kernel_filter: true,
             exec: ExecReports::Off,
             rate: options.rate,
+            second: None,
+        },
+        Load {
+            label: "churn, + every exec's watcher, one socket",
+            kernel_filter: true,
+            exec: ExecReports::All,
+            rate: options.rate,
+            second: Some(true),
+        },
+        Load {
+            label: "churn, + every exec's watcher, two sockets",
+            kernel_filter: true,
+            exec: ExecReports::All,
+            rate: options.rate,
+            second: Some(false),
         },
     ];
     // Twice, interleaved: the rest of the machine (other builds) is noise.

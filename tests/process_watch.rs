@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_engine::watch::processes::fuse_server::{FuseServers, MatchedBy, MountDevice};
 use fuse_supervisor_engine::watch::processes::{
-    ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
-    ProcessWatchError, ProcessWatcher,
+    ConnectorOptions, Detection, ExecReports, ExitStatus, PidfdWatcher, ProcConnectorWatcher, ProcessConnector,
+    ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher, Subscription,
 };
 use fuse_supervisor_testbed::scenario::{Daemon, FuseSource};
 use fuse_supervisor_testbed::{Sandbox, system};
@@ -36,7 +36,9 @@ fn start(kind: Kind) -> (Box<dyn ProcessWatcher>, Receiver<ProcessEvent>) {
     let (events, inbox) = mpsc::channel();
     let sink = Box::new(move |event| events.send(event).is_ok());
     let watcher: Box<dyn ProcessWatcher> = match kind {
-        Kind::Connector => Box::new(ProcConnectorWatcher::start(ConnectorOptions::default(), sink).expect("subscribe")),
+        Kind::Connector => Box::new(
+            ProcConnectorWatcher::start(ConnectorOptions::default(), Subscription::default(), sink).expect("subscribe"),
+        ),
         Kind::Pidfd => Box::new(PidfdWatcher::start(proc_root(), sink).expect("pidfd watcher")),
     };
     (watcher, inbox)
@@ -191,9 +193,10 @@ fn lost_events_resync_reports_a_daemon_killed_during_a_burst() {
         delivered
     });
     // The kernel raises a tiny request to its minimum (a few events' worth).
-    let options = ConnectorOptions { receive_buffer: Some(1), exec: ExecReports::Off, ..ConnectorOptions::default() };
-    let watcher = ProcConnectorWatcher::start(options, sink).expect("subscribe");
-    assert!(watcher.kernel_filter());
+    let options = ConnectorOptions { receive_buffer: Some(1), execs: false, ..ConnectorOptions::default() };
+    let subscription = Subscription { exec: ExecReports::Off, batch_window: None };
+    let watcher = ProcConnectorWatcher::start(options, subscription, sink).expect("subscribe");
+    assert!(watcher.connector().kernel_filter());
     watcher.watch(gate_id).unwrap();
     watcher.watch(daemon).unwrap();
 
@@ -401,7 +404,9 @@ fn proc_connector_outside_the_host_namespaces_names_what_is_missing() {
     const NAME: &str = "proc_connector_outside_the_host_namespaces_names_what_is_missing";
     if let Ok(expected) = std::env::var(CHILD_MODE) {
         let options = ConnectorOptions { ack_timeout: Duration::from_millis(500), ..ConnectorOptions::default() };
-        let err = ProcConnectorWatcher::start(options, Box::new(|_| true)).err().expect("the subscription must fail");
+        let err = ProcConnectorWatcher::start(options, Subscription::default(), Box::new(|_| true))
+            .err()
+            .expect("the subscription must fail");
         println!("error: {err}");
         assert!(err.to_string().contains(&expected), "{err}");
         return;
@@ -431,10 +436,11 @@ fn proc_connector_subscribes_through_the_hosts_network_namespace() {
         let expected = proc_root.path().join("1/ns/net");
         assert_eq!(host.as_deref(), Some(expected.as_path()), "in a network namespace of its own");
         let (send, events) = mpsc::channel();
-        let options =
-            ConnectorOptions { exec: ExecReports::All, network_namespace: host, ..ConnectorOptions::default() };
-        let watcher = ProcConnectorWatcher::start(options, Box::new(move |event| send.send(event).is_ok()))
-            .expect("subscribed from the host's network namespace");
+        let options = ConnectorOptions { network_namespace: host, ..ConnectorOptions::default() };
+        let subscription = Subscription { exec: ExecReports::All, batch_window: None };
+        let watcher =
+            ProcConnectorWatcher::start(options, subscription, Box::new(move |event| send.send(event).is_ok()))
+                .expect("subscribed from the host's network namespace");
         let mut child = Process::spawn("true", &[]);
         let pid = child.0.id();
         let deadline = Instant::now() + EVENT_TIMEOUT;
@@ -452,4 +458,58 @@ fn proc_connector_subscribes_through_the_hosts_network_namespace() {
     }
     let stdout = run_in_child(NAME, &["--net"], "host");
     assert!(stdout.contains("subscribed"), "{stdout}");
+}
+
+/// The agent's process watchers (the daemons', the namespace keeper's, a
+/// Job's) share one connector: each gets the exits of its own pids and the
+/// execs it asked for, a batching watcher does not delay the others, and
+/// one dropped leaves the rest watching.
+#[test]
+fn watchers_of_one_connector_each_get_their_own_events() {
+    const WINDOW: Duration = Duration::from_secs(5);
+    let connector = ProcessConnector::open(ConnectorOptions::default()).expect("subscribe");
+    let watcher_of = |subscription| {
+        let (events, inbox) = mpsc::channel();
+        (connector.watcher(subscription, Box::new(move |event| events.send(event).is_ok())), inbox)
+    };
+    let (daemons, daemon_events) = watcher_of(Subscription::default());
+    let batching = Subscription { exec: ExecReports::All, batch_window: Some(WINDOW) };
+    let (namespaces, namespace_events) = watcher_of(batching);
+    let mut processes: Vec<Process> = (0..3).map(|_| Process::spawn("sleep", &["60"])).collect();
+    let pids: Vec<u32> = processes.iter().map(|process| process.0.id()).collect();
+    daemons.watch(processes[0].id()).unwrap();
+    daemons.watch(processes[1].id()).unwrap();
+    namespaces.watch(processes[0].id()).unwrap();
+    namespaces.watch(processes[2].id()).unwrap();
+
+    processes[0].kill();
+    assert_eq!(next_exit(&daemon_events).0, pids[0]);
+    assert_eq!(next_exit(&namespace_events).0, pids[0]);
+    // Right after a read: the namespaces' window would hold the next read
+    // back, the daemons' (none) does not.
+    let killed_at = Instant::now();
+    processes[1].kill();
+    assert_eq!(next_exit(&daemon_events).0, pids[1]);
+    assert!(killed_at.elapsed() < WINDOW, "a death waited for another watcher's batch window");
+    // Each watcher's exec policy: the daemons' watches execs of its own pids
+    // only, the namespaces' every exec.
+    let exec = Process::spawn("true", &[]);
+    let exec_pid = exec.0.id();
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match namespace_events.recv_timeout(left).expect("the exec of `true` in time") {
+            ProcessEvent::Exec { pid, .. } if pid == exec_pid => break,
+            ProcessEvent::Failed(err) => panic!("watcher failed: {err}"),
+            _ => {}
+        }
+    }
+    assert!(
+        daemon_events.try_iter().all(|event| !matches!(event, ProcessEvent::Exec { .. })),
+        "the daemons' watcher asked for its own pids' execs only"
+    );
+    drop(daemons);
+    processes[2].kill();
+    assert_eq!(next_exit(&namespace_events).0, pids[2]);
+    assert!(namespaces.watched().is_empty());
 }

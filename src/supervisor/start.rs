@@ -29,7 +29,7 @@ use fuse_supervisor_engine::watch::mount_table::{
     self, FanotifyWatcher, MountWatcher, MountinfoWatcher, PollWatcher, Wake, WatchMode,
 };
 use fuse_supervisor_engine::watch::pods::PodWatcher;
-use fuse_supervisor_engine::watch::processes::host_network_namespace;
+use fuse_supervisor_engine::watch::processes::{Backend, ConnectorOptions, ProcessConnector, host_network_namespace};
 use fuse_supervisor_engine::watch::thread::Watching;
 
 use super::tables::{KeptTable, SettleError, SharedTable};
@@ -63,9 +63,11 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
             None
         }
     };
+    // One socket and thread for every process watcher of the agent.
+    let connector = open_process_connector(config);
     // Like the kubelet thread, it stays in this namespace; in sidecar mode
     // the supervisor ends with its pod's FUSE container.
-    let job = start_job_lifecycle(config.job.as_ref(), shutdown)?;
+    let job = start_job_lifecycle(config.job.as_ref(), connector.as_ref(), shutdown)?;
     // The pod watcher joins the namespace itself; its first full scan is
     // sent before spawn returns, so it is the first event, and it is
     // applied before the first table scan is planned.
@@ -81,11 +83,11 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     // process's /proc.
     let daemon_events = events.clone();
     let heal_activity = Arc::new(HealActivity::default());
-    let daemons = Daemons::start(&config.daemons, Arc::clone(&heal_activity), move |event| {
+    let daemons = Daemons::start(&config.daemons, connector.as_ref(), Arc::clone(&heal_activity), move |event| {
         daemon_events.send(Event::Daemon(event)).is_ok()
     })?;
     // Like the discovery thread, it reads this process's /proc.
-    let (namespaces, _namespace_keeper) = keep_namespaces(config, &heal_activity);
+    let (namespaces, _namespace_keeper) = keep_namespaces(config, connector.as_ref(), &heal_activity);
     let restager = start_restager(config, &events)?;
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
@@ -175,16 +177,48 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
     Ok(())
 }
 
+/// The process connector, when a process watcher of the agent is to use it
+/// (the daemons', the namespace keeper's, the Job's); None when none is, or
+/// when it cannot be had (said here, once: each user then does without).
+fn open_process_connector(config: &Config) -> Option<ProcessConnector> {
+    let wanted = config.daemons.backend == Some(Backend::ProcConnector)
+        || config.container_namespaces != ContainerNamespaces::Walk
+        || config.job.as_ref().is_some_and(|job| job.watcher == Backend::ProcConnector);
+    if !wanted {
+        return None;
+    }
+    let proc_root = &config.daemons.proc_root;
+    let options = ConnectorOptions {
+        proc_root: proc_root.clone(),
+        network_namespace: host_network_namespace(proc_root),
+        ..ConnectorOptions::default()
+    };
+    match ProcessConnector::open(options) {
+        Ok(connector) => Some(connector),
+        Err(err) => {
+            warn!(err = %chain(&err), "the process connector is unavailable");
+            None
+        }
+    }
+}
+
 /// The node's mount namespaces, where heals look for containers' mounts,
-/// and what keeps them by events (None: they are walked for).
-fn keep_namespaces(config: &Config, heal_activity: &Arc<HealActivity>) -> (Arc<Namespaces>, Option<NamespaceKeeper>) {
-    let proc_root = Path::new("/proc");
-    let namespaces = Namespaces::new(proc_root);
+/// and what keeps them by events on `connector` (None: they are walked for).
+fn keep_namespaces(
+    config: &Config,
+    connector: Option<&ProcessConnector>,
+    heal_activity: &Arc<HealActivity>,
+) -> (Arc<Namespaces>, Option<NamespaceKeeper>) {
+    let namespaces = Namespaces::new(Path::new("/proc"));
     if config.container_namespaces == ContainerNamespaces::Walk {
         info!("containers' mount namespaces are walked for at each death and heal");
         return (namespaces, None);
     }
-    match namespaces.keep(host_network_namespace(proc_root), Arc::clone(heal_activity)) {
+    let Some(connector) = connector else {
+        warn!("without the process connector, containers are walked for at each death and heal");
+        return (namespaces, None);
+    };
+    match namespaces.keep(connector, Arc::clone(heal_activity)) {
         Ok(keeper) => (namespaces, Some(keeper)),
         Err(err) => {
             warn!(err = %chain(&err), "cannot keep the mount namespaces by process events; containers are walked for at each death and heal");
@@ -219,11 +253,12 @@ fn start_restager(
 /// has ended its pod's FUSE container (sidecar mode).
 pub fn start_job_lifecycle(
     job: Option<&crate::job::JobConfig>,
+    connector: Option<&ProcessConnector>,
     shutdown: &Shutdown,
 ) -> Result<Option<crate::job::JobLifecycle>, crate::job::JobError> {
     let Some(job) = job else { return Ok(None) };
     let done = shutdown.clone();
-    crate::job::JobLifecycle::spawn(job.clone(), move || done.request()).map(Some)
+    crate::job::JobLifecycle::spawn(job.clone(), connector, move || done.request()).map(Some)
 }
 
 /// The watcher's thread, stopped by the shutdown's eventfd (which the

@@ -404,7 +404,7 @@ pub(crate) fn run_sidecar(
     job: Option<job::JobConfig>,
     shutdown: &Shutdown,
 ) -> anyhow::Result<()> {
-    let lifecycle = supervisor::start_job_lifecycle(job.as_ref(), shutdown)?;
+    let lifecycle = supervisor::start_job_lifecycle(job.as_ref(), None, shutdown)?;
     let result = sidecar::run(&sidecar, shutdown);
     drop(lifecycle);
     result.map_err(Into::into)

@@ -28,8 +28,8 @@ use fuse_supervisor_engine::kube::{Kubelet, Pod, PodList};
 use fuse_supervisor_engine::watch::dir_changes::{Changes, DirChanges};
 use fuse_supervisor_engine::watch::processes::fuse_server::FuseServers;
 use fuse_supervisor_engine::watch::processes::{
-    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
-    ProcessWatchError, ProcessWatcher,
+    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessConnector, ProcessEvent,
+    ProcessId, ProcessWatchError, ProcessWatcher, Subscription,
 };
 use fuse_supervisor_engine::watch::thread::{Waiting, Waker, Watching, Woken};
 
@@ -49,8 +49,14 @@ impl JobLifecycle {
     /// own mount namespace: the thread stays in it (the kubelet's token and
     /// CA files are there). `finished` is called once, on the thread, when
     /// the one pod of [`JobScope::Pod`] is done, so that the sidecar
-    /// supervisor ends too and the pod can complete.
-    pub fn spawn(config: JobConfig, finished: impl FnOnce() + Send + 'static) -> Result<JobLifecycle, JobError> {
+    /// supervisor ends too and the pod can complete. With the process
+    /// connector as its backend, it watches on `connector` when given (the
+    /// agent's), else on one of its own.
+    pub fn spawn(
+        config: JobConfig,
+        connector: Option<&ProcessConnector>,
+        finished: impl FnOnce() + Send + 'static,
+    ) -> Result<JobLifecycle, JobError> {
         config.kubelet.load()?;
         let client = config.kubelet.clone();
         let setup = |what| move |source| JobError::Setup { what, source };
@@ -69,12 +75,18 @@ impl JobLifecycle {
         let watcher: Box<dyn ProcessWatcher> = match config.watcher {
             Backend::Pidfd => Box::new(PidfdWatcher::start(config.proc_root.clone(), sink)?),
             Backend::ProcConnector => {
-                let options = ConnectorOptions {
-                    exec: ExecReports::Off,
-                    proc_root: config.proc_root.clone(),
-                    ..Default::default()
-                };
-                Box::new(ProcConnectorWatcher::start(options, sink)?)
+                let subscription = Subscription { exec: ExecReports::Off, batch_window: None };
+                match connector {
+                    Some(connector) => Box::new(connector.watcher(subscription, sink)),
+                    None => {
+                        let options = ConnectorOptions {
+                            execs: false,
+                            proc_root: config.proc_root.clone(),
+                            ..Default::default()
+                        };
+                        Box::new(ProcConnectorWatcher::start(options, subscription, sink)?)
+                    }
+                }
             }
         };
         let pods_dir = match &config.scope {

@@ -39,8 +39,8 @@ use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority};
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
 use fuse_supervisor_engine::watch::processes::{
-    Backend, ConnectorOptions, ExecReports, PidfdWatcher, ProcConnectorWatcher, ProcessEvent, ProcessId,
-    ProcessWatchError, ProcessWatcher, host_network_namespace,
+    Backend, ExecReports, PidfdWatcher, ProcessConnector, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
+    Subscription,
 };
 
 mod discovery;
@@ -221,11 +221,13 @@ pub struct Daemons {
 }
 
 impl Daemons {
-    /// Starts the process watcher and the discovery thread; None when
-    /// watching is off. Call before the loop thread leaves for the watched
-    /// namespace: the threads keep this one's `/proc`.
+    /// Starts the process watcher (on `connector` with that backend; with
+    /// pidfds without one) and the discovery thread; None when watching is
+    /// off. Call before the loop thread leaves for the watched namespace:
+    /// the threads keep this one's `/proc`.
     pub fn start(
         options: &DaemonWatch,
+        connector: Option<&ProcessConnector>,
         heal_activity: Arc<HealActivity>,
         send: impl Fn(DaemonEvent) -> bool + Send + Clone + 'static,
     ) -> Result<Option<Daemons>, DaemonError> {
@@ -254,21 +256,17 @@ impl Daemons {
                 return Ok(None);
             }
             Some(Backend::Pidfd) => pidfd(options)?,
-            Some(Backend::ProcConnector) => {
-                let connector = ConnectorOptions {
-                    exec: ExecReports::All,
-                    proc_root: options.proc_root.clone(),
-                    network_namespace: host_network_namespace(&options.proc_root),
-                    ..ConnectorOptions::default()
-                };
-                match ProcConnectorWatcher::start(connector, sink()) {
-                    Ok(watcher) => Arc::new(watcher),
-                    Err(err) => {
-                        warn!(err = %chain(&err), "process connector unavailable; watching daemons with pidfds");
-                        pidfd(options)?
-                    }
+            Some(Backend::ProcConnector) => match connector {
+                Some(connector) => {
+                    let subscription = Subscription { exec: ExecReports::All, batch_window: None };
+                    Arc::new(connector.watcher(subscription, sink()))
                 }
-            }
+                // Why it could not be opened was said where it was.
+                None => {
+                    warn!("process connector unavailable; watching daemons with pidfds");
+                    pidfd(options)?
+                }
+            },
         };
         info!(backend = ?watcher.backend(), "watching FUSE daemons");
         let holders: Holders = Arc::default();

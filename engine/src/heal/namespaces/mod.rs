@@ -54,13 +54,14 @@ use crate::errors::chain;
 use crate::model::namespace_table::{self, Overflow, TableCaps};
 use crate::model::table::{Dev, FuseMount};
 use crate::watch::processes::{
-    ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
-    Stat, read_stat,
+    ExecReports, ProcConnectorWatcher, ProcessConnector, ProcessEvent, ProcessId, ProcessWatchError, ProcessWatcher,
+    Stat, Subscription, read_stat,
 };
 
-/// How long the connector waits after a batch of events before it reads
-/// again: a busy node's execs (probes, shells) are then read many to a
-/// wake-up; a namespace is learnt at most this much later.
+/// How late the connector may hand over its events: a busy node's execs
+/// (probes, shells) are then read many to a wake-up, unless another watcher
+/// of the connector needs them at once (the daemons' deaths); a namespace is
+/// learnt at most this much later.
 const EVENT_BATCH_WINDOW: Duration = Duration::from_millis(20);
 
 /// One namespace's mounts, as read through one of its processes.
@@ -312,33 +313,26 @@ impl Namespaces {
     /// thread walks `/proc` once, then learns and forgets namespaces as
     /// processes exec and exit. It waits for any heal under way before it
     /// reads a table (`heal_activity`), at the lowest CPU priority. The
-    /// subscription is made from `network_namespace` when given (the
-    /// host's, for a pod without hostNetwork).
+    /// connector must have been opened with execs.
     pub fn keep(
         self: &Arc<Self>,
-        network_namespace: Option<PathBuf>,
+        connector: &ProcessConnector,
         heal_activity: Arc<HealActivity>,
     ) -> Result<NamespaceKeeper, ProcessWatchError> {
         let (send, events) = mpsc::channel();
         let sink_send = send.clone();
-        let options = ConnectorOptions {
-            exec: ExecReports::All,
-            proc_root: self.proc_root.clone(),
-            network_namespace,
-            batch_window: Some(EVENT_BATCH_WINDOW),
-            ..ConnectorOptions::default()
-        };
+        let subscription = Subscription { exec: ExecReports::All, batch_window: Some(EVENT_BATCH_WINDOW) };
         // Most execs are in a known namespace (a probe, a shell's command):
-        // told apart on the watcher's thread by one stat, so that the
+        // told apart on the connector's thread by one stat, so that the
         // keeper's thread wakes only for a new one.
         let sink_namespaces = Arc::clone(self);
-        let watcher = ProcConnectorWatcher::start(
-            options,
+        let watcher = connector.watcher(
+            subscription,
             Box::new(move |event| match event {
                 ProcessEvent::Exec { pid, .. } if sink_namespaces.knows_namespace_of(pid) => true,
                 event => sink_send.send(Message::Process(event)).is_ok(),
             }),
-        )?;
+        );
         let namespaces = Arc::clone(self);
         let thread = std::thread::Builder::new()
             .name("namespaces".into())

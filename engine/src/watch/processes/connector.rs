@@ -1,5 +1,6 @@
 //! The proc-connector backend: one netlink socket for the whole node.
 use std::collections::HashMap;
+use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -23,7 +24,7 @@ use super::{
 /// Which exec events to pass on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExecReports {
-    /// None: the kernel filter then asks for exit events only.
+    /// None.
     Off,
     /// Execs of watched processes (a daemon that re-executes itself).
     Watched,
@@ -31,7 +32,7 @@ pub enum ExecReports {
     All,
 }
 
-/// How to set up a [`ProcConnectorWatcher`].
+/// How to open the process connector.
 #[derive(Debug, Clone)]
 pub struct ConnectorOptions {
     /// Socket receive buffer asked for, in bytes (`None`: the system's
@@ -41,7 +42,9 @@ pub struct ConnectorOptions {
     /// Ask the kernel to drop every event type but exit (and exec) before
     /// queueing (Linux 6.6+; ignored before).
     pub kernel_filter: bool,
-    pub exec: ExecReports,
+    /// Whether exec events are received at all: without them, the kernel
+    /// filter asks for exits only, and no watcher gets an exec.
+    pub execs: bool,
     /// How long the kernel may take to acknowledge the subscription.
     pub ack_timeout: Duration,
     /// Where the pids of the events are processes: the host's `/proc`
@@ -52,11 +55,6 @@ pub struct ConnectorOptions {
     /// without hostNetwork subscribes through `/proc/1/ns/net` (hostPID and
     /// CAP_SYS_ADMIN), on a thread that joins it for the subscription alone.
     pub network_namespace: Option<PathBuf>,
-    /// After each batch, wait this long before reading again, so that a
-    /// storm of events is read in batches of many (one wake-up each)
-    /// rather than one by one; None reads each event as it comes, for
-    /// whoever needs it at once (a daemon's death).
-    pub batch_window: Option<Duration>,
 }
 
 impl Default for ConnectorOptions {
@@ -66,12 +64,29 @@ impl Default for ConnectorOptions {
             // of buffer) without a loss.
             receive_buffer: Some(4 << 20),
             kernel_filter: true,
-            exec: ExecReports::Watched,
+            execs: true,
             ack_timeout: Duration::from_secs(2),
             proc_root: PathBuf::from("/proc"),
             network_namespace: None,
-            batch_window: None,
         }
+    }
+}
+
+/// What one watcher of the connector wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Subscription {
+    pub exec: ExecReports,
+    /// How late its events may come: after each batch the connector waits
+    /// the shortest window of its watchers before it reads again, so that a
+    /// storm of events is read many to a wake-up; None (the default) reads
+    /// each event as it comes, for whoever needs it at once (a daemon's
+    /// death).
+    pub batch_window: Option<Duration>,
+}
+
+impl Default for Subscription {
+    fn default() -> Self {
+        Subscription { exec: ExecReports::Watched, batch_window: None }
     }
 }
 
@@ -85,18 +100,21 @@ pub fn host_network_namespace(proc_root: &Path) -> Option<PathBuf> {
     (host_inode.is_some() && own != host_inode).then_some(host)
 }
 
-/// The watched pids and what to pass on: shared by the caller's
-/// [`ProcessWatcher`] calls and the watcher thread.
-struct Shared {
+/// One watcher's pids, what it passes on and where to: shared by its
+/// [`ProcessWatcher`] calls and the connector's thread.
+struct Subscriber {
     proc_root: PathBuf,
-    exec: ExecReports,
+    subscription: Subscription,
     /// pid → start time.
     watched: Mutex<HashMap<u32, u64>>,
-    /// Kernel events decoded so far, of any type and any process.
-    decoded: AtomicU64,
+    sink: Mutex<EventSink>,
 }
 
-impl Shared {
+impl Subscriber {
+    fn new(proc_root: PathBuf, subscription: Subscription, sink: EventSink) -> Self {
+        Subscriber { proc_root, subscription, watched: Mutex::default(), sink: Mutex::new(sink) }
+    }
+
     fn watched(&self) -> std::sync::MutexGuard<'_, HashMap<u32, u64>> {
         self.watched.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -114,7 +132,7 @@ impl Shared {
                 detection: Detection::Event,
             }),
             ProcEvent::Exec { tgid, .. } => {
-                let report = match self.exec {
+                let report = match self.subscription.exec {
                     ExecReports::Off => false,
                     ExecReports::Watched => self.watched().contains_key(&tgid),
                     ExecReports::All => true,
@@ -150,31 +168,70 @@ impl Shared {
             .map(|pid| ProcessEvent::Exited { pid, status: None, at: now, detection: Detection::Resync })
             .collect()
     }
+
+    /// Passes on what it wants of one read; false once its sink said stop.
+    fn deliver(&self, batch: &[TimedEvent], lost: bool) -> bool {
+        let mut events: Vec<ProcessEvent> = batch.iter().filter_map(|timed| self.translate(timed)).collect();
+        if lost {
+            events.extend(self.resync());
+            events.push(ProcessEvent::Lost);
+        }
+        let mut sink = self.sink.lock().unwrap_or_else(PoisonError::into_inner);
+        events.into_iter().all(&mut *sink)
+    }
+
+    fn fail(&self, err: ProcessWatchError) {
+        (self.sink.lock().unwrap_or_else(PoisonError::into_inner))(ProcessEvent::Failed(err));
+    }
 }
 
 const EVENTS: u64 = 1;
 const SHUTDOWN: u64 = 2;
 
-/// Watches processes through the netlink process connector (see
-/// `fuse_supervisor_sys::proc_connector`). Needs the host's pid, user and
-/// network namespaces (hostPID, hostNetwork), and CAP_NET_ADMIN before
-/// Linux 6.6.
-///
-/// An exit is the exit of the thread-group leader: a process whose main
-/// thread ends early while other threads go on is reported then.
-pub struct ProcConnectorWatcher {
-    shared: Arc<Shared>,
-    // Only its drop matters: it stops the thread.
-    _thread: Watching,
-    kernel_filter: bool,
-    receive_buffer: usize,
+/// The netlink process connector (see `fuse_supervisor_sys::proc_connector`):
+/// one socket and one thread for the whole process, shared by every
+/// [`ProcConnectorWatcher`] made from it, so that each kernel event wakes
+/// one thread and is decoded once however many parts of the agent watch
+/// processes (the daemons, the namespaces, a Job). Needs the host's pid,
+/// user and network namespaces (hostPID, hostNetwork), and CAP_NET_ADMIN
+/// before Linux 6.6. Clones share it; it closes with its last clone and
+/// watcher.
+#[derive(Clone)]
+pub struct ProcessConnector {
+    hub: Arc<Hub>,
 }
 
-impl ProcConnectorWatcher {
+struct Hub {
+    subscribers: Arc<Subscribers>,
+    proc_root: PathBuf,
+    kernel_filter: bool,
+    receive_buffer: usize,
+    // Only its drop matters: it stops the thread.
+    _thread: Watching,
+}
+
+#[derive(Default)]
+struct Subscribers {
+    list: Mutex<Vec<Arc<Subscriber>>>,
+    /// Kernel events decoded so far, of any type and any process.
+    decoded: AtomicU64,
+}
+
+impl Subscribers {
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Subscriber>>> {
+        self.list.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn remove(&self, subscriber: &Arc<Subscriber>) {
+        self.list().retain(|other| !Arc::ptr_eq(other, subscriber));
+    }
+}
+
+impl ProcessConnector {
     /// Subscribes (waiting for the kernel's acknowledgement, so a missing
-    /// privilege fails here) and starts the watcher thread.
-    pub fn start(options: ConnectorOptions, sink: EventSink) -> Result<Self, ProcessWatchError> {
-        let types = EventTypes { exit: true, exec: options.exec != ExecReports::Off, fork: false };
+    /// privilege fails here) and starts the thread.
+    pub fn open(options: ConnectorOptions) -> Result<Self, ProcessWatchError> {
+        let types = EventTypes { exit: true, exec: options.execs, fork: false };
         let subscribe = || {
             ProcConnector::subscribe(sys::Options {
                 receive_buffer: options.receive_buffer,
@@ -205,68 +262,96 @@ impl ProcConnectorWatcher {
         let waker = Watching::stop_waker("procwatch")?;
         poller.add_readable(connector.as_fd(), EVENTS).map_err(ProcessWatchError::Poll)?;
         poller.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
-        let shared = Arc::new(Shared {
-            proc_root: options.proc_root,
-            exec: options.exec,
-            watched: Mutex::default(),
-            decoded: AtomicU64::new(0),
-        });
         // The pause between batches ends early only for the stop.
-        let pause = match options.batch_window {
-            Some(window) => {
-                let pause = Poller::new().map_err(ProcessWatchError::Poll)?;
-                pause.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
-                Some((pause, window))
-            }
-            None => None,
-        };
-        let thread_shared = Arc::clone(&shared);
-        let thread = Watching::start("procwatch", waker, move || {
-            run(&connector, &poller, pause.as_ref(), &thread_shared, sink)
-        })?;
-        Ok(ProcConnectorWatcher { shared, _thread: thread, kernel_filter, receive_buffer })
+        let pause = Poller::new().map_err(ProcessWatchError::Poll)?;
+        pause.add_readable(waker.as_fd(), SHUTDOWN).map_err(ProcessWatchError::Poll)?;
+        let subscribers = Arc::new(Subscribers::default());
+        let thread_subscribers = Arc::clone(&subscribers);
+        let thread =
+            Watching::start("procwatch", waker, move || run(&connector, &poller, &pause, &thread_subscribers))?;
+        let hub = Hub { subscribers, proc_root: options.proc_root, kernel_filter, receive_buffer, _thread: thread };
+        Ok(ProcessConnector { hub: Arc::new(hub) })
     }
 
-    /// Whether the kernel filters event types for this watcher (6.6+).
+    /// A watcher of its own pids, on this connector's socket and thread.
+    /// Its events go to `sink`, on that thread.
+    pub fn watcher(&self, subscription: Subscription, sink: EventSink) -> ProcConnectorWatcher {
+        let subscriber = Arc::new(Subscriber::new(self.hub.proc_root.clone(), subscription, sink));
+        self.hub.subscribers.list().push(Arc::clone(&subscriber));
+        ProcConnectorWatcher { subscriber, connector: self.clone() }
+    }
+
+    /// Whether the kernel filters event types for this socket (6.6+).
     pub fn kernel_filter(&self) -> bool {
-        self.kernel_filter
+        self.hub.kernel_filter
     }
 
     /// The receive buffer the kernel granted, in bytes (its own accounting:
     /// twice what was asked, capped by `rmem_max` without CAP_NET_ADMIN).
     pub fn receive_buffer(&self) -> usize {
-        self.receive_buffer
+        self.hub.receive_buffer
     }
 
     /// Kernel events decoded so far, of any type and any process: what the
-    /// watcher's CPU time is spent on.
+    /// thread's CPU time is spent on.
     pub fn events_decoded(&self) -> u64 {
-        self.shared.decoded.load(Ordering::Relaxed)
+        self.hub.subscribers.decoded.load(Ordering::Relaxed)
+    }
+}
+
+/// Watches processes through the [`ProcessConnector`] it was made from.
+///
+/// An exit is the exit of the thread-group leader: a process whose main
+/// thread ends early while other threads go on is reported then.
+pub struct ProcConnectorWatcher {
+    subscriber: Arc<Subscriber>,
+    connector: ProcessConnector,
+}
+
+impl ProcConnectorWatcher {
+    /// Opens a connector of its own: for a process with one watcher.
+    pub fn start(
+        options: ConnectorOptions,
+        subscription: Subscription,
+        sink: EventSink,
+    ) -> Result<Self, ProcessWatchError> {
+        Ok(ProcessConnector::open(options)?.watcher(subscription, sink))
+    }
+
+    /// The connector it shares.
+    pub fn connector(&self) -> &ProcessConnector {
+        &self.connector
+    }
+}
+
+impl Drop for ProcConnectorWatcher {
+    fn drop(&mut self) {
+        self.connector.hub.subscribers.remove(&self.subscriber);
     }
 }
 
 impl ProcessWatcher for ProcConnectorWatcher {
     fn watch(&self, process: ProcessId) -> Result<(), ProcessWatchError> {
         let ProcessId { pid, start_time } = process;
-        if self.shared.watched().insert(pid, start_time) == Some(start_time) {
+        if self.subscriber.watched().insert(pid, start_time) == Some(start_time) {
             return Ok(());
         }
         // Checked after inserting: an exit from now on is caught by the
         // thread; one before shows here. Whoever removes the pid reports.
-        match check_running(&self.shared.proc_root, process, false) {
+        match check_running(&self.subscriber.proc_root, process, false) {
             Ok(()) => Ok(()),
-            Err(err) if self.shared.watched().remove(&pid).is_some() => Err(err),
+            Err(err) if self.subscriber.watched().remove(&pid).is_some() => Err(err),
             // The thread saw the exit first and reported it.
             Err(_) => Ok(()),
         }
     }
 
     fn unwatch(&self, pid: u32) -> bool {
-        self.shared.watched().remove(&pid).is_some()
+        self.subscriber.watched().remove(&pid).is_some()
     }
 
     fn watched(&self) -> Vec<ProcessId> {
-        sorted(self.shared.watched().iter().map(|(&pid, &start_time)| ProcessId { pid, start_time }))
+        sorted(self.subscriber.watched().iter().map(|(&pid, &start_time)| ProcessId { pid, start_time }))
     }
 
     fn backend(&self) -> Backend {
@@ -274,20 +359,24 @@ impl ProcessWatcher for ProcConnectorWatcher {
     }
 }
 
-/// The watcher thread: sleeps in epoll until the socket or the waker is
-/// readable.
-fn run(
-    connector: &ProcConnector,
-    poller: &Poller,
-    pause: Option<&(Poller, Duration)>,
-    shared: &Shared,
-    mut sink: EventSink,
-) {
+/// The connector's thread: sleeps in epoll until the socket or the waker is
+/// readable, and hands each read to every watcher.
+fn run(connector: &ProcConnector, poller: &Poller, pause: &Poller, subscribers: &Subscribers) {
     let mut ready = Vec::with_capacity(2);
     let mut batch = Vec::with_capacity(64);
+    // Every watcher is told why the thread stopped.
+    let fail_all = |err: io::Error, wrap: fn(io::Error) -> ProcessWatchError| {
+        for subscriber in subscribers.list().drain(..) {
+            let copy = match err.raw_os_error() {
+                Some(errno) => io::Error::from_raw_os_error(errno),
+                None => io::Error::new(err.kind(), err.to_string()),
+            };
+            subscriber.fail(wrap(copy));
+        }
+    };
     loop {
         if let Err(err) = poller.wait(&mut ready, None) {
-            sink(ProcessEvent::Failed(ProcessWatchError::Wait(err)));
+            fail_all(err, ProcessWatchError::Wait);
             return;
         }
         if ready.contains(&SHUTDOWN) {
@@ -297,29 +386,25 @@ fn run(
         let outcome = match connector.read_events(&mut batch) {
             Ok(outcome) => outcome,
             Err(err) => {
-                sink(ProcessEvent::Failed(ProcessWatchError::Receive(err)));
+                fail_all(err, ProcessWatchError::Receive);
                 return;
             }
         };
-        shared.decoded.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        for event in batch.iter().filter_map(|timed| shared.translate(timed)) {
-            if !sink(event) {
-                return;
+        subscribers.decoded.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        // Delivered outside the list's lock: a sink may make or drop a watcher.
+        let current: Vec<Arc<Subscriber>> = subscribers.list().clone();
+        for subscriber in &current {
+            if !subscriber.deliver(&batch, outcome == ReadOutcome::Lost) {
+                subscribers.remove(subscriber);
             }
         }
-        if outcome == ReadOutcome::Lost {
-            for event in shared.resync().into_iter().chain([ProcessEvent::Lost]) {
-                if !sink(event) {
-                    return;
-                }
-            }
-        }
-        if let Some((pause, window)) = pause {
-            match pause.wait(&mut ready, Some(*window)) {
+        let window = current.iter().map(|subscriber| subscriber.subscription.batch_window.unwrap_or_default()).min();
+        if let Some(window) = window.filter(|window| !window.is_zero()) {
+            match pause.wait(&mut ready, Some(window)) {
                 Ok(()) if ready.contains(&SHUTDOWN) => return,
                 Ok(()) => {}
                 Err(err) => {
-                    sink(ProcessEvent::Failed(ProcessWatchError::Wait(err)));
+                    fail_all(err, ProcessWatchError::Wait);
                     return;
                 }
             }
@@ -367,13 +452,11 @@ mod tests {
         assert!(matches!(other_send, ProcessWatchError::Send(_)), "{other_send:?}");
     }
 
-    fn shared(exec: ExecReports, watched: &[(u32, u64)]) -> Shared {
-        Shared {
-            proc_root: PathBuf::from("/proc"),
-            exec,
-            watched: Mutex::new(watched.iter().copied().collect()),
-            decoded: AtomicU64::new(0),
-        }
+    fn shared(exec: ExecReports, watched: &[(u32, u64)]) -> Subscriber {
+        let subscriber =
+            Subscriber::new(PathBuf::from("/proc"), Subscription { exec, batch_window: None }, Box::new(|_| true));
+        subscriber.watched().extend(watched.iter().copied());
+        subscriber
     }
 
     fn timed(event: ProcEvent) -> TimedEvent {

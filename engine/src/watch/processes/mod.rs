@@ -5,9 +5,11 @@
 //! seen here. Two backends behind one trait, [`ProcessWatcher`]:
 //!
 //! - [`ProcConnectorWatcher`]: the netlink process connector, node-wide, for
-//!   the hostPID DaemonSet. One socket, whatever the number of watched pids;
-//!   the kernel filters to exit (and exec) events on 6.6+, the adapter to the
-//!   watched pids. Exit codes are exact, the death time is the kernel's.
+//!   the hostPID DaemonSet. One socket and one thread for the process
+//!   ([`ProcessConnector`]), whatever the number of watchers and watched
+//!   pids; the kernel filters to exit (and exec) events on 6.6+, each
+//!   watcher to its own pids. Exit codes are exact, the death time is the
+//!   kernel's.
 //! - [`PidfdWatcher`]: one pidfd per watched process, in any pid namespace
 //!   (a sidecar with `shareProcessNamespace`).
 //!
@@ -29,7 +31,9 @@ mod connector;
 pub mod fuse_server;
 mod pidfd;
 
-pub use connector::{ConnectorOptions, ExecReports, ProcConnectorWatcher, host_network_namespace};
+pub use connector::{
+    ConnectorOptions, ExecReports, ProcConnectorWatcher, ProcessConnector, Subscription, host_network_namespace,
+};
 pub use pidfd::PidfdWatcher;
 
 /// A process as identified at one moment: its pid, and its start time (in
