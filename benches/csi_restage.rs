@@ -16,7 +16,9 @@ use std::time::{Duration, SystemTime};
 
 use fuse_supervisor_engine::csi::api::{self, volume_capability};
 use fuse_supervisor_testbed::Sandbox;
-use fuse_supervisor_testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
+use fuse_supervisor_testbed::csi::{
+    CsiClient, CsiPluginProcess, CsiProxyProcess, PluginFlags, staging_path, vol_data_json,
+};
 use fuse_supervisor_testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor_testbed::scenario::{self, SupervisorProcess};
 
@@ -61,8 +63,8 @@ fn measure(size: usize, cycles: usize) -> Figures {
     let plugin_dir = sandbox.kubelet_root().join("plugins").join(DRIVER);
     let dir = plugin_dir.clone();
     sandbox.run(move || fs::create_dir_all(dir)).unwrap();
-    let mut plugin =
-        CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, true, false).expect("plugin");
+    let mut plugin = CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, PluginFlags::default())
+        .expect("plugin");
     let proxy = CsiProxyProcess::start(
         &sandbox,
         binary,

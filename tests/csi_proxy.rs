@@ -18,7 +18,7 @@ use fuse_supervisor_engine::csi::api::{self, node_service_capability, volume_cap
 use fuse_supervisor_engine::csi::records::{self, Request, Secrets};
 use fuse_supervisor_testbed::Sandbox;
 use fuse_supervisor_testbed::csi::{
-    CsiClient, CsiPluginProcess, CsiProxyProcess, children_of, staging_path, vol_data_json,
+    CsiClient, CsiPluginProcess, CsiProxyProcess, PluginFlags, children_of, staging_path, vol_data_json,
 };
 use tonic::Code;
 
@@ -63,9 +63,13 @@ impl World {
     fn new(record_secrets: bool, stage_unstage: bool, trust_proc_mounts: bool) -> World {
         let sandbox = Sandbox::new().expect("a sandbox (needs root)");
         let root = sandbox.root().to_path_buf();
-        let plugin =
-            CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, stage_unstage, trust_proc_mounts)
-                .expect("the CSI plugin starts");
+        let plugin = CsiPluginProcess::start(
+            &sandbox,
+            &root.join("csi/plugin.sock"),
+            DRIVER,
+            PluginFlags { publish_only: !stage_unstage, trust_proc_mounts, ..PluginFlags::default() },
+        )
+        .expect("the CSI plugin starts");
         let listen = sandbox.kubelet_root().join("plugins").join(DRIVER).join("csi.sock");
         let dir = listen.parent().unwrap().to_path_buf();
         sandbox.run(move || fs::create_dir_all(dir)).unwrap();

@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use fuse_supervisor_engine::csi::api::{self, volume_capability};
 use fuse_supervisor_testbed::Sandbox;
-use fuse_supervisor_testbed::csi::{CsiClient, CsiPluginProcess, CsiProxyProcess, staging_path, vol_data_json};
+use fuse_supervisor_testbed::csi::{
+    CsiClient, CsiPluginProcess, CsiProxyProcess, PluginFlags, staging_path, vol_data_json,
+};
 use fuse_supervisor_testbed::runc::{Runc, RuncContainer, RuncSpec, VolumePropagation};
 use fuse_supervisor_testbed::scenario::{self, SupervisorProcess};
 
@@ -92,15 +94,9 @@ impl World {
         let dir = plugin_dir.clone();
         sandbox.run(move || fs::create_dir_all(dir)).unwrap();
         let call_log = root.join("plugin-calls.log");
-        let plugin = CsiPluginProcess::start_with(
-            &sandbox,
-            &root.join("csi/plugin.sock"),
-            DRIVER,
-            true,
-            trust_proc_mounts,
-            &["--call-log".into(), call_log.display().to_string()],
-        )
-        .expect("the CSI plugin starts");
+        let flags = PluginFlags { trust_proc_mounts, call_log: Some(call_log.clone()), ..PluginFlags::default() };
+        let plugin = CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, flags)
+            .expect("the CSI plugin starts");
         let record_dir = root.join("run/records");
         let proxy = CsiProxyProcess::start(
             &sandbox,
@@ -504,8 +500,8 @@ fn a_hung_driver_holds_neither_the_loop_nor_the_exit() {
     world.daemons_watched();
     world.kill_plugin();
     world.agent_waits_for_driver(1);
-    let call_log = world.call_log.display().to_string();
-    world.plugin.restart_with(&world.sandbox, &["--call-log".into(), call_log, "--hang-stage".into()]).unwrap();
+    let hung = PluginFlags { hang_stage: true, ..world.plugin.flags().clone() };
+    world.plugin.restart_with(&world.sandbox, hung).unwrap();
     scenario::wait_for("the agent's call to the hung driver", TIMEOUT, || world.stage_calls("hung") == 2).unwrap();
     let (status, _) = world.agent().http_get("/healthz").expect("/healthz while the call hangs");
     assert_eq!(status, 200);

@@ -10,7 +10,7 @@ mod processes;
 mod serve;
 
 pub use client::CsiClient;
-pub use processes::{CsiPluginProcess, CsiProxyProcess, children_of};
+pub use processes::{CsiPluginProcess, CsiProxyProcess, PluginFlags, children_of};
 pub use serve::serve_identity_and_node;
 
 use std::io;

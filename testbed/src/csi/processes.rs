@@ -13,9 +13,42 @@ use crate::{Sandbox, SandboxChild};
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 const START_POLL: Duration = Duration::from_millis(10);
 
+/// Which driver the `csi-plugin` program plays (see [`super::plugin`]).
+#[derive(Debug, Clone, Default)]
+pub struct PluginFlags {
+    /// Without `STAGE_UNSTAGE_VOLUME`: its daemons mount at the targets.
+    pub publish_only: bool,
+    /// `NodeStageVolume` answers OK when `/proc/mounts` lists the path.
+    pub trust_proc_mounts: bool,
+    /// Where each Node call is logged (a sandbox path).
+    pub call_log: Option<PathBuf>,
+    /// `NodeStageVolume` never answers.
+    pub hang_stage: bool,
+}
+
+impl PluginFlags {
+    fn args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.publish_only {
+            args.push("--no-stage-unstage".into());
+        }
+        if self.trust_proc_mounts {
+            args.push("--trust-proc-mounts".into());
+        }
+        if let Some(call_log) = &self.call_log {
+            args.extend(["--call-log".into(), call_log.display().to_string()]);
+        }
+        if self.hang_stage {
+            args.push("--hang-stage".into());
+        }
+        args
+    }
+}
+
 /// The test world's `csi-plugin` program serving a socket in the sandbox.
 pub struct CsiPluginProcess {
-    args: Vec<String>,
+    name: String,
+    flags: PluginFlags,
     socket: PathBuf,
     outside_socket: PathBuf,
     process: Option<SandboxChild>,
@@ -23,46 +56,26 @@ pub struct CsiPluginProcess {
 
 impl CsiPluginProcess {
     /// Starts the plugin named `name` on `socket` (a sandbox path) and
-    /// returns once its socket answers `Probe`. `stage_unstage` and
-    /// `trust_proc_mounts` choose the variant (see [`super::plugin`]).
+    /// returns once its socket answers `Probe`.
     pub fn start(
         sandbox: &Sandbox,
         socket: &Path,
         name: &str,
-        stage_unstage: bool,
-        trust_proc_mounts: bool,
+        flags: PluginFlags,
     ) -> Result<CsiPluginProcess, CsiError> {
-        Self::start_with(sandbox, socket, name, stage_unstage, trust_proc_mounts, &[])
-    }
-
-    /// [`CsiPluginProcess::start`] with more flags of `csi-plugin`
-    /// (`--call-log FILE`, `--hang-stage`).
-    pub fn start_with(
-        sandbox: &Sandbox,
-        socket: &Path,
-        name: &str,
-        stage_unstage: bool,
-        trust_proc_mounts: bool,
-        extra: &[String],
-    ) -> Result<CsiPluginProcess, CsiError> {
-        let mut args = vec!["csi-plugin".into(), "--socket".into()];
-        args.push(socket.display().to_string());
-        args.extend(["--name".into(), name.into()]);
-        if !stage_unstage {
-            args.push("--no-stage-unstage".into());
-        }
-        if trust_proc_mounts {
-            args.push("--trust-proc-mounts".into());
-        }
-        args.extend(extra.iter().cloned());
         let mut plugin = CsiPluginProcess {
-            args,
+            name: name.into(),
+            flags,
             socket: socket.to_path_buf(),
             outside_socket: sandbox.outside_path(socket),
             process: None,
         };
         plugin.launch(sandbox)?;
         Ok(plugin)
+    }
+
+    pub fn flags(&self) -> &PluginFlags {
+        &self.flags
     }
 
     /// The socket as the sandbox's processes see it.
@@ -99,18 +112,17 @@ impl CsiPluginProcess {
         self.launch(sandbox)
     }
 
-    /// Starts it again with other extra flags (a driver that hangs now).
-    pub fn restart_with(&mut self, sandbox: &Sandbox, extra: &[String]) -> Result<(), CsiError> {
-        let keep = self.args.iter().position(|arg| arg == "--call-log" || arg == "--hang-stage");
-        self.args.truncate(keep.unwrap_or(self.args.len()));
-        self.args.extend(extra.iter().cloned());
+    /// Starts it again as another driver (one that hangs now).
+    pub fn restart_with(&mut self, sandbox: &Sandbox, flags: PluginFlags) -> Result<(), CsiError> {
+        self.flags = flags;
         self.restart(sandbox)
     }
 
     fn launch(&mut self, sandbox: &Sandbox) -> Result<(), CsiError> {
         let binary = crate::programs_binary().map_err(io_step("find the test world's programs"))?;
         let mut command = Command::new(binary);
-        command.args(&self.args);
+        command.arg("csi-plugin").arg("--socket").arg(&self.socket).args(["--name", &self.name]);
+        command.args(self.flags.args());
         let process = sandbox.spawn(command).map_err(io_step("start the CSI plugin"))?;
         let client = CsiClient::connect(&self.outside_socket)?;
         let answered = wait(START_TIMEOUT, || client.probe().is_ok() || process.try_wait().ok().flatten().is_some());
