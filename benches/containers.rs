@@ -112,16 +112,7 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
                 .expect("dir");
             sandbox.root().join("tmpfs-volumes").join(&name)
         };
-        let spec = RuncSpec {
-            name,
-            volume,
-            propagation: VolumePropagation::None,
-            read: DATA_FILE.into(),
-            interval,
-            options: Vec::new(),
-            nested_tmpfs: None,
-            walk_nested: false,
-        };
+        let spec = RuncSpec::reader(name, volume, VolumePropagation::None, DATA_FILE, interval);
         containers.push(runc.start(&spec).expect("start a container"));
     }
     let state_dir = sandbox.root().join("state");

@@ -115,16 +115,7 @@ fn measure(size: usize, cycles: usize) -> Figures {
             })
             .expect("publish");
         let propagation = if index % 2 == 0 { VolumePropagation::HostToContainer } else { VolumePropagation::None };
-        let spec = RuncSpec {
-            name: uid,
-            volume: target,
-            propagation,
-            read: "data.txt".into(),
-            interval: Duration::from_millis(10),
-            options: Vec::new(),
-            nested_tmpfs: None,
-            walk_nested: false,
-        };
+        let spec = RuncSpec::reader(uid, target, propagation, "data.txt", Duration::from_millis(10));
         containers.push(runc.start(&spec).expect("container"));
     }
     let args = [

@@ -55,16 +55,7 @@ impl Node {
         propagation: VolumePropagation,
         read: &str,
     ) {
-        let spec = RuncSpec {
-            name: format!("{pod_uid}-{name}"),
-            volume,
-            propagation,
-            read: read.into(),
-            interval: READ_INTERVAL,
-            options: Vec::new(),
-            nested_tmpfs: None,
-            walk_nested: false,
-        };
+        let spec = RuncSpec::reader(format!("{pod_uid}-{name}"), volume, propagation, read, READ_INTERVAL);
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         self.containers.push((pod_uid, container));
     }

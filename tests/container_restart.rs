@@ -82,16 +82,7 @@ impl Node {
     /// than a moment is (a crash right after the start would otherwise
     /// test the limit of a namespace learnt during the outage).
     fn start(&self, name: &str, volume: &Path, propagation: VolumePropagation, read: &str) -> RuncContainer {
-        let spec = RuncSpec {
-            name: name.into(),
-            volume: volume.into(),
-            propagation,
-            read: read.into(),
-            interval: READ_INTERVAL,
-            options: Vec::new(),
-            nested_tmpfs: None,
-            walk_nested: false,
-        };
+        let spec = RuncSpec::reader(name, volume, propagation, read, READ_INTERVAL);
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         if let Some(supervisor) = &self.supervisor {
             supervisor.wait_namespace_learnt(container.pid(), HEAL_TIMEOUT).unwrap();

@@ -130,14 +130,9 @@ impl Node {
         asked: Asked,
     ) {
         let spec = RuncSpec {
-            name: name.into(),
-            volume,
-            propagation,
-            read: read.into(),
-            interval: READ_INTERVAL,
             options: asked.options.iter().map(|option| (*option).to_owned()).collect(),
             nested_tmpfs: asked.nested.then(|| PathBuf::from(NESTED)),
-            walk_nested: false,
+            ..RuncSpec::reader(name, volume, propagation, read, READ_INTERVAL)
         };
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {name}: {err}"));
         let baseline = table_of(&container);

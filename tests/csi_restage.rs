@@ -174,16 +174,7 @@ impl World {
                 (subpath, propagation, "inner.txt", format!("inner data of {}", volume.handle))
             }
         };
-        let spec = RuncSpec {
-            name: uid.into(),
-            volume: volume_path,
-            propagation,
-            read: read.into(),
-            interval: READ_INTERVAL,
-            options: Vec::new(),
-            nested_tmpfs: None,
-            walk_nested: false,
-        };
+        let spec = RuncSpec::reader(uid, volume_path, propagation, read, READ_INTERVAL);
         let container = self.runc.start(&spec).unwrap_or_else(|err| panic!("start container {uid}: {err}"));
         let baseline = table_of(&container);
         Pod { uid: uid.into(), container, target, expected, baseline }

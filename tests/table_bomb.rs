@@ -50,16 +50,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
     let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "shared-data").expect("start daemon");
     let runc = Runc::new(&sandbox).expect("runc image");
     let volume = source.bind_volume(&sandbox, "tenant", "data").expect("bind volume");
-    let spec = RuncSpec {
-        name: "tenant".into(),
-        volume,
-        propagation: VolumePropagation::None,
-        read: DATA_FILE.into(),
-        interval: Duration::from_millis(10),
-        options: Vec::new(),
-        nested_tmpfs: None,
-        walk_nested: false,
-    };
+    let spec = RuncSpec::reader("tenant", volume, VolumePropagation::None, DATA_FILE, Duration::from_millis(10));
     let container = runc.start(&spec).expect("start the container");
     let reads_current = |source: &FuseSource| {
         let expected = source.expected_content();

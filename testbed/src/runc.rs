@@ -136,6 +136,29 @@ pub struct RuncSpec {
     pub walk_nested: bool,
 }
 
+impl RuncSpec {
+    /// A container that reads `read` in `volume` every `interval`, and asks
+    /// nothing more of its volume.
+    pub fn reader(
+        name: impl Into<String>,
+        volume: impl Into<PathBuf>,
+        propagation: VolumePropagation,
+        read: impl Into<PathBuf>,
+        interval: Duration,
+    ) -> RuncSpec {
+        RuncSpec {
+            name: name.into(),
+            volume: volume.into(),
+            propagation,
+            read: read.into(),
+            interval,
+            options: Vec::new(),
+            nested_tmpfs: None,
+            walk_nested: false,
+        }
+    }
+}
+
 /// The runc of one sandbox: its binary, its private state directory and
 /// the sandbox's mount namespace, in which every runc command runs.
 #[derive(Clone)]
