@@ -376,14 +376,16 @@ pub fn carry_nested(
     held.sort_by_key(|mount| mount.unique_id);
     let mut carried = Carried::default();
     for mount in held {
-        // A lookup in the new source, which may hang: made by the FUSE call helper.
-        let moved = fuse_calls::open_beneath(replacement, &mount.relative)
-            .and_then(|onto| mount::move_mount(mount.copy.as_fd(), onto.as_fd()));
-        if let Err(err) = moved {
-            carried.missed.push(NotCarried {
-                mount_point: replacement_point.join(&mount.relative),
-                why: format!("cannot move it onto the new mount: {err}"),
-            });
+        // A lookup in the new source, which may hang: made by the FUSE call
+        // helper. Which step failed is said: both can answer ENOENT (a name
+        // the new mount lacks; a mount point no longer attached).
+        let moved = match fuse_calls::open_beneath(replacement, &mount.relative) {
+            Ok(onto) => mount::move_mount(mount.copy.as_fd(), onto.as_fd())
+                .map_err(|err| format!("cannot move it onto its mount point in the new mount: {err}")),
+            Err(err) => Err(format!("its mount point cannot be looked up in the new mount: {err}")),
+        };
+        if let Err(why) = moved {
+            carried.missed.push(NotCarried { mount_point: replacement_point.join(&mount.relative), why });
             continue;
         }
         if !copy_again {
