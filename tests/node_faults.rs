@@ -81,6 +81,10 @@ fn heals_go_on_without_the_state_file(node: &mut Node, errno: &str, fix: impl Fn
     fix(node);
     crash_and_restart(node);
     or_describe(node, node.converge(TIMEOUT));
+    // The state writer saves on its own thread, after the heal the readers
+    // saw: its line may come after they read again.
+    let saved = |line: &str| line.contains("\"state saved again\"");
+    or_describe(node, node.supervisor().and_then(|supervisor| supervisor.wait_for_log(TIMEOUT, saved)));
     assert_eq!(lines_with(node, "state saved again").len(), 1, "{}", node.describe());
 }
 

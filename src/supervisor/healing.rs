@@ -146,22 +146,9 @@ impl<E: Executor> Supervisor<E> {
                         self.journal.record(&outcome.path, healed);
                     }
                 }
-                Err(err) => {
-                    record.attempts += 1;
-                    let delay = retry_delay(record.attempts);
-                    // With its cause: the pod's Event says why (a subdirectory
-                    // that is a symlink, a mount call the kernel refused).
-                    let error = error_chain(&err);
-                    warn!(target = %outcome.path.display(), pod = %target.pod_uid, err = %error, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
-                    self.reporters.report(&Report::HealFailed {
-                        target: &event,
-                        error: &error,
-                        attempts: record.attempts,
-                        retry_in: delay,
-                    });
-                    record.state =
-                        TargetState::Failed { attempts: record.attempts, retry_at: Instant::now() + delay, error };
-                }
+                // With its cause: the pod's Event says why (a subdirectory
+                // that is a symlink, a mount call the kernel refused).
+                Err(err) => self.attempt_failed(&outcome.path, &target.pod_uid, &batch.source.path, error_chain(&err)),
             }
         }
         self.state_dirty |= healed_any;
@@ -171,5 +158,25 @@ impl<E: Executor> Supervisor<E> {
         if !put_off {
             self.heal_containers(&dead, &batch.source.path, batch.source.top(), Some(handles));
         }
+    }
+}
+
+impl<E: Executor> Supervisor<E> {
+    /// A heal attempt of `target` failed with `error`: it is retried after
+    /// its back-off, and the pod is told.
+    pub(super) fn attempt_failed(&mut self, target: &Path, pod_uid: &str, source: &Path, error: String) {
+        let record =
+            self.records.entry(target.to_path_buf()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+        record.attempts += 1;
+        let delay = retry_delay(record.attempts);
+        warn!(target = %target.display(), pod = %pod_uid, err = %error, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");
+        let event = TargetEvent { target, pod_uid, source, broken_since: record.broken_since };
+        self.reporters.report(&Report::HealFailed {
+            target: &event,
+            error: &error,
+            attempts: record.attempts,
+            retry_in: delay,
+        });
+        record.state = TargetState::Failed { attempts: record.attempts, retry_at: Instant::now() + delay, error };
     }
 }

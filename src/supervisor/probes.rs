@@ -39,23 +39,40 @@ impl<E: Executor> Supervisor<E> {
             .filter(|t| !t.root_in_source.as_os_str().is_empty())
             .map(|t| t.root_in_source.clone())
             .collect();
-        self.launch_probe(source, expected, subdirs)
+        match self.launch_probe(source, expected, subdirs) {
+            Ok(started) => started,
+            // Out of descriptors or threads for a moment: nothing else may
+            // wake the loop, so the targets wait their back-off and try again.
+            Err(why) => {
+                for target in &batch.targets {
+                    let error = format!("cannot probe its source {}: {why}", source.display());
+                    self.attempt_failed(&target.path, &target.pod_uid, source, error);
+                }
+                false
+            }
+        }
     }
 
     /// Probes the mount `mount_id` at `source` if it is still the one there,
-    /// opening `subdirs` below its root.
-    pub(super) fn launch_probe(&mut self, source: &Path, mount_id: u32, subdirs: BTreeSet<PathBuf>) -> bool {
+    /// opening `subdirs` below its root: whether it was started (not when
+    /// another mount is there now), or why it could not be.
+    pub(super) fn launch_probe(
+        &mut self,
+        source: &Path,
+        mount_id: u32,
+        subdirs: BTreeSet<PathBuf>,
+    ) -> Result<bool, String> {
         let _span = info_span!("probe", source = %source.display(), mount_id).entered();
         let opened = open_mount_root(source);
         let root = match opened {
             Ok((id, fd)) if id == mount_id => fd,
             Ok((id, _)) => {
                 debug!(source = %source.display(), id, expected = mount_id, "source changed since it was seen");
-                return false;
+                return Ok(false);
             }
             Err(err) => {
                 warn!(source = %source.display(), err = %chain(&err), "cannot open source");
-                return false;
+                return Err(format!("cannot open it: {}", chain(&err)));
             }
         };
         debug!(source = %source.display(), mount_id, "probing source");
@@ -64,9 +81,9 @@ impl<E: Executor> Supervisor<E> {
             self.prober.start(source, mount_id, root, subdirs.into_iter().collect(), self.events.clone(), Event::Probed)
         {
             error!(source = %source.display(), err = %chain(&err), "cannot start probe");
-            return false;
+            return Err(format!("cannot start the probe: {}", chain(&err)));
         }
-        true
+        Ok(true)
     }
 
     /// Probes a FUSE mount the watcher saw appear at the path of a source
@@ -96,7 +113,7 @@ impl<E: Executor> Supervisor<E> {
                     }
                 }
             }
-            if stranded && self.launch_probe(&source, mount.mount_id, subdirs) {
+            if stranded && self.launch_probe(&source, mount.mount_id, subdirs) == Ok(true) {
                 // The heal's latency runs from this wake-up, not from the scan.
                 let woke_at = self.woke_at;
                 self.sources.update(&source, |record| record.seen = Some((dev, woke_at)));
@@ -155,7 +172,7 @@ impl<E: Executor> Supervisor<E> {
         let Some(top) = classified.sources.get(&source).map(|stack| stack.top()).filter(|top| top.dev == dev) else {
             return;
         };
-        if self.launch_probe(&source, top.mount_id, BTreeSet::new()) {
+        if self.launch_probe(&source, top.mount_id, BTreeSet::new()) == Ok(true) {
             self.sources.update(&source, |record| record.probing_unheld = Some(dev));
         }
     }

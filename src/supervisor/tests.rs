@@ -373,6 +373,37 @@ fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal(
     assert!(harness.supervisor.journal.get(&pod_b).is_some());
 }
 
+/// A new source that cannot even be opened for its probe (out of
+/// descriptors for a moment) leaves its targets in the work set: each fails
+/// with a back-off, whose deadline wakes the loop to try again, and that try
+/// probes and heals. Before, nothing but another event woke it.
+#[test]
+fn a_source_that_cannot_be_opened_for_its_probe_is_tried_again_after_a_back_off() {
+    let mut harness = Harness::new(None, None);
+    harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
+    harness.supervisor.rescan();
+    let (global, away) = (harness.path(GLOBAL), harness.path("away"));
+    std::fs::rename(&global, &away).unwrap();
+    let (replaced, healed) = harness.replaced_and_healed();
+    harness.table.set(replaced);
+    harness.supervisor.rescan();
+    let targets = [POD_A, POD_B, SUB].map(|target| harness.path(target));
+    for target in &targets {
+        assert!(harness.supervisor.in_back_off(target), "{}", target.display());
+        assert!(harness.reports().contains(&format!("failed {}", target.display())), "{:?}", harness.reports());
+    }
+    let retry_at = harness.supervisor.next_deadline().expect("a deadline wakes the loop to try again");
+
+    std::fs::rename(&away, &global).unwrap();
+    std::thread::sleep(retry_at.saturating_duration_since(std::time::Instant::now()));
+    harness.supervisor.executor.after_heal = Some(healed);
+    harness.supervisor.rescan();
+    harness.source_answers();
+    for target in &targets {
+        assert!(harness.reports().contains(&format!("healed {} Stacked", target.display())), "{:?}", harness.reports());
+    }
+}
+
 #[test]
 fn a_source_that_fails_its_probe_heals_nothing() {
     let mut harness = Harness::new(None, None);
