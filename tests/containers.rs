@@ -631,7 +631,13 @@ fn a_container_that_mounted_over_its_dead_volume_is_refused_not_redirected(over:
     let live = healthy.container.volume_mounts().expect("the other container's mount table");
     assert_ne!(layers[0].device, live[0].device, "the FUSE layer under the tmpfs is the dead one: {layers:?}");
 
-    tampering.exec_with_sys_admin(&["umount", runc::VOLUME_IN_CONTAINER]).expect("unmount its own mount");
+    // Busy for a moment when one of its own processes has a file open
+    // through it (seen once on a loaded CI run); busy for long, the agent
+    // would be pinning the tenant's mount, which it must never do.
+    let unmounted = scenario::wait_for("the container to unmount its own mount", Duration::from_secs(5), || {
+        tampering.exec_with_sys_admin(&["umount", runc::VOLUME_IN_CONTAINER]).is_ok()
+    });
+    unmounted.unwrap_or_else(|err| panic!("{err}: {:?}", tampering.volume_mounts()));
     let retried = |line: &str| line.contains("\"container healed\"") && !line.contains("\"attempts\":0");
     supervisor.wait_for_log(HEAL_TIMEOUT, retried).unwrap();
     tampering.wait_until(HEAL_TIMEOUT, |seen| seen.content() == Some(expected.as_str())).unwrap();
