@@ -2,7 +2,8 @@
 //! attackers open connections and send one byte of a request head every few
 //! seconds, reconnecting whenever the server closes one, while a probe asks
 //! `/healthz` as the kubelet does. Prints, per attack, what the probes got
-//! (status codes, resets, timeouts) and how many attack connections the
+//! (status codes, resets, timeouts), how long they took (median, 99th
+//! percentile, worst) and how many attack connections the
 //! server closed. Then a flood: clients sending complete `/healthz`
 //! requests back to back. A measurement, not a test: it prints numbers.
 //!
@@ -65,28 +66,25 @@ fn main() {
     let flooders: usize = flags.number("flood", "8");
     for attack in &attacks {
         let (probes, closed) = run(addr, attack, window, byte_every, probe_every);
-        let total: usize = probes.values().sum();
-        let seen: Vec<String> = probes.iter().map(|(outcome, count)| format!("{outcome}: {count}")).collect();
         println!(
-            "{:>3} connections from {:>2} peer(s): {total} probes, {}; attack connections closed by the server: {closed}",
+            "{:>3} connections from {:>2} peer(s): {}; attack connections closed by the server: {closed}",
             attack.connections,
             attack.peers,
-            seen.join(", ")
+            probes.summary()
         );
         // The next attack starts on an empty server.
         std::thread::sleep(byte_every.max(Duration::from_secs(6)));
     }
     if flooders > 0 {
         let probes = flood(addr, flooders, window, probe_every);
-        let seen: Vec<String> = probes.iter().map(|(outcome, count)| format!("{outcome}: {count}")).collect();
-        println!("flood of complete /healthz requests on {flooders} connections: {}", seen.join(", "));
+        println!("flood of complete /healthz requests on {flooders} connections: {}", probes.summary());
     }
     server.stop();
 }
 
 /// `flooders` clients sending complete `GET /healthz` requests back to back
 /// from 127.0.0.2 while the probe asks as before; the probes' outcomes.
-fn flood(addr: SocketAddr, flooders: usize, window: Duration, probe_every: Duration) -> BTreeMap<String, usize> {
+fn flood(addr: SocketAddr, flooders: usize, window: Duration, probe_every: Duration) -> Probes {
     let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..flooders)
         .map(|_| {
@@ -111,11 +109,14 @@ fn probe_through(
     probe_every: Duration,
     stop: &AtomicBool,
     attackers: Vec<std::thread::JoinHandle<()>>,
-) -> BTreeMap<String, usize> {
-    let mut probes = BTreeMap::new();
+) -> Probes {
+    let mut probes = Probes::default();
     let end = Instant::now() + window;
     while Instant::now() < end {
-        *probes.entry(probe(addr)).or_insert(0) += 1;
+        let start = Instant::now();
+        let outcome = probe(addr);
+        probes.latencies.push(start.elapsed());
+        *probes.outcomes.entry(outcome).or_insert(0) += 1;
         std::thread::sleep(probe_every);
     }
     stop.store(true, Ordering::SeqCst);
@@ -125,14 +126,42 @@ fn probe_through(
     probes
 }
 
-/// The probes' outcomes by name and how many attack connections were closed.
+/// What the probes got, by outcome, and how long each took.
+#[derive(Default)]
+struct Probes {
+    outcomes: BTreeMap<String, usize>,
+    latencies: Vec<Duration>,
+}
+
+impl Probes {
+    /// "99 probes, 200: 99; median 0.3 ms, p99 1.2 ms, max 2.0 ms"
+    fn summary(&self) -> String {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        let at = |quantile: f64| {
+            let index = ((sorted.len() as f64 - 1.0) * quantile).round() as usize;
+            sorted.get(index).map_or(0.0, |latency| latency.as_secs_f64() * 1000.0)
+        };
+        let seen: Vec<String> = self.outcomes.iter().map(|(outcome, count)| format!("{outcome}: {count}")).collect();
+        format!(
+            "{} probes, {}; median {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            sorted.len(),
+            seen.join(", "),
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        )
+    }
+}
+
+/// The probes' outcomes and how many attack connections were closed.
 fn run(
     addr: SocketAddr,
     attack: &Attack,
     window: Duration,
     byte_every: Duration,
     probe_every: Duration,
-) -> (BTreeMap<String, usize>, usize) {
+) -> (Probes, usize) {
     let stop = Arc::new(AtomicBool::new(false));
     let closed = Arc::new(AtomicUsize::new(0));
     let attackers: Vec<_> = (0..attack.connections)

@@ -1,18 +1,16 @@
-//! A small HTTP/1.1 server for `/metrics`, `/healthz` and `/readyz`.
-//!
-//! One thread sleeps in epoll on the listener, a shutdown eventfd and the
-//! connections whose request head is still arriving, and reads those heads
-//! itself, without blocking: a slow client costs a buffer, not a thread.
-//! Probes (`/healthz`, `/readyz`) are answered by one thread, started when
-//! one comes and gone when none waits; anything else on a short-lived
-//! thread of its own. One request per connection (`Connection: close`);
-//! scrapers and probes open one per request anyway.
+//! A small HTTP/1.1 server for `/metrics`, `/healthz` and `/readyz`: hyper
+//! over a tokio runtime of its own, current-thread, on one thread
+//! (`metrics`). hyper parses and writes; this module decides how long and
+//! how many connections may hold the server. One request per connection
+//! (`Connection: close`); scrapers and probes open one per request anyway.
 //!
 //! Anything that reaches the pod's IP can connect, so the kubelet's probes
 //! must get through whatever other clients do (a liveness probe starved
 //! three times in a row restarts the agent):
 //! - a request head must be complete within [`HEAD_DEADLINE`] of the
-//!   accept, however its bytes trickle in;
+//!   accept, however its bytes trickle in. One deadline per connection,
+//!   moved to [`ANSWER_DEADLINE`] once the head is in, bounds both phases,
+//!   so hyper's own header timeout (and its timer) is off;
 //! - at most [`HEADS_PER_PEER`] heads from one address are read at once, at
 //!   most [`HEADS_PENDING`] in all, and a new connection is never refused
 //!   for lack of room: it replaces the oldest head of its own address when
@@ -20,35 +18,53 @@
 //!   full. Refusing would hand the table to whoever fills it first (and
 //!   the probes come from the node's address, which every host-network pod
 //!   shares); replacing the oldest leaves an attacker only its own slots.
-//!   A probe sends its head in one segment, mostly read whole at the
-//!   accept (it then takes no room at all), else at its first wake-up, so
-//!   pushing it out takes [`HEADS_PENDING`] new connections in that moment,
-//!   a flood rather than a slow attack;
+//!   A probe sends its head in one segment, mostly read whole at its
+//!   connection's first poll (it then takes no room at all), else at its
+//!   first wake-up, so pushing it out takes [`HEADS_PENDING`] new
+//!   connections in that moment, a flood rather than a slow attack;
 //! - probes are answered in rounds, one ping of the supervisor loop (at
 //!   most [`LIVENESS_WAIT`]) answering every `/healthz` that waits, so a
 //!   flood of them costs the loop one ping per round, and a probe waits
-//!   for the round under way and its own at most; their answers are small
-//!   enough to write without blocking. Beyond [`PROBES_WAITING`] waiting, a probe is answered 503;
+//!   for the round under way and its own at most. The ping blocks, so the
+//!   rounds run on a thread of their own, started when a probe comes and
+//!   gone when none waits, and the runtime goes on reading heads meanwhile.
+//!   Beyond [`PROBES_WAITING`] waiting, a probe is answered 503;
 //! - `/metrics` (and errors) are answered on at most [`OTHER_ANSWERS`]
-//!   threads, each writing for at most [`ANSWER_DEADLINE`], so scrapers that
-//!   never read their answer hold none of the probes' way (503 beyond).
+//!   connections at once, so scrapers that never read their answer hold
+//!   none of the probes' way (503 beyond); every connection is closed
+//!   [`ANSWER_DEADLINE`] after its head, written or not. hyper's own
+//!   answers to malformed heads (400, 431) are written within the head's
+//!   place and deadline.
 //!
-//! No timer while idle: epoll waits without a timeout when no head is
-//! pending, and until the earliest head's deadline otherwise.
+//! No timer while idle: the only timers are open connections' deadlines,
+//! so with none open the runtime sleeps in epoll without a timeout.
 use std::collections::BTreeMap;
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::convert::Infallible;
+use std::future::{Future, poll_fn};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::task::Poll;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{ALLOW, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::time::Instant;
 use tracing::{debug, error, warn};
 
 use super::{CONTENT_TYPE, Metrics};
 use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::health::Health;
-use fuse_supervisor_engine::watch::thread::{ThreadError, Waiting, Watching, Woken};
 
 /// How long `/healthz` waits for the loop to answer its ping. The
 /// manifest's probe allows 5 s; a loop busy for longer than this in one
@@ -59,8 +75,9 @@ pub const LIVENESS_WAIT: Duration = Duration::from_secs(1);
 /// connect, so this only has to cover a retransmission or two; it is the
 /// readiness probe's timeout (the liveness probe allows 5 s).
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(3);
-/// How long writing one answer may take, all of it: a client reading a
-/// byte at a time does not hold a thread longer.
+/// How long a connection stays once its head is in: a probe's round (two
+/// [`LIVENESS_WAIT`]s at most) and the writing of any answer, so a client
+/// reading a byte at a time does not hold it longer.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(5);
 /// Request heads being read at once, from every address.
 pub const HEADS_PENDING: usize = 64;
@@ -72,17 +89,15 @@ pub const HEADS_PER_PEER: usize = 8;
 pub const PROBES_WAITING: usize = 256;
 /// Other answers (`/metrics`, errors) at once: a scraper or two.
 pub const OTHER_ANSWERS: usize = 4;
-/// Longest request head read; a probe's or scraper's is a few hundred bytes.
+/// Longest request head read (hyper's smallest read buffer); a probe's or
+/// scraper's is a few hundred bytes. Longer: 431.
 const MAX_HEAD: usize = 8 * 1024;
+/// Header fields in one head; more: 431.
 const MAX_HEADERS: usize = 32;
-/// The pause after an accept error that is not "no more connections"
-/// (out of descriptors, say): the listener stays readable, and epoll would
-/// otherwise spin on it.
+/// The pause after an accept error that is not about one connection (out
+/// of descriptors, say): the listener stays readable, and accepting again
+/// at once would spin on it.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-
-const LISTENER: u64 = 1;
-/// Connections' epoll tokens count up from here, in accept order.
-const FIRST_CONNECTION: u64 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -99,40 +114,42 @@ pub enum ServeError {
         #[source]
         source: io::Error,
     },
-    #[error(transparent)]
-    Thread(#[from] ThreadError),
 }
 
 /// The running server; stops and joins its thread when stopped or dropped.
 pub struct MetricsServer {
     addr: SocketAddr,
-    watching: Watching,
-}
-
-struct Shared {
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    probes: Mutex<Probes>,
-    others_answering: AtomicUsize,
+    /// Dropping or sending ends the accept loop, and with it the runtime.
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl MetricsServer {
     /// Binds `addr` (port 0: any free port; see [`MetricsServer::local_addr`])
     /// and serves until stopped.
     pub fn start(addr: SocketAddr, metrics: Arc<Metrics>, health: Arc<Health>) -> Result<Self, ServeError> {
-        let listener = TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
+        // Bound here, not on the thread, so that a taken port fails the start.
+        let listener = std::net::TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
         let setup = |step| move |source| ServeError::Setup { addr, step, source };
         let local = listener.local_addr().map_err(setup("local address"))?;
         listener.set_nonblocking(true).map_err(setup("non-blocking listener"))?;
-        let stop = Watching::stop_waker("metrics")?;
-        let mut waiting = Waiting::new(&stop).map_err(setup("epoll"))?;
-        waiting.add_readable(listener.as_fd(), LISTENER).map_err(setup("watch the listener"))?;
-        let shared =
-            Arc::new(Shared { metrics, health, probes: Mutex::default(), others_answering: AtomicUsize::new(0) });
-        let watching = Watching::start("metrics", stop, move || {
-            Heads::new(shared).serve(&listener, &mut waiting);
-        })?;
-        Ok(MetricsServer { addr: local, watching })
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(setup("runtime"))?;
+        let listener = {
+            let _runtime = runtime.enter();
+            TcpListener::from_std(listener).map_err(setup("watch the listener"))?
+        };
+        let server = Arc::new(Server::new(metrics, health));
+        let (stop, stopped) = oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("metrics".into())
+            // The connections' tasks are dropped with the runtime, at the end.
+            .spawn(move || runtime.block_on(server.accept(listener, stopped)))
+            .map_err(setup("thread"))?;
+        Ok(MetricsServer { addr: local, stop: Some(stop), thread: Some(thread) })
     }
 
     /// The address it listens on.
@@ -140,403 +157,355 @@ impl MetricsServer {
         self.addr
     }
 
-    /// Stops accepting and joins the thread. Heads being read are dropped;
-    /// answers being written finish on their own threads within
-    /// [`ANSWER_DEADLINE`].
+    /// Stops accepting and joins the thread. Connections still open are
+    /// closed, answered or not: the agent is on its way out.
     pub fn stop(self) {
-        if let Err(err) = self.watching.stop() {
-            error!(err = %chain(&err), "metrics server did not stop cleanly");
+        drop(self);
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        // The accept loop may have ended already; then nobody listens.
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(Err(_)) = self.thread.take().map(JoinHandle::join) {
+            error!("the metrics server's thread panicked");
         }
     }
 }
 
-/// A connection whose request head is still arriving.
-struct Pending {
-    stream: TcpStream,
-    peer: SocketAddr,
-    head: Vec<u8>,
-    deadline: Instant,
+/// What the accept loop, the connections' tasks and the probe answerer share.
+struct Server {
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    http: http1::Builder,
+    heads: Mutex<Heads>,
+    probes: Mutex<Probes>,
+    /// One permit per answer other than a probe's, held until its
+    /// connection closes.
+    others: Arc<Semaphore>,
 }
 
-/// What a read of a pending head came to.
-enum Progress {
-    /// Method and path (without the query).
-    Complete(String, String),
-    Incomplete,
-    /// Not HTTP, or longer than [`MAX_HEAD`].
-    Malformed,
-    /// Closed or failed: nobody to answer.
-    Gone,
+/// The connections whose head is still arriving, keyed by accept order,
+/// so the first entry is the oldest.
+#[derive(Default)]
+struct Heads(BTreeMap<u64, Head>);
+
+struct Head {
+    peer: IpAddr,
+    /// Dropped to close the connection: its task sees the channel close.
+    _evict: oneshot::Sender<()>,
 }
 
-/// The heads being read, keyed by epoll token; tokens count up in accept
-/// order, so the first entry is the oldest and the first to expire.
-struct Heads {
-    pending: BTreeMap<u64, Pending>,
-    next_token: u64,
-    shared: Arc<Shared>,
+/// A connection's place in [`Heads`]; leaves it when dropped.
+struct HeadSlot<'a> {
+    heads: &'a Mutex<Heads>,
+    id: u64,
+    evicted: oneshot::Receiver<()>,
 }
 
-impl Heads {
-    fn new(shared: Arc<Shared>) -> Self {
-        Heads { pending: BTreeMap::new(), next_token: FIRST_CONNECTION, shared }
+/// What the service tells its connection's task.
+#[derive(Default)]
+struct Exchange {
+    /// The head is in: hyper called the service.
+    asked: AtomicBool,
+    /// The [`OTHER_ANSWERS`] permit of this connection's answer, kept until
+    /// the connection closes: writing it is what a slow reader holds.
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+/// Why a connection's task ended, when it was not hyper's doing.
+enum Closed {
+    Served,
+    Late { answering: bool },
+    Evicted,
+}
+
+impl Server {
+    fn new(metrics: Arc<Metrics>, health: Arc<Health>) -> Self {
+        let mut http = http1::Builder::new();
+        http.keep_alive(false)
+            // The deadline of the connection's task bounds the head instead.
+            .header_read_timeout(None)
+            .max_buf_size(MAX_HEAD)
+            .max_headers(MAX_HEADERS)
+            // `Content-Type`, as the answers always read: scripts grep them.
+            .title_case_headers(true);
+        Server {
+            metrics,
+            health,
+            http,
+            heads: Mutex::default(),
+            probes: Mutex::default(),
+            others: Arc::new(Semaphore::new(OTHER_ANSWERS)),
+        }
     }
 
-    fn serve(&mut self, listener: &TcpListener, waiting: &mut Waiting) {
+    async fn accept(self: Arc<Self>, listener: TcpListener, mut stopped: oneshot::Receiver<()>) {
+        let mut next_id = 0u64;
         loop {
-            let timeout =
-                self.pending.values().next().map(|oldest| oldest.deadline.saturating_duration_since(Instant::now()));
-            let ready: Vec<u64> = match waiting.wait(timeout) {
-                Ok(Woken::Ready(tokens)) => tokens.to_vec(),
-                Ok(Woken::Stop) => return,
-                Err(err) => {
-                    error!(err = %chain(&err), "metrics server cannot wait for connections; it stops");
-                    return;
-                }
+            let accepted = tokio::select! {
+                biased;
+                _ = &mut stopped => return,
+                accepted = listener.accept() => accepted,
             };
-            for token in ready {
-                if token == LISTENER {
-                    self.accept_all(listener, waiting);
-                } else {
-                    self.read(token, waiting);
+            match accepted {
+                Ok((stream, peer)) => {
+                    tokio::spawn(Arc::clone(&self).connection(stream, peer, next_id, Instant::now()));
+                    next_id += 1;
                 }
-            }
-            self.expire();
-        }
-    }
-
-    fn accept_all(&mut self, listener: &TcpListener, waiting: &Waiting) {
-        loop {
-            match listener.accept() {
-                Ok((stream, peer)) => self.admit(stream, peer, waiting),
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
                 Err(err) if matches!(err.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
                 Err(err) => {
                     warn!(err = %chain(&err), "metrics server cannot accept a connection");
-                    std::thread::sleep(ACCEPT_BACKOFF);
-                    return;
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
                 }
             }
         }
     }
 
-    /// Reads what already arrived of a new connection's head; if that is
-    /// not all of it, makes room for it (see the module doc) and watches it.
-    fn admit(&mut self, stream: TcpStream, peer: SocketAddr, waiting: &Waiting) {
-        // Accepted sockets do not inherit the listener's O_NONBLOCK on Linux.
-        if let Err(err) = stream.set_nonblocking(true) {
-            return debug!(%peer, err = %chain(&err), "cannot make a metrics connection non-blocking; closed");
+    /// Serves one connection within its deadlines; takes a place among the
+    /// heads being read if its head was not whole at the first poll.
+    async fn connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, id: u64, accepted: Instant) {
+        let exchange = Arc::new(Exchange::default());
+        let service = {
+            let (server, exchange) = (Arc::clone(&self), Arc::clone(&exchange));
+            service_fn(move |request: Request<Incoming>| {
+                exchange.asked.store(true, Ordering::Relaxed);
+                let (server, exchange) = (Arc::clone(&server), Arc::clone(&exchange));
+                async move {
+                    let reply = server.answer(request.method(), request.uri().path(), peer, &exchange).await;
+                    Ok::<_, Infallible>(reply.into_response())
+                }
+            })
+        };
+        let mut connection = pin!(self.http.serve_connection(TokioIo::new(stream), service));
+        let mut deadline = pin!(tokio::time::sleep_until(accepted + HEAD_DEADLINE));
+        let (mut slot, mut first_poll, mut answering) = (None, true, false);
+        let closed = poll_fn(|cx| {
+            if let Poll::Ready(served) = connection.as_mut().poll(cx) {
+                if let Err(err) = served {
+                    debug!(%peer, err = %chain(&err), "metrics connection ended with an error");
+                }
+                return Poll::Ready(Closed::Served);
+            }
+            if exchange.asked.load(Ordering::Relaxed) {
+                if !answering {
+                    answering = true;
+                    slot = None;
+                    deadline.as_mut().reset(Instant::now() + ANSWER_DEADLINE);
+                }
+            } else if first_poll {
+                slot = Some(self.admit(id, peer.ip()));
+            }
+            first_poll = false;
+            if let Some(slot) = &mut slot
+                && Pin::new(&mut slot.evicted).poll(cx).is_ready()
+            {
+                return Poll::Ready(Closed::Evicted);
+            }
+            match deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Closed::Late { answering }),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        match closed {
+            Closed::Served | Closed::Evicted => {}
+            Closed::Late { answering: false } => debug!(%peer, "request head not complete in time; closed"),
+            Closed::Late { answering: true } => debug!(%peer, "metrics answer not written in time; closed"),
         }
-        let mut pending = Pending { stream, peer, head: Vec::new(), deadline: Instant::now() + HEAD_DEADLINE };
-        match pending.read() {
-            Progress::Incomplete => {}
-            progress => return self.finish(pending, progress),
-        }
-        self.make_room(peer);
-        let token = self.next_token;
-        self.next_token += 1;
-        if let Err(err) = waiting.add_readable(pending.stream.as_fd(), token) {
-            return warn!(%peer, err = %chain(&err), "cannot watch a metrics connection; closed");
-        }
-        self.pending.insert(token, pending);
     }
 
-    /// Closes the oldest head of `peer` if it is at its share, else the
-    /// oldest of all if the table is full.
-    fn make_room(&mut self, peer: SocketAddr) {
-        let address = peer.ip().to_canonical();
-        let mut from_peer = self.pending.iter().filter(|(_, head)| head.peer.ip().to_canonical() == address);
-        let oldest_of_peer = from_peer.next().map(|(token, _)| *token);
+    /// A place among the heads being read, made by closing the oldest head
+    /// of `peer` if it is at its share, else the oldest of all if the table
+    /// is full.
+    fn admit(&self, id: u64, peer: IpAddr) -> HeadSlot<'_> {
+        let peer = peer.to_canonical();
+        let mut heads = self.heads.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut from_peer = heads.0.iter().filter(|(_, head)| head.peer == peer);
+        let oldest_of_peer = from_peer.next().map(|(id, _)| *id);
         let evicted = if from_peer.count() + 1 >= HEADS_PER_PEER {
             oldest_of_peer
-        } else if self.pending.len() >= HEADS_PENDING {
-            self.pending.keys().next().copied()
+        } else if heads.0.len() >= HEADS_PENDING {
+            heads.0.keys().next().copied()
         } else {
             None
         };
-        if let Some(oldest) = evicted.and_then(|token| self.pending.remove(&token)) {
+        if let Some(oldest) = evicted.and_then(|id| heads.0.remove(&id)) {
             debug!(peer = %oldest.peer, "request head closed to make room for a newer one");
         }
+        let (evict, evicted) = oneshot::channel();
+        heads.0.insert(id, Head { peer, _evict: evict });
+        HeadSlot { heads: &self.heads, id, evicted }
     }
 
-    fn read(&mut self, token: u64, waiting: &Waiting) {
-        let Some(pending) = self.pending.get_mut(&token) else { return };
-        match pending.read() {
-            Progress::Incomplete => {}
-            progress => {
-                if let Some(pending) = self.pending.remove(&token) {
-                    // Closing it would do the same; the answer's thread keeps it open.
-                    let _ = waiting.remove(pending.stream.as_fd());
-                    self.finish(pending, progress);
-                }
-            }
-        }
-    }
-
-    /// Closes the heads whose deadline passed (dropping one closes it and
-    /// takes it out of epoll).
-    fn expire(&mut self) {
-        let now = Instant::now();
-        while let Some(entry) = self.pending.first_entry() {
-            if entry.get().deadline > now {
-                return;
-            }
-            let pending = entry.remove();
-            debug!(peer = %pending.peer, bytes = pending.head.len(), "request head not complete in time; closed");
-        }
-    }
-
-    fn finish(&self, pending: Pending, progress: Progress) {
-        let Pending { stream, peer, .. } = pending;
-        match progress {
-            Progress::Complete(method, path) => answer(stream, peer, method, path, &self.shared),
-            Progress::Malformed => reply_now(&stream, peer, &Response::text(400, "malformed HTTP request\n"), false),
-            Progress::Incomplete | Progress::Gone => {}
-        }
-    }
-}
-
-impl Pending {
-    /// Reads what arrived, without blocking, and parses the head so far.
-    fn read(&mut self) -> Progress {
-        let mut chunk = [0u8; 1024];
-        loop {
-            match self.stream.read(&mut chunk) {
-                Ok(0) => return Progress::Gone,
-                Ok(n) => self.head.extend_from_slice(&chunk[..n]),
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return Progress::Gone,
-            }
-            if self.head.len() >= MAX_HEAD {
-                break;
-            }
-        }
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut request = httparse::Request::new(&mut headers);
-        match request.parse(&self.head) {
-            Ok(httparse::Status::Complete(_)) => {
-                let (Some(method), Some(target)) = (request.method, request.path) else { return Progress::Malformed };
-                let path = target.split_once('?').map_or(target, |(path, _)| path);
-                Progress::Complete(method.to_owned(), path.to_owned())
-            }
-            Ok(httparse::Status::Partial) if self.head.len() < MAX_HEAD => Progress::Incomplete,
-            Ok(httparse::Status::Partial) | Err(_) => Progress::Malformed,
-        }
-    }
-}
-
-/// Answers a complete request: probes through the one probe answerer,
-/// anything else on a thread of its own while [`OTHER_ANSWERS`] allows
-/// (503 at once beyond).
-fn answer(stream: TcpStream, peer: SocketAddr, method: String, path: String, shared: &Arc<Shared>) {
-    let head_only = method == "HEAD";
-    if matches!(path.as_str(), "/healthz" | "/readyz") {
-        return queue_probe(Request { stream, peer, method, path }, shared);
-    }
-    let answering = &shared.others_answering;
-    if answering.fetch_add(1, Ordering::SeqCst) >= OTHER_ANSWERS {
-        answering.fetch_sub(1, Ordering::SeqCst);
-        debug!(%peer, %path, "metrics server busy; answered 503");
-        return reply_now(&stream, peer, &Response::text(503, "busy: too many requests being answered\n"), head_only);
-    }
-    let worker = Arc::clone(shared);
-    let spawned = std::thread::Builder::new().name("metrics-conn".into()).spawn(move || {
-        // Never asked: probes go to the probe answerer.
-        let response = route(&method, &path, &worker, &mut || false);
-        if let Err(err) = write_response(&stream, &response, head_only) {
-            debug!(%peer, err = %chain(&err), "cannot write a metrics answer");
-        }
-        worker.others_answering.fetch_sub(1, Ordering::SeqCst);
-    });
-    if let Err(err) = spawned {
-        answering.fetch_sub(1, Ordering::SeqCst);
-        warn!(%peer, err = %chain(&err), "cannot start a thread for a metrics answer");
-    }
-}
-
-/// A complete request for `/healthz` or `/readyz`, waiting for its answer.
-struct Request {
-    stream: TcpStream,
-    peer: SocketAddr,
-    method: String,
-    path: String,
-}
-
-/// The probe requests waiting, and whether the answerer thread runs.
-#[derive(Default)]
-struct Probes {
-    waiting: Vec<Request>,
-    answering: bool,
-}
-
-/// Queues a probe for the answerer, starting it if it is not running.
-fn queue_probe(request: Request, shared: &Arc<Shared>) {
-    let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
-    if probes.waiting.len() >= PROBES_WAITING {
-        drop(probes);
-        debug!(peer = %request.peer, "too many probes waiting; answered 503");
-        let busy = Response::text(503, "busy: too many probes waiting\n");
-        return reply_now(&request.stream, request.peer, &busy, request.method == "HEAD");
-    }
-    probes.waiting.push(request);
-    if probes.answering {
-        return;
-    }
-    probes.answering = true;
-    drop(probes);
-    let worker = Arc::clone(shared);
-    if let Err(err) = std::thread::Builder::new().name("metrics-probes".into()).spawn(move || answer_probes(&worker)) {
-        let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
-        probes.answering = false;
-        let dropped = std::mem::take(&mut probes.waiting).len();
-        warn!(err = %chain(&err), dropped, "cannot start the thread that answers probes; their connections are closed");
-    }
-}
-
-/// Answers the waiting probes in rounds until none is left: one ping of
-/// the loop per round answers every `/healthz` of it, however many. Each
-/// answer is a ping sent after its request came.
-fn answer_probes(shared: &Shared) {
-    loop {
-        let round = {
-            let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
-            if probes.waiting.is_empty() {
-                probes.answering = false;
-                return;
-            }
-            std::mem::take(&mut probes.waiting)
+    /// The answer to a complete request: probes through the probe answerer,
+    /// anything else while [`OTHER_ANSWERS`] allows (503 at once beyond).
+    async fn answer(self: Arc<Self>, method: &Method, path: &str, peer: SocketAddr, exchange: &Exchange) -> Reply {
+        let probe = match path {
+            "/healthz" => Some(Probe::Live),
+            "/readyz" => Some(Probe::Ready),
+            _ => None,
         };
-        let mut alive = None;
-        let mut is_alive = || {
-            *alive.get_or_insert_with(|| {
-                let answered = shared.health.is_alive(LIVENESS_WAIT);
-                if !answered {
-                    let wait_ms = LIVENESS_WAIT.as_millis() as u64;
-                    warn!(wait_ms, "liveness check: the supervisor loop did not answer");
-                }
-                answered
-            })
+        let allowed = matches!(method, &Method::GET | &Method::HEAD);
+        if let (Some(probe), true) = (probe, allowed) {
+            return self.probe(probe, peer).await;
+        }
+        let Ok(permit) = Arc::clone(&self.others).try_acquire_owned() else {
+            debug!(%peer, %path, "metrics server busy; answered 503");
+            return Reply::text(StatusCode::SERVICE_UNAVAILABLE, "busy: too many requests being answered\n");
         };
-        for request in round {
-            let response = route(&request.method, &request.path, shared, &mut is_alive);
-            reply_now(&request.stream, request.peer, &response, request.method == "HEAD");
+        *exchange.permit.lock().unwrap_or_else(PoisonError::into_inner) = Some(permit);
+        if probe.is_none() && path != "/metrics" {
+            return Reply::text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n");
         }
-    }
-}
-
-/// A short answer written without blocking (from the epoll thread or the
-/// probe answerer): a few hundred bytes fit in the empty send buffer of a
-/// fresh connection.
-fn reply_now(stream: &TcpStream, peer: SocketAddr, response: &Response, head_only: bool) {
-    let mut bytes = response_head(response).into_bytes();
-    if !head_only {
-        bytes.extend_from_slice(response.body.as_bytes());
-    }
-    match (&*stream).write(&bytes) {
-        Ok(written) if written == bytes.len() => {}
-        Ok(_) => debug!(%peer, status = response.status, "metrics answer cut short: the send buffer was full"),
-        Err(err) => debug!(%peer, err = %chain(&err), "cannot write a metrics answer"),
-    }
-}
-
-/// Writes all of `response` within [`ANSWER_DEADLINE`], however slowly the
-/// client reads.
-fn write_response(stream: &TcpStream, response: &Response, head_only: bool) -> io::Result<()> {
-    stream.set_nonblocking(false)?;
-    let deadline = Instant::now() + ANSWER_DEADLINE;
-    let head = response_head(response);
-    let body = if head_only { "" } else { response.body.as_str() };
-    for mut part in [head.as_bytes(), body.as_bytes()] {
-        while !part.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "answer not written in time"));
-            }
-            stream.set_write_timeout(Some(left))?;
-            match (&*stream).write(part) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(written) => part = &part[written..],
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => return Err(err),
-            }
+        if !allowed {
+            return Reply::text(StatusCode::METHOD_NOT_ALLOWED, format!("{method} not allowed on {path}\n"));
         }
-    }
-    Ok(())
-}
-
-struct Response {
-    status: u16,
-    content_type: &'static str,
-    body: String,
-}
-
-impl Response {
-    fn text(status: u16, body: impl Into<String>) -> Self {
-        Response { status, content_type: "text/plain; charset=utf-8", body: body.into() }
-    }
-}
-
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        500 => "Internal Server Error",
-        _ => "Service Unavailable",
-    }
-}
-
-fn response_head(response: &Response) -> String {
-    let mut head = format!(
-        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-        response.status,
-        reason(response.status),
-        response.content_type,
-        response.body.len()
-    );
-    if response.status == 405 {
-        head.push_str("Allow: GET, HEAD\r\n");
-    }
-    head.push_str("\r\n");
-    head
-}
-
-/// The answer to `method` on `path`; `is_alive` asks the loop (only
-/// `/healthz` calls it).
-fn route(method: &str, path: &str, shared: &Shared, is_alive: &mut dyn FnMut() -> bool) -> Response {
-    if !matches!(path, "/metrics" | "/healthz" | "/readyz") {
-        return Response::text(404, "not found: try /metrics, /healthz or /readyz\n");
-    }
-    if !matches!(method, "GET" | "HEAD") {
-        return Response::text(405, format!("{method} not allowed on {path}\n"));
-    }
-    match path {
-        "/metrics" => match shared.metrics.encode() {
-            Ok(body) => Response { status: 200, content_type: CONTENT_TYPE, body },
+        match self.metrics.encode() {
+            Ok(body) => Reply { status: StatusCode::OK, content_type: CONTENT_TYPE, body },
             Err(err) => {
                 error!(err = %chain(&err), "cannot serve /metrics");
-                Response::text(500, format!("{err}\n"))
+                Reply::text(StatusCode::INTERNAL_SERVER_ERROR, format!("{err}\n"))
             }
-        },
-        "/healthz" if is_alive() => Response::text(200, "ok\n"),
-        "/healthz" => Response::text(503, format!("the supervisor loop did not answer within {LIVENESS_WAIT:?}\n")),
-        _ if shared.health.is_ready() => match shared.health.state_problem() {
-            None => Response::text(200, "ok\n"),
-            Some(problem) => Response::text(
-                200,
+        }
+    }
+
+    /// Queues a probe for the answerer, starting it if it is not running,
+    /// and waits for its answer.
+    async fn probe(self: Arc<Self>, probe: Probe, peer: SocketAddr) -> Reply {
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut probes = self.probes.lock().unwrap_or_else(PoisonError::into_inner);
+            if probes.waiting.len() >= PROBES_WAITING {
+                debug!(%peer, "too many probes waiting; answered 503");
+                return Reply::text(StatusCode::SERVICE_UNAVAILABLE, "busy: too many probes waiting\n");
+            }
+            probes.waiting.push((probe, reply));
+            if !probes.answering {
+                probes.answering = true;
+                let server = Arc::clone(&self);
+                let spawned =
+                    std::thread::Builder::new().name("metrics-probes".into()).spawn(move || server.answer_probes());
+                if let Err(err) = spawned {
+                    probes.answering = false;
+                    let dropped = std::mem::take(&mut probes.waiting).len();
+                    warn!(err = %chain(&err), dropped, "cannot start the thread that answers probes");
+                }
+            }
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Reply::text(StatusCode::SERVICE_UNAVAILABLE, "the probe answerer could not answer\n"))
+    }
+
+    /// Answers the waiting probes in rounds until none is left: one ping of
+    /// the loop per round answers every `/healthz` of it, however many. Each
+    /// answer is a ping sent after its request came.
+    fn answer_probes(&self) {
+        loop {
+            let round = {
+                let mut probes = self.probes.lock().unwrap_or_else(PoisonError::into_inner);
+                if probes.waiting.is_empty() {
+                    probes.answering = false;
+                    return;
+                }
+                std::mem::take(&mut probes.waiting)
+            };
+            let mut alive = None;
+            for (probe, reply) in round {
+                let answer = match probe {
+                    Probe::Live => self.liveness(*alive.get_or_insert_with(|| self.ping())),
+                    Probe::Ready => self.readiness(),
+                };
+                // Its connection may be closed already.
+                let _ = reply.send(answer);
+            }
+        }
+    }
+
+    fn ping(&self) -> bool {
+        let answered = self.health.is_alive(LIVENESS_WAIT);
+        if !answered {
+            let wait_ms = LIVENESS_WAIT.as_millis() as u64;
+            warn!(wait_ms, "liveness check: the supervisor loop did not answer");
+        }
+        answered
+    }
+
+    fn liveness(&self, alive: bool) -> Reply {
+        if alive {
+            return Reply::text(StatusCode::OK, "ok\n");
+        }
+        let why = format!("the supervisor loop did not answer within {LIVENESS_WAIT:?}\n");
+        Reply::text(StatusCode::SERVICE_UNAVAILABLE, why)
+    }
+
+    fn readiness(&self) -> Reply {
+        if !self.health.is_ready() {
+            return Reply::text(StatusCode::SERVICE_UNAVAILABLE, "the first scan of the mount table is not done\n");
+        }
+        match self.health.state_problem() {
+            None => Reply::text(StatusCode::OK, "ok\n"),
+            Some(problem) => Reply::text(
+                StatusCode::OK,
                 format!(
                     "ok\n{problem}; healing goes on, but a restarted supervisor will not know what this one learned\n"
                 ),
             ),
-        },
-        _ => Response::text(503, "the first scan of the mount table is not done\n"),
+        }
+    }
+}
+
+impl Drop for HeadSlot<'_> {
+    fn drop(&mut self) {
+        self.heads.lock().unwrap_or_else(PoisonError::into_inner).0.remove(&self.id);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Probe {
+    Live,
+    Ready,
+}
+
+/// The probes waiting for the answerer, and whether its thread runs.
+#[derive(Default)]
+struct Probes {
+    waiting: Vec<(Probe, oneshot::Sender<Reply>)>,
+    answering: bool,
+}
+
+/// An answer, before hyper frames it (HEAD requests get its head only).
+struct Reply {
+    status: StatusCode,
+    content_type: &'static str,
+    body: String,
+}
+
+impl Reply {
+    fn text(status: StatusCode, body: impl Into<String>) -> Self {
+        Reply { status, content_type: "text/plain; charset=utf-8", body: body.into() }
+    }
+
+    fn into_response(self) -> hyper::Response<Full<Bytes>> {
+        let mut response = hyper::Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(hyper::header::CONTENT_TYPE, HeaderValue::from_static(self.content_type));
+        if self.status == StatusCode::METHOD_NOT_ALLOWED {
+            headers.insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        }
+        response
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
     use std::sync::mpsc;
 
     use super::*;
@@ -629,7 +598,7 @@ mod tests {
         // bytes would reset the connection before the answer is read.
         let start = "GET /metrics HTTP/1.1\r\nX: ";
         let endless = format!("{start}{}", "a".repeat(MAX_HEAD - start.len()));
-        assert_eq!(request(addr, &endless).0, 400);
+        assert_eq!(request(addr, &endless).0, 431);
     }
 
     /// A connection from `peer` (any 127.x address) that sent the start of
@@ -697,6 +666,49 @@ mod tests {
         assert!(closed(&heads[0]), "the oldest head stayed");
         assert!(heads[1..].iter().all(waiting_now), "a head other than the oldest was closed");
         assert_eq!(finish_head(probe), 200);
+    }
+
+    /// Asks `server` itself, as hyper would once a head is in.
+    fn ask(server: &Arc<Server>, method: Method, path: &str) -> StatusCode {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let peer = SocketAddr::from(([127, 0, 0, 2], 40000));
+        let exchange = Exchange::default();
+        runtime.block_on(Arc::clone(server).answer(&method, path, peer, &exchange)).status
+    }
+
+    #[test]
+    fn answers_beyond_their_share_are_503_at_once() {
+        let health = Arc::new(Health::new());
+        health.set_ready();
+        let server = Arc::new(Server::new(Arc::new(Metrics::new()), health));
+        // Scrapers that do not read their answers hold every permit.
+        let held = Arc::clone(&server.others).try_acquire_many_owned(OTHER_ANSWERS as u32).unwrap();
+        assert_eq!(ask(&server, Method::GET, "/metrics"), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(ask(&server, Method::GET, "/nothing"), StatusCode::SERVICE_UNAVAILABLE, "errors share them");
+        assert_eq!(ask(&server, Method::GET, "/readyz"), StatusCode::OK, "a probe waited for a permit");
+        drop(held);
+        assert_eq!(ask(&server, Method::GET, "/metrics"), StatusCode::OK);
+
+        // A flood of probes fills the queue; the answerer is busy in a round.
+        let mut probes = server.probes.lock().unwrap();
+        probes.answering = true;
+        probes.waiting.extend((0..PROBES_WAITING).map(|_| (Probe::Live, oneshot::channel().0)));
+        drop(probes);
+        assert_eq!(ask(&server, Method::GET, "/healthz"), StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[test]
+    fn a_head_trickling_in_is_closed_at_its_deadline() {
+        let health = Arc::new(Health::new());
+        let (server, _metrics) = server(&health);
+        let mut stream = unfinished_head(server.local_addr(), [127, 0, 0, 2]);
+        let opened = std::time::Instant::now();
+        while stream.write_all(b"a").is_ok() && waiting_now(&stream) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let open = opened.elapsed();
+        assert!(closed(&stream), "still open after {open:?}");
+        assert!(open >= HEAD_DEADLINE && open < HEAD_DEADLINE + Duration::from_secs(2), "closed after {open:?}");
     }
 
     #[test]
