@@ -159,9 +159,7 @@ impl<E: Executor> Supervisor<E> {
             self.heal_containers(&dead, &batch.source.path, batch.source.top(), Some(handles));
         }
     }
-}
 
-impl<E: Executor> Supervisor<E> {
     /// A heal attempt of `target` failed with `error`: it is retried after
     /// its back-off, and the pod is told.
     pub(super) fn attempt_failed(&mut self, target: &Path, pod_uid: &str, source: &Path, error: String) {

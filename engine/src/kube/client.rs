@@ -575,14 +575,8 @@ async fn collect(body: Incoming, limit: usize) -> Result<Bytes, Problem> {
 
 /// The kind of the socket error under a hyper error, if one is.
 fn io_cause(err: &hyper::Error) -> Option<io::ErrorKind> {
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<io::Error>() {
-            return Some(io.kind());
-        }
-        source = cause.source();
-    }
-    None
+    std::iter::successors(std::error::Error::source(err), |cause| cause.source())
+        .find_map(|cause| cause.downcast_ref::<io::Error>().map(io::Error::kind))
 }
 
 #[cfg(test)]

@@ -171,13 +171,9 @@ impl Subscriber {
 
     /// Passes on what it wants of one read; false once its sink said stop.
     fn deliver(&self, batch: &[TimedEvent], lost: bool) -> bool {
-        let mut events: Vec<ProcessEvent> = batch.iter().filter_map(|timed| self.translate(timed)).collect();
-        if lost {
-            events.extend(self.resync());
-            events.push(ProcessEvent::Lost);
-        }
         let mut sink = self.sink.lock().unwrap_or_else(PoisonError::into_inner);
-        events.into_iter().all(&mut *sink)
+        batch.iter().filter_map(|timed| self.translate(timed)).all(&mut *sink)
+            && (!lost || self.resync().into_iter().chain([ProcessEvent::Lost]).all(&mut *sink))
     }
 
     fn fail(&self, err: ProcessWatchError) {
