@@ -140,9 +140,10 @@ impl Status {
         Status { total_mounts: classified.total_mounts, sources, targets, csi_records: Vec::new() }
     }
 
-    /// Adds the CSI proxies' records, each stage with whether its global
-    /// mount is live or waits for its driver (`run --restage` stages it
-    /// again once the driver answers).
+    /// Adds the CSI proxies' records, each stage (and each publish of a
+    /// driver without a staging step, which mounts at the pod's target)
+    /// with whether its mount is live or waits for its driver (`run
+    /// --restage` calls it again once the driver answers).
     pub fn with_csi_records(mut self, records: &[fuse_supervisor_engine::csi::records::Record]) -> Self {
         use fuse_supervisor_engine::csi::records::Request;
         let sources = &self.sources;
@@ -150,16 +151,20 @@ impl Status {
             .iter()
             .map(|record| {
                 let path = PathBuf::from(record.request.path());
+                let live = || {
+                    sources.iter().any(|source| {
+                        source.path == path
+                            && source.layers > 0
+                            && source.daemon_died.is_none_or(|death| death.dev != source.dev)
+                    })
+                };
+                // A publish that mounts (a driver without a staging step)
+                // is live or waits as a stage does.
                 let state = match &record.request {
-                    Request::Publish(_) => "published",
-                    Request::Stage(_) => {
-                        let live = sources.iter().any(|source| {
-                            source.path == path
-                                && source.layers > 0
-                                && source.daemon_died.is_none_or(|death| death.dev != source.dev)
-                        });
-                        if live { "staged" } else { "waiting for its driver" }
-                    }
+                    Request::Publish(_) if !record.request.mounts_at_path() => "published",
+                    Request::Publish(_) if live() => "published",
+                    Request::Stage(_) if live() => "staged",
+                    _ => "waiting for its driver",
                 };
                 CsiRecordRow {
                     call: match record.request.call() {

@@ -9,7 +9,9 @@
 //! mount count back where it was. The cases the agent must not act in (a
 //! pod deleted, a volume unstaged, a driver that stages by itself) make no
 //! call; a driver that never answers holds neither the loop nor the exit.
-//! No secret reaches any output. Needs root, /dev/fuse, runc, bindfs and
+//! A driver without a staging step (its daemons mount at the pods'
+//! targets) gets each pod's volume published again instead. No secret
+//! reaches any output. Needs root, /dev/fuse, runc, bindfs and
 //! sshfs; every process and mount lives in the test's sandbox.
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -88,13 +90,17 @@ impl World {
     /// `--csi-socket`), the proxy the kubelet dials on
     /// `plugins/<driver>/csi.sock`, the records in `run/records`.
     fn new(trust_proc_mounts: bool) -> World {
+        World::with_plugin(PluginFlags { trust_proc_mounts, ..PluginFlags::default() })
+    }
+
+    fn with_plugin(flags: PluginFlags) -> World {
         let sandbox = Sandbox::new().expect("a sandbox (needs root)");
         let root = sandbox.root().to_path_buf();
         let plugin_dir = sandbox.kubelet_root().join("plugins").join(DRIVER);
         let dir = plugin_dir.clone();
         sandbox.run(move || fs::create_dir_all(dir)).unwrap();
         let call_log = root.join("plugin-calls.log");
-        let flags = PluginFlags { trust_proc_mounts, call_log: Some(call_log.clone()), ..PluginFlags::default() };
+        let flags = PluginFlags { call_log: Some(call_log.clone()), ..flags };
         let plugin = CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, flags)
             .expect("the CSI plugin starts");
         let record_dir = root.join("run/records");
@@ -113,8 +119,15 @@ impl World {
         World { volumes: Vec::new(), agent: None, proxy, plugin, kubelet, runc, call_log, sandbox }
     }
 
+    /// Whether the plugin has no staging step: its daemons mount at the
+    /// pods' targets.
+    fn publish_only(&self) -> bool {
+        self.plugin.flags().publish_only
+    }
+
     /// Stages a volume served by `daemon` through the proxy, as the kubelet
-    /// does, then publishes it to each pod and starts its container.
+    /// does (unless the driver has no staging step), then publishes it to
+    /// each pod and starts its container.
     fn add_volume(&mut self, handle: &str, daemon: &str, pods: &[(&str, Mounted)]) {
         let backing = self.sandbox.root().join("backing").join(handle);
         let (dir, content) = (backing.clone(), format!("data of {handle}"));
@@ -136,7 +149,9 @@ impl World {
                 ("source".into(), backing.display().to_string()),
             ]),
         };
-        self.kubelet.stage(stage.clone()).expect("NodeStageVolume through the proxy");
+        if !self.publish_only() {
+            self.kubelet.stage(stage.clone()).expect("NodeStageVolume through the proxy");
+        }
         let mut volume = Volume { handle: handle.into(), stage, pods: Vec::new() };
         for (uid, mounted) in pods {
             let pod = self.publish(&volume, uid, *mounted);
@@ -155,7 +170,11 @@ impl World {
         let publish = api::NodePublishVolumeRequest {
             volume_id: volume.handle.clone(),
             publish_context: HashMap::new(),
-            staging_target_path: volume.stage.staging_target_path.clone(),
+            // The kubelet sends one exactly when the driver stages.
+            staging_target_path: match self.publish_only() {
+                true => String::new(),
+                false => volume.stage.staging_target_path.clone(),
+            },
             target_path: target.display().to_string(),
             volume_capability: Some(mount_capability()),
             readonly: false,
@@ -202,18 +221,30 @@ impl World {
         self.agent.as_ref().expect("the agent runs")
     }
 
+    /// Where the plugin's daemons mount: each volume's staging path, or
+    /// each pod's target for a driver without a staging step.
+    fn daemon_mounts(&self) -> Vec<String> {
+        match self.publish_only() {
+            false => self.volumes.iter().map(|volume| volume.stage.staging_target_path.clone()).collect(),
+            true => self.pods().map(|pod| pod.target.display().to_string()).collect(),
+        }
+    }
+
+    fn pods(&self) -> impl Iterator<Item = &Pod> {
+        self.volumes.iter().flat_map(|volume| &volume.pods)
+    }
+
     /// The agent watches every daemon of the plugin that holds a FUSE
     /// connection: their deaths will be seen.
     fn daemons_watched(&self) {
         let log = |agent: &SupervisorProcess| agent.log().join("\n");
+        let mounts = self.daemon_mounts();
         scenario::wait_for("the agent watching the plugin's daemons", TIMEOUT, || {
             let log = log(self.agent());
-            let watched = self.volumes.iter().filter(|volume| {
-                log.lines().any(|line| {
-                    line.contains("\"watching the FUSE daemon\"") && line.contains(&volume.stage.staging_target_path)
-                })
+            let watched = mounts.iter().filter(|mount| {
+                log.lines().any(|line| line.contains("\"watching the FUSE daemon\"") && line.contains(mount.as_str()))
             });
-            watched.count() == self.volumes.len()
+            watched.count() == mounts.len()
         })
         .unwrap_or_else(|err| panic!("{err}\n{}", log(self.agent())));
     }
@@ -230,13 +261,11 @@ impl World {
 
     /// The agent has handed every volume's death over and waits for the driver.
     fn agent_waits_for_driver(&self, count: usize) {
-        let waiting = |agent: &SupervisorProcess| {
-            agent
-                .log()
-                .iter()
-                .filter(|line| line.contains("\"waiting for the driver to stage the volume again\""))
-                .count()
+        let message = match self.publish_only() {
+            false => "\"waiting for the driver to stage the volume again\"",
+            true => "\"waiting for the driver to publish the volume again\"",
         };
+        let waiting = |agent: &SupervisorProcess| agent.log().iter().filter(|line| line.contains(message)).count();
         scenario::wait_for("the agent waiting for the driver", TIMEOUT, || waiting(self.agent()) >= count)
             .unwrap_or_else(|err| panic!("{err}\n{}", self.agent().log().join("\n")));
     }
@@ -268,10 +297,42 @@ impl World {
         assert_eq!(layers.len(), 1, "container {}: {layers:?}", pod.uid);
     }
 
+    /// A pod deleted as the kubelet does it when the driver cannot answer:
+    /// its container gone, its target detached and its directory removed.
+    fn delete_pod(&self, pod: Pod) {
+        let (target, pod_dir) = (pod.target.clone(), self.sandbox.kubelet_root().join("pods").join(&pod.uid));
+        drop(pod.container);
+        self.sandbox
+            .run(move || {
+                let _ = fuse_supervisor_sys::mount::detach(&target);
+                fs::remove_dir_all(pod_dir)
+            })
+            .unwrap();
+    }
+
+    /// Every container reads again, one layer at its volume, its table and
+    /// the node's mount count (`baseline`) as before the outage.
+    fn all_read_again_as_before(&self, baseline: usize) {
+        for pod in self.pods() {
+            self.reads_again(pod);
+        }
+        for pod in self.pods() {
+            self.settled(pod);
+        }
+        let count = || self.sandbox.count_mounts_under(self.sandbox.root());
+        scenario::wait_for("the node's baseline mount count", TIMEOUT, || count() == baseline)
+            .unwrap_or_else(|err| panic!("{err}: {} now, {baseline} before", count()));
+    }
+
     /// How many `NodeStageVolume` calls the plugin had for `handle`.
     fn stage_calls(&self, handle: &str) -> usize {
+        self.calls("NodeStageVolume", handle)
+    }
+
+    /// How many calls `method` the plugin had for `handle`.
+    fn calls(&self, method: &str, handle: &str) -> usize {
         let log = fs::read_to_string(&self.call_log).unwrap_or_default();
-        log.lines().filter(|line| *line == format!("NodeStageVolume {handle}")).count()
+        log.lines().filter(|line| *line == format!("{method} {handle}")).count()
     }
 
     fn metric(&self, result: &str) -> f64 {
@@ -299,6 +360,12 @@ impl World {
     /// `status --json` in the sandbox, with the records: the state of each
     /// stage record by volume; no secret in what it prints.
     fn record_states(&self) -> BTreeMap<String, String> {
+        self.status_records("stage", "volume_id")
+    }
+
+    /// The state of each record of `call` by its field `key`, as `status
+    /// --json` prints it.
+    fn status_records(&self, call: &str, key: &str) -> BTreeMap<String, String> {
         let mut command = std::process::Command::new(BINARY);
         command.args(["status", "--json", "--kubelet-root"]).arg(self.sandbox.kubelet_root());
         command.arg("--state-dir").arg(self.sandbox.root().join("state"));
@@ -313,10 +380,8 @@ impl World {
         let records = report["csi_records"].as_array().cloned().unwrap_or_default();
         records
             .iter()
-            .filter(|record| record["call"] == "stage")
-            .map(|record| {
-                (record["volume_id"].as_str().unwrap().to_owned(), record["state"].as_str().unwrap().to_owned())
-            })
+            .filter(|record| record["call"] == call)
+            .map(|record| (record[key].as_str().unwrap().to_owned(), record["state"].as_str().unwrap().to_owned()))
             .collect()
     }
 
@@ -371,20 +436,7 @@ fn a_restarted_plugin_gets_every_volume_staged_again_and_every_container_reads()
     let waiting = staged.keys().map(|volume| (volume.clone(), "waiting for its driver".to_owned())).collect();
     assert_eq!(world.record_states(), waiting);
     world.restart_plugin();
-    for volume in &world.volumes {
-        for pod in &volume.pods {
-            world.reads_again(pod);
-        }
-    }
-    for pod in world.volumes.iter().flat_map(|volume| &volume.pods) {
-        world.settled(pod);
-    }
-    scenario::wait_for("the node's baseline mount count", TIMEOUT, || {
-        world.sandbox.count_mounts_under(world.sandbox.root()) == baseline
-    })
-    .unwrap_or_else(|err| {
-        panic!("{err}: {} now, {baseline} before", world.sandbox.count_mounts_under(world.sandbox.root()))
-    });
+    world.all_read_again_as_before(baseline);
     for volume in &world.volumes {
         world.logged("volume staged again", &volume.handle);
         assert_eq!(world.stage_calls(&volume.handle), 2, "the kubelet's call and the agent's, for {}", volume.handle);
@@ -411,16 +463,7 @@ fn a_deleted_pod_and_an_unstaged_volume_are_not_staged_again() {
     world.agent_waits_for_driver(3);
     // The deleted pod: its container gone, its target and directory removed.
     let deleted = world.volumes.remove(1);
-    let pod = deleted.pods.into_iter().next().unwrap();
-    let (target, pod_dir) = (pod.target.clone(), world.sandbox.kubelet_root().join("pods/pod-deleted"));
-    drop(pod.container);
-    world
-        .sandbox
-        .run(move || {
-            let _ = fuse_supervisor_sys::mount::detach(&target);
-            fs::remove_dir_all(pod_dir)
-        })
-        .unwrap();
+    world.delete_pod(deleted.pods.into_iter().next().unwrap());
     world.restart_plugin();
     // The kubelet unpublishes and unstages the other once the driver answers.
     let unstaged = &world.volumes[1];
@@ -521,4 +564,89 @@ fn an_agent_restarted_during_the_outage_stages_from_the_records() {
     world.settled(&world.volumes[0].pods[0]);
     world.logged("volume staged again", "survivor");
     world.no_secret_anywhere();
+}
+
+/// A driver without a staging step (its daemons mount at each pod's
+/// target, bindfs and sshfs; two pods published before the agent starts,
+/// two while it runs): killed and started again with no mount, it
+/// gets each pod's volume published again with the recorded request, and
+/// every container reads again (whole volumes and subPaths,
+/// HostToContainer and None), one layer at its volume, the node's mount
+/// count as before; no output holds a secret.
+#[test]
+fn a_restarted_plugin_without_staging_gets_every_pod_published_again() {
+    let mut world = World::with_plugin(PluginFlags { publish_only: true, ..PluginFlags::default() });
+    world.add_volume(
+        "bindfs-pub",
+        "bindfs",
+        &[
+            ("pod-a", Mounted::Whole(VolumePropagation::HostToContainer)),
+            ("pod-b", Mounted::SubPath(VolumePropagation::None)),
+        ],
+    );
+    world.start_agent(&[]);
+    // Published while the agent runs: learnt from the new records alone.
+    world.add_volume(
+        "sshfs-pub",
+        "sshfs",
+        &[
+            ("pod-c", Mounted::Whole(VolumePropagation::None)),
+            ("pod-d", Mounted::SubPath(VolumePropagation::HostToContainer)),
+        ],
+    );
+    world.daemons_watched();
+    let baseline = world.sandbox.count_mounts_under(world.sandbox.root());
+    let targets: Vec<String> = world.daemon_mounts();
+    let states = |state: &str| targets.iter().map(|target| (target.clone(), state.to_owned())).collect();
+    assert_eq!(world.status_records("publish", "path"), states("published"));
+    world.kill_plugin();
+    world.agent_waits_for_driver(4);
+    assert_eq!(world.status_records("publish", "path"), states("waiting for its driver"));
+    world.restart_plugin();
+    world.all_read_again_as_before(baseline);
+    for volume in &world.volumes {
+        world.logged("volume published again", &volume.handle);
+        assert_eq!(world.calls("NodePublishVolume", &volume.handle), 4, "the kubelet's 2 and the agent's 2");
+        assert_eq!(world.stage_calls(&volume.handle), 0);
+    }
+    world.counted("restaged", 4.0);
+    assert_eq!(world.metric("failed"), 0.0);
+    assert_eq!(world.status_records("publish", "path"), states("published"));
+    world.no_secret_anywhere();
+}
+
+/// A driver without a staging step: during the outage one pod is deleted
+/// and another unpublished by the kubelet once the driver answers; neither
+/// is published again, and the third pod is.
+#[test]
+fn a_deleted_pod_and_an_unpublished_target_are_not_published_again() {
+    let mut world = World::with_plugin(PluginFlags { publish_only: true, ..PluginFlags::default() });
+    world.add_volume(
+        "shared",
+        "bindfs",
+        &[
+            ("pod-kept", Mounted::Whole(VolumePropagation::HostToContainer)),
+            ("pod-deleted", Mounted::Whole(VolumePropagation::None)),
+            ("pod-unpublished", Mounted::Whole(VolumePropagation::None)),
+        ],
+    );
+    // A grace long enough for the kubelet's unpublish below to land in it.
+    world.start_agent(&["--restage-grace", "3s"]);
+    world.daemons_watched();
+    world.kill_plugin();
+    world.agent_waits_for_driver(3);
+    let deleted = world.volumes[0].pods.remove(1);
+    world.delete_pod(deleted);
+    world.restart_plugin();
+    let unpublished = world.volumes[0].pods.remove(1);
+    world.kubelet.unpublish("shared", &unpublished.target.display().to_string()).expect("NodeUnpublishVolume");
+    drop(unpublished.container);
+    world.reads_again(&world.volumes[0].pods[0]);
+    world.settled(&world.volumes[0].pods[0]);
+    world.counted("restaged", 1.0);
+    world.counted("no_pods", 1.0);
+    world.counted("record_removed", 1.0);
+    world.logged("its pod is gone or terminating: not published again", "shared");
+    world.logged("the volume was unpublished: not published again", "shared");
+    assert_eq!(world.calls("NodePublishVolume", "shared"), 4, "the kubelet's 3 and the agent's 1");
 }

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::path::{Component, Path};
 use std::time::{Duration, SystemTime};
 
+use fuse_supervisor_engine::csi::records::Call;
 use fuse_supervisor_engine::csi::restage::{RestageOutcome, RestageResult};
 use fuse_supervisor_engine::heal::Healed;
 use fuse_supervisor_engine::model::state::Owner;
@@ -283,42 +284,48 @@ impl Occurrence {
 /// call because nothing needs one (unstaged, no pod).
 fn restage_note(outcome: &RestageOutcome) -> Option<(Reason, String)> {
     let volume = &outcome.volume_id;
-    let (driver, path) = (&outcome.driver, outcome.staging_path.display());
+    let (driver, path) = (&outcome.driver, outcome.path.display());
     let retry = outcome.retry_in.map(|retry| format!("; retrying in {}", human(retry))).unwrap_or_default();
     let code = outcome.code.map(fuse_supervisor_engine::csi::unary::code_name).unwrap_or("no answer");
+    // What was mounted again, and how: the volume's global mount, or (a
+    // driver without a staging step) the pod's own mount of it.
+    let (verb, done, call, mount) = match outcome.call {
+        Call::NodeStageVolume => ("stage", "staged", "NodeStageVolume", "global mount"),
+        Call::NodePublishVolume => ("publish", "published", "NodePublishVolume", "FUSE mount"),
+    };
     Some(match outcome.result {
         RestageResult::Restaged => (
             Reason::VolumeRestaged,
             format!(
-                "CSI volume {volume} staged again through driver {driver} at {path} after its global mount died                  (NodeStageVolume took {}); its mounts are healed from the new one",
+                "CSI volume {volume} {done} again through driver {driver} at {path} after its {mount} died                  ({call} took {}); its mounts are healed from the new one",
                 human(outcome.took.unwrap_or_default())
             ),
         ),
         RestageResult::ByDriver => (
             Reason::VolumeRestaged,
             format!(
-                "CSI driver {driver} staged volume {volume} again by itself at {path}; its mounts are healed from it"
+                "CSI driver {driver} {done} volume {volume} again by itself at {path}; its mounts are healed from it"
             ),
         ),
         RestageResult::NoRecord => (
             Reason::VolumeNotRestaged,
             format!(
-                "the global mount {path} of CSI driver {driver} died and cannot be staged again: no record of its                  NodeStageVolume (the CSI proxy was not in front of the driver when it was staged); the pod stays                  broken until it is recreated"
+                "the {mount} {path} of CSI driver {driver} died and cannot be {done} again: no record of its                  {call} (the CSI proxy was not in front of the driver when it was called); the pod stays                  broken until it is recreated"
             ),
         ),
         RestageResult::Refused => (
             Reason::VolumeNotRestaged,
-            format!("CSI driver {driver} refused to stage volume {volume} again at {path}: {code}{retry}"),
+            format!("CSI driver {driver} refused to {verb} volume {volume} again at {path}: {code}{retry}"),
         ),
         RestageResult::NoSecrets => (
             Reason::VolumeNotRestaged,
             format!(
-                "CSI driver {driver} refused to stage volume {volume} again at {path} ({code}): the record holds no                  secrets (the proxy runs with --record-secrets off){retry}"
+                "CSI driver {driver} refused to {verb} volume {volume} again at {path} ({code}): the record holds no                  secrets (the proxy runs with --record-secrets off){retry}"
             ),
         ),
         RestageResult::Failed => (
             Reason::VolumeNotRestaged,
-            format!("CSI driver {driver} did not answer NodeStageVolume for volume {volume} at {path}{retry}"),
+            format!("CSI driver {driver} did not answer {call} for volume {volume} at {path}{retry}"),
         ),
         RestageResult::RecordRemoved | RestageResult::NoPods => return None,
     })

@@ -235,11 +235,12 @@ impl<E: Executor> Supervisor<E> {
         self.hold_stale_layers(&targets, dev);
         // Then the containers' copies, before the host heal can propagate
         // onto them: copies of targets, so none without a target on the
-        // connection. A death with none may even be another namespace's
-        // connection that got a number this one had (a pod's own FUSE
-        // daemon, another sandbox in the tests), whose live mounts in its
-        // containers must not be touched.
-        if !targets.is_empty() {
+        // connection, but for a pod's target a CSI driver mounts itself
+        // (its containers' copies are of the source). A death with none
+        // may even be another namespace's connection that got a number
+        // this one had (a pod's own FUSE daemon, another sandbox in the
+        // tests), whose live mounts in its containers must not be touched.
+        if !targets.is_empty() || self.layout.is_driver_mounted(source) {
             self.isolate_containers(dev);
         }
         info!(
@@ -362,7 +363,12 @@ impl<E: Executor> Supervisor<E> {
             .collect();
         let mut changed = false;
         for (path, dev) in settled {
-            changed |= self.journal.settle_death(&path, Some(dev));
+            let died_on = self.journal.source(&path).and_then(|record| record.daemon_died).map(|death| death.dev);
+            let settled = self.journal.settle_death(&path, Some(dev));
+            changed |= settled;
+            if let (true, Some(dead)) = (settled, died_on) {
+                self.heal_driver_mounted(&path, dead, classified);
+            }
         }
         self.flatten_covered(classified);
         let now = Instant::now();
@@ -385,6 +391,19 @@ impl<E: Executor> Supervisor<E> {
             !record.holds_nothing()
         });
         changed
+    }
+
+    /// A pod's target that a CSI driver mounts itself is on a new
+    /// connection after its daemon's death: the copies of it in containers,
+    /// isolated at the death, are healed from the new mount. Where the host
+    /// has binds of it (a subPath), their heal heals the containers.
+    fn heal_driver_mounted(&mut self, source: &Path, dead: Dev, classified: &Classified) {
+        if !self.layout.is_driver_mounted(source) || !self.targets_on(source, dead).is_empty() {
+            return;
+        }
+        let Some(stack) = classified.sources.get(source) else { return };
+        info!(source = %source.display(), connection = %stack.top().dev, dead = %dead, "a driver-mounted pod volume is back; healing its containers");
+        self.heal_containers(&BTreeSet::from([dead]), source, stack.top(), None);
     }
 
     /// Targets healed by propagation over a held stale layer: the layer is

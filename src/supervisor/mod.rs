@@ -188,8 +188,9 @@ enum Event {
     NamespaceFree(u64),
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
-    /// How a re-staging through a CSI driver went.
-    Restaged(fuse_supervisor_engine::csi::restage::RestageOutcome),
+    /// How a re-staging through a CSI driver went, or which targets CSI
+    /// drivers mount themselves now.
+    Restager(fuse_supervisor_engine::csi::restage::RestagerNews),
     Shutdown,
 }
 
@@ -317,7 +318,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Pods(change)) => self.on_pods(change),
                 Ok(Event::Daemon(event)) => self.on_daemon(event),
                 Ok(Event::Ping(pong)) => pong.answer(),
-                Ok(Event::Restaged(outcome)) => self.on_restaged(outcome),
+                Ok(Event::Restager(news)) => self.on_restager(news),
                 Ok(Event::NamespacesChanged) => self.retry_refused(),
                 Ok(Event::NamespaceFree(namespace)) => self.retry_given_up(namespace),
                 Ok(Event::WatchFailed(err)) => {

@@ -1,13 +1,15 @@
 //! The loop's side of re-staging through a CSI driver: a dead source is
 //! handed to the re-staging thread, and its outcomes are reported (the
-//! log line is the thread's, with the call's duration).
+//! log line is the thread's, with the call's duration); the targets a
+//! driver without a staging step mounts itself become sources.
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use fuse_supervisor_engine::csi::restage::RestageOutcome;
+use fuse_supervisor_engine::csi::restage::{RestageOutcome, RestagerNews};
 use fuse_supervisor_engine::heal::Executor;
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::report::Report;
+use tracing::info;
 
 use super::Supervisor;
 
@@ -20,14 +22,27 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
-    pub(super) fn on_restaged(&mut self, mut outcome: RestageOutcome) {
+    pub(super) fn on_restager(&mut self, news: RestagerNews) {
+        match news {
+            RestagerNews::Outcome(outcome) => self.on_restaged(outcome),
+            RestagerNews::DriverMounted(targets) => {
+                let count = targets.len();
+                if self.layout.set_driver_mounted(targets) {
+                    info!(targets = count, "pod targets a CSI driver mounts itself, taken as sources");
+                    self.rescan();
+                }
+            }
+        }
+    }
+
+    fn on_restaged(&mut self, mut outcome: RestageOutcome) {
         if outcome.pods.is_empty() && outcome.result.is_warning() {
             // No record named them: the pods of the targets known on it.
             let pods: BTreeSet<String> = self
                 .journal
                 .mappings()
                 .values()
-                .filter(|mapping| mapping.source == outcome.staging_path && !mapping.pod_uid.is_empty())
+                .filter(|mapping| mapping.source == outcome.path && !mapping.pod_uid.is_empty())
                 .map(|mapping| mapping.pod_uid.clone())
                 .collect();
             outcome.pods = pods.into_iter().collect();

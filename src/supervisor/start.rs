@@ -240,8 +240,8 @@ fn start_restager(
         restage.clone(),
         &config.mount_namespace,
         kubelet,
-        move |outcome| {
-            let _ = events.send(Event::Restaged(outcome));
+        move |news| {
+            let _ = events.send(Event::Restager(news));
         },
     )
     .map_err(|source| SupervisorError::Thread { name: "restage", source })?;

@@ -109,7 +109,13 @@ impl<E: Executor> Supervisor<E> {
         // comparison.
         let connections = classified.sources.values().map(|source| source.top().dev).collect();
         self.executor.watch_connections(connections);
-        changed | self.journal.forget_unused_sources(|path| classified.sources.contains_key(path))
+        // A driver-mounted target's death is kept while nothing is mounted
+        // there: no target of its own would keep it.
+        let layout = &self.layout;
+        changed
+            | self
+                .journal
+                .forget_unused_sources(|path| classified.sources.contains_key(path) || layout.is_driver_mounted(path))
     }
 
     /// A daemon that mounts over its stale mount heals root-level targets

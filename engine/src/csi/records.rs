@@ -111,6 +111,17 @@ impl Request {
         }
     }
 
+    /// Whether the call mounts the volume at its path: a stage, or a
+    /// publish of a driver without a staging step (the kubelet sends a
+    /// staging path exactly when the driver has one), which mounts its
+    /// FUSE filesystem at the pod's target itself.
+    pub fn mounts_at_path(&self) -> bool {
+        match self {
+            Request::Stage(_) => true,
+            Request::Publish(request) => request.staging_target_path.is_empty(),
+        }
+    }
+
     fn has_secrets(&self) -> bool {
         match self {
             Request::Stage(request) => !request.secrets.is_empty(),

@@ -1,5 +1,6 @@
 //! Staging a volume again through its CSI driver once the driver is back
-//! and its global mount is not (`run --restage <driver>`).
+//! and its global mount is not (`run --restage <driver>`); for a driver
+//! without a staging step, publishing it again at the pod's target.
 //!
 //! The loop hands over "the source at this path died on this connection"
 //! ([`Restager::source_dead`]) and hears of the outcome by a message; all
@@ -22,6 +23,13 @@
 //! kubelet sent them. A refused call is retried with back-off for as long
 //! as a pod needs the volume. The new mount is then healed by the loop as
 //! any new source is.
+//!
+//! A driver without `STAGE_UNSTAGE_VOLUME` mounts its FUSE filesystem at
+//! each pod's target in `NodePublishVolume`: there is no global mount, and
+//! the kubelet's request has no staging path. This thread tells the loop
+//! those targets (from the records, watched by inotify), and the loop takes
+//! each as a source of its own; a dead one is published again the same
+//! way, with the recorded `NodePublishVolume`, while its pod runs.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd as _, AsRawFd, RawFd};
@@ -29,7 +37,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::inotify::{EventReader, Inotify, WatchFlags};
+use fuse_supervisor_sys::inotify::{EventFlags, EventReader, Inotify, WatchFlags};
 use fuse_supervisor_sys::{mount, ns, resolve};
 use prost::Message as _;
 use tokio::io::unix::AsyncFd;
@@ -37,7 +45,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{Instrument as _, debug, info, warn};
 
 use super::api;
-use super::records::{self, Record, RecordError, Request, Secrets};
+use super::records::{self, Call, Record, RecordError, Request, Secrets};
 use super::unary;
 use crate::errors::chain;
 use crate::kube::Kubelet;
@@ -45,6 +53,7 @@ use crate::model::table::Dev;
 
 const PROBE: &str = "/csi.v1.Identity/Probe";
 const NODE_STAGE_VOLUME: &str = "/csi.v1.Node/NodeStageVolume";
+const NODE_PUBLISH_VOLUME: &str = "/csi.v1.Node/NodePublishVolume";
 
 /// How long a `Probe` may take: a driver that is up answers at once.
 const PROBE_DEADLINE: Duration = Duration::from_secs(5);
@@ -164,17 +173,32 @@ pub struct RestageOutcome {
     pub driver: String,
     /// Empty when there was no record.
     pub volume_id: String,
-    pub staging_path: PathBuf,
+    /// The call replayed: `NodeStageVolume` at a staging path, or, for a
+    /// driver without a staging step, `NodePublishVolume` at a pod's target.
+    pub call: Call,
+    /// The staging path, or the target of a publish.
+    pub path: PathBuf,
     /// The pods that use the volume, by UID.
     pub pods: Vec<String>,
     pub result: RestageResult,
-    /// The `NodeStageVolume` call's duration, when one was made.
+    /// The call's duration, when one was made.
     pub took: Option<Duration>,
     /// The driver's status code of a refused call.
     pub code: Option<i32>,
     pub attempts: u32,
     /// When the next attempt comes, for a failed one.
     pub retry_in: Option<Duration>,
+}
+
+/// What the re-staging thread tells the loop.
+#[derive(Debug, Clone)]
+pub enum RestagerNews {
+    /// How a re-staging (or an attempt) went.
+    Outcome(RestageOutcome),
+    /// The pod targets where `--restage` drivers without a staging step
+    /// mount their FUSE filesystems themselves, as the records now say
+    /// (sent at start and whenever it changes).
+    DriverMounted(BTreeSet<PathBuf>),
 }
 
 /// A dead source handed over by the loop.
@@ -192,15 +216,16 @@ pub struct Restager {
 impl Restager {
     /// Starts the thread, which joins `namespace` (the watched mount
     /// namespace) first. `kubelet`'s last `/pods` list, when there is
-    /// one, tells terminating pods; `outcome` hears every outcome.
+    /// one, tells terminating pods; `tell` hears every outcome and every
+    /// change of the driver-mounted targets.
     pub fn spawn(
         config: RestageConfig,
         namespace: &Path,
         kubelet: Option<Kubelet>,
-        outcome: impl Fn(RestageOutcome) + Send + Sync + 'static,
+        tell: impl Fn(RestagerNews) + Send + Sync + 'static,
     ) -> io::Result<Restager> {
         let (inbox, deaths) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared { config, kubelet, outcome: Box::new(outcome) });
+        let shared = Arc::new(Shared { config, kubelet, tell: Box::new(tell) });
         let namespace = namespace.to_path_buf();
         std::thread::Builder::new()
             .name("restage".into())
@@ -232,17 +257,25 @@ impl Restager {
 struct Shared {
     config: RestageConfig,
     kubelet: Option<Kubelet>,
-    outcome: Box<dyn Fn(RestageOutcome) + Send + Sync>,
+    tell: Box<dyn Fn(RestagerNews) + Send + Sync>,
+}
+
+impl Shared {
+    fn outcome(&self, outcome: RestageOutcome) {
+        (self.tell)(RestagerNews::Outcome(outcome));
+    }
 }
 
 /// One task per staging path: a death while its task runs updates the
 /// dead connection it looks for.
 async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
     let mut tasks: HashMap<PathBuf, watch::Sender<Dev>> = HashMap::new();
-    // An agent started during an outage: a staging path whose dead mount
-    // was detached (by the agent before this one) shows no source at all,
-    // so no death will be handed over for it. Its record says it was
-    // staged: with nothing mounted there, it waits for its driver too.
+    tokio::spawn(watch_driver_mounted(Arc::clone(&shared)));
+    // An agent started during an outage: a staging path (or a driver's own
+    // target) whose dead mount was detached (by the agent before this one)
+    // shows no source at all, so no death will be handed over for it. Its
+    // record says it was mounted: with nothing there, it waits for its
+    // driver too.
     for source in unmounted_at_start(&shared.config) {
         let (sender, dead) = watch::channel(NO_CONNECTION);
         tasks.insert(source.clone(), sender);
@@ -262,15 +295,15 @@ async fn serve(shared: Arc<Shared>, mut deaths: mpsc::UnboundedReceiver<Dead>) {
 
 /// The span of one staging path's re-stage: its lines read as one story.
 fn restage_span(source: &Path) -> tracing::Span {
-    tracing::info_span!("restage", staging_path = %source.display())
+    tracing::info_span!("restage", path = %source.display())
 }
 
 /// The connection of a staging path found with nothing mounted: none is
 /// dead there (no FUSE connection has device 0:0).
 const NO_CONNECTION: Dev = Dev { major: 0, minor: 0 };
 
-/// The recorded staging paths of `--restage` drivers with nothing mounted
-/// on them.
+/// The recorded staging paths (and driver-mounted targets) of `--restage`
+/// drivers with nothing mounted on them.
 fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
     let read = match read_records(&config.records) {
         Ok(read) => read,
@@ -281,7 +314,7 @@ fn unmounted_at_start(config: &RestageConfig) -> Vec<PathBuf> {
         }
     };
     read.iter()
-        .filter(|record| matches!(record.request, Request::Stage(_)))
+        .filter(|record| record.request.mounts_at_path())
         .filter(|record| record.driver.as_ref().is_some_and(|driver| config.drivers.contains(driver)))
         .map(|record| PathBuf::from(record.request.path()))
         .filter(|path| matches!(at_path(path, NO_CONNECTION), Ok(AtPath::Unmounted)))
@@ -299,11 +332,39 @@ enum AtPath {
     Mounted,
 }
 
-/// Re-stages the volume whose staging path is `source`, for as long as it
-/// needs it.
+/// What the log says of one replayed call.
+struct Said {
+    waiting: &'static str,
+    done: &'static str,
+    failed: &'static str,
+    undone: &'static str,
+    no_pods: &'static str,
+    by_driver: &'static str,
+}
+
+const STAGE_SAID: Said = Said {
+    waiting: "waiting for the driver to stage the volume again",
+    done: "volume staged again",
+    failed: "cannot stage the volume again; retrying",
+    undone: "the volume was unstaged: not staged again",
+    no_pods: "no running pod uses the volume: not staged again",
+    by_driver: "the driver staged the volume by itself: no call",
+};
+
+const PUBLISH_SAID: Said = Said {
+    waiting: "waiting for the driver to publish the volume again",
+    done: "volume published again",
+    failed: "cannot publish the volume again; retrying",
+    undone: "the volume was unpublished: not published again",
+    no_pods: "its pod is gone or terminating: not published again",
+    by_driver: "the driver published the volume by itself: no call",
+};
+
+/// Mounts the volume whose staging path (or driver-mounted target) is
+/// `source` again, for as long as it needs it.
 async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver<Dev>) {
     let config = &shared.config;
-    let record = match stage_record(&config.records, &source) {
+    let record = match record_at(&config.records, &source) {
         Ok(Some(record)) => record,
         Ok(None) => {
             // A `--restage` driver's staging path with no record: say so.
@@ -312,67 +373,71 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             {
                 warn!(driver, staging_path = %source.display(), "no record of this staging: the volume cannot be staged again (was the CSI proxy in front of the driver when it was staged?)");
                 // The loop names the pods: the targets it knows on the source.
-                (shared.outcome)(outcome(&driver, "", &source, Vec::new(), RestageResult::NoRecord));
+                let outcome = outcome(&driver, "", Call::NodeStageVolume, &source, Vec::new(), RestageResult::NoRecord);
+                shared.outcome(outcome);
             }
             return;
         }
         Err(err) => {
-            warn!(staging_path = %source.display(), err = %chain(&err), "cannot read the CSI records");
+            warn!(path = %source.display(), err = %chain(&err), "cannot read the CSI records");
             return;
         }
     };
     let Some(driver) = record.driver.clone().filter(|driver| config.drivers.contains(driver)) else {
-        debug!(staging_path = %source.display(), driver = ?record.driver, "not a --restage driver's volume");
+        debug!(path = %source.display(), driver = ?record.driver, "not a --restage driver's volume");
         return;
+    };
+    let call = record.request.call();
+    let (method, said) = match call {
+        Call::NodeStageVolume => (NODE_STAGE_VOLUME, &STAGE_SAID),
+        Call::NodePublishVolume => (NODE_PUBLISH_VOLUME, &PUBLISH_SAID),
     };
     let volume_id = record.request.volume_id().to_owned();
     let socket = config.socket_of(&driver);
+    let told = |pods, result| outcome(&driver, &volume_id, call, &source, pods, result);
     let mut attempts = 0u32;
     let mut retry_in = RETRY_FIRST;
     loop {
-        info!(driver, volume_id, staging_path = %source.display(), socket = %socket.display(), "waiting for the driver to stage the volume again");
+        info!(driver, volume_id, path = %source.display(), socket = %socket.display(), "{}", said.waiting);
         wait_for_driver(&socket).await;
         info!(driver, volume_id, socket = %socket.display(), "the driver answers again");
         tokio::time::sleep(config.grace).await;
-        // The kubelet may have unstaged the volume meanwhile.
+        // The kubelet may have unstaged (unpublished) the volume meanwhile.
         let record = match records::read_one(&record.file) {
             Ok(record) => record,
             Err(RecordError::Read { source: err, .. }) if err.kind() == io::ErrorKind::NotFound => {
-                info!(driver, volume_id, staging_path = %source.display(), "the volume was unstaged: not staged again");
-                let outcome = outcome(&driver, &volume_id, &source, Vec::new(), RestageResult::RecordRemoved);
-                (shared.outcome)(outcome);
+                info!(driver, volume_id, path = %source.display(), "{}", said.undone);
+                shared.outcome(told(Vec::new(), RestageResult::RecordRemoved));
                 return;
             }
             Err(err) => {
-                warn!(driver, volume_id, err = %chain(&err), "cannot read the stage record again");
+                warn!(driver, volume_id, err = %chain(&err), "cannot read the record again");
                 return;
             }
         };
         let pods = pods_of(&shared, &record);
         if pods.is_empty() {
-            info!(driver, volume_id, staging_path = %source.display(), "no running pod uses the volume: not staged again");
-            (shared.outcome)(outcome(&driver, &volume_id, &source, pods, RestageResult::NoPods));
+            info!(driver, volume_id, path = %source.display(), "{}", said.no_pods);
+            shared.outcome(told(pods, RestageResult::NoPods));
             return;
         }
         let dev = *dead.borrow_and_update();
         match at_path(&source, dev) {
             Ok(AtPath::Mounted) => {
-                info!(driver, volume_id, staging_path = %source.display(), "the driver staged the volume by itself: no call");
-                (shared.outcome)(outcome(&driver, &volume_id, &source, pods, RestageResult::ByDriver));
+                info!(driver, volume_id, path = %source.display(), "{}", said.by_driver);
+                shared.outcome(told(pods, RestageResult::ByDriver));
                 return;
             }
             Ok(AtPath::Dead) => match detach_dead(&source, dev) {
-                Ok(detached) => debug!(staging_path = %source.display(), detached, "dead staging mount detached"),
-                Err(err) => {
-                    warn!(staging_path = %source.display(), err = %chain(&err), "cannot detach the dead staging mount")
-                }
+                Ok(detached) => debug!(path = %source.display(), detached, "dead mount detached"),
+                Err(err) => warn!(path = %source.display(), err = %chain(&err), "cannot detach the dead mount"),
             },
             Ok(AtPath::Unmounted) => {}
-            Err(err) => warn!(staging_path = %source.display(), err = %chain(&err), "cannot look at the staging path"),
+            Err(err) => warn!(path = %source.display(), err = %chain(&err), "cannot look at the path"),
         }
         attempts += 1;
         let started = Instant::now();
-        let called = unary::call(&socket, NODE_STAGE_VOLUME, &record.request_bytes, config.call_deadline).await;
+        let called = unary::call(&socket, method, &record.request_bytes, config.call_deadline).await;
         let took = started.elapsed();
         let result = match &called {
             Ok(_) => RestageResult::Restaged,
@@ -380,13 +445,13 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
             Err(err) if err.code().is_some() && !err.unreachable() => RestageResult::Refused,
             Err(_) => RestageResult::Failed,
         };
-        let mut told = outcome(&driver, &volume_id, &source, pods, result);
-        told.took = Some(took);
-        told.attempts = attempts;
+        let mut reported = told(pods, result);
+        reported.took = Some(took);
+        reported.attempts = attempts;
         match called {
             Ok(_) => {
-                info!(driver, volume_id, staging_path = %source.display(), took_us = took.as_micros() as u64, attempts, "volume staged again");
-                (shared.outcome)(told);
+                info!(driver, volume_id, path = %source.display(), took_us = took.as_micros() as u64, attempts, "{}", said.done);
+                shared.outcome(reported);
                 // The new mount's daemon died already (its death came to
                 // this task): once more.
                 if dead.has_changed().unwrap_or(false) {
@@ -395,10 +460,10 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
                 return;
             }
             Err(err) => {
-                told.code = err.code();
-                told.retry_in = Some(retry_in);
-                warn!(driver, volume_id, staging_path = %source.display(), took_us = took.as_micros() as u64, attempts, err = %chain(&err), retry_in_ms = retry_in.as_millis() as u64, "cannot stage the volume again; retrying");
-                (shared.outcome)(told);
+                reported.code = err.code();
+                reported.retry_in = Some(retry_in);
+                warn!(driver, volume_id, path = %source.display(), took_us = took.as_micros() as u64, attempts, err = %chain(&err), retry_in_ms = retry_in.as_millis() as u64, "{}", said.failed);
+                shared.outcome(reported);
             }
         }
         tokio::time::sleep(retry_in).await;
@@ -406,11 +471,19 @@ async fn restage(shared: Arc<Shared>, source: PathBuf, mut dead: watch::Receiver
     }
 }
 
-fn outcome(driver: &str, volume_id: &str, source: &Path, pods: Vec<String>, result: RestageResult) -> RestageOutcome {
+fn outcome(
+    driver: &str,
+    volume_id: &str,
+    call: Call,
+    path: &Path,
+    pods: Vec<String>,
+    result: RestageResult,
+) -> RestageOutcome {
     RestageOutcome {
         driver: driver.to_owned(),
         volume_id: volume_id.to_owned(),
-        staging_path: source.to_path_buf(),
+        call,
+        path: path.to_path_buf(),
         pods,
         result,
         took: None,
@@ -420,11 +493,157 @@ fn outcome(driver: &str, volume_id: &str, source: &Path, pods: Vec<String>, resu
     }
 }
 
-/// The stage record whose staging path is `source`, if any.
-fn stage_record(dir: &Path, source: &Path) -> Result<Option<Record>, RecordError> {
+/// The record whose replay mounts the volume at `source`, if any.
+fn record_at(dir: &Path, source: &Path) -> Result<Option<Record>, RecordError> {
     Ok(read_records(dir)?
         .into_iter()
-        .find(|record| matches!(&record.request, Request::Stage(_)) && Path::new(record.request.path()) == source))
+        .find(|record| record.request.mounts_at_path() && Path::new(record.request.path()) == source))
+}
+
+/// Tells the loop the driver-mounted targets at start and after every
+/// change of the records: an inotify watch on the record directory and on
+/// each directory in it (one per proxy), or on its nearest existing
+/// ancestor until it is made. A record written or removed is read alone;
+/// the whole directory only at start, when a directory comes or goes, or
+/// after the queue overflowed. No timer runs.
+async fn watch_driver_mounted(shared: Arc<Shared>) {
+    let config = &shared.config;
+    let watcher = Inotify::new().and_then(|inotify| {
+        // See `watch_socket_dir`: the AsyncFd owns what it registers.
+        #[allow(deprecated, reason = "the AsyncFd owns the descriptor it registers")]
+        AsyncFd::new(Watcher(inotify))
+    });
+    let watcher = match watcher {
+        Ok(watcher) => watcher,
+        Err(err) => {
+            warn!(records = %config.records.display(), err = %chain(&err), "cannot watch the CSI records; volumes of drivers without a staging step are not published again");
+            return;
+        }
+    };
+    let mut records = RecordWatch::default();
+    let mut reader = EventReader::default();
+    let mut known: Option<BTreeSet<PathBuf>> = None;
+    let mut whole = true;
+    loop {
+        if std::mem::take(&mut whole) {
+            records.read_whole(&watcher.get_ref().0, config);
+        }
+        let now: BTreeSet<PathBuf> = records.mounted.values().cloned().collect();
+        if known.as_ref() != Some(&now) {
+            debug!(targets = now.len(), "driver-mounted targets");
+            (shared.tell)(RestagerNews::DriverMounted(now.clone()));
+            known = Some(now);
+        }
+        let mut ready = match watcher.readable().await {
+            Ok(ready) => ready,
+            Err(err) => {
+                warn!(records = %config.records.display(), err = %chain(&err), "cannot wait on the CSI records");
+                return;
+            }
+        };
+        let mut changed = Vec::new();
+        let drained = reader.drain(&watcher.get_ref().0, |event| {
+            match records.file_of(&event) {
+                Some(file) => changed.push(file),
+                None => whole = true,
+            }
+            std::ops::ControlFlow::Continue(())
+        });
+        ready.clear_ready();
+        whole |= drained.is_err();
+        if !whole {
+            for file in changed {
+                records.read_one(file, config);
+            }
+        }
+    }
+}
+
+/// The watched record directories and the driver-mounted targets their
+/// records name.
+#[derive(Default)]
+struct RecordWatch {
+    /// Each watched record directory by its watch.
+    dirs: HashMap<i32, PathBuf>,
+    /// The watch on an ancestor while the record directory is not there.
+    ancestor: Option<i32>,
+    /// Record file → the target its publish mounts at.
+    mounted: BTreeMap<PathBuf, PathBuf>,
+}
+
+impl RecordWatch {
+    const FLAGS: WatchFlags = WatchFlags::CREATE
+        .union(WatchFlags::DELETE)
+        .union(WatchFlags::MOVED_TO)
+        .union(WatchFlags::MOVED_FROM)
+        .union(WatchFlags::DELETE_SELF);
+
+    /// Watches the record directory and each directory in it, and reads
+    /// every record.
+    fn read_whole(&mut self, inotify: &Inotify, config: &RestageConfig) {
+        let dir = &config.records;
+        self.dirs.clear();
+        match inotify.watch_dir(dir, Self::FLAGS) {
+            Ok(wd) => {
+                self.dirs.insert(wd, dir.clone());
+                if let Some(wd) = self.ancestor.take() {
+                    let _ = inotify.unwatch(wd);
+                }
+                for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                    if entry.file_type().is_ok_and(|kind| kind.is_dir())
+                        && let Ok(wd) = inotify.watch_dir(&entry.path(), Self::FLAGS)
+                    {
+                        self.dirs.insert(wd, entry.path());
+                    }
+                }
+            }
+            Err(_) if self.ancestor.is_none() => {
+                self.ancestor =
+                    dir.ancestors().skip(1).find_map(|above| inotify.watch_dir(above, WatchFlags::CREATE).ok());
+            }
+            Err(_) => {}
+        }
+        self.mounted = read_records(dir)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|record| Some((record.file.clone(), driver_mounted_target(&record, config)?)))
+            .collect();
+    }
+
+    /// The record file an event is about; None when the whole directory
+    /// must be read again (a directory came or went, the queue overflowed,
+    /// the record directory itself may have been made).
+    fn file_of(&self, event: &fuse_supervisor_sys::inotify::Event<'_>) -> Option<PathBuf> {
+        let dir = self.dirs.get(&event.wd)?;
+        if event.flags.intersects(EventFlags::ISDIR | EventFlags::DELETE_SELF | EventFlags::IGNORED) {
+            return None;
+        }
+        Some(dir.join(event.name?))
+    }
+
+    /// Reads the record `file` again (gone, or a temporary file: no target).
+    fn read_one(&mut self, file: PathBuf, config: &RestageConfig) {
+        let is_record = file.extension().is_some_and(|ext| ext == "json")
+            && file.file_name().is_some_and(|name| !name.as_encoded_bytes().starts_with(b"."));
+        let target = match is_record {
+            true => records::read_one(&file).ok().and_then(|record| driver_mounted_target(&record, config)),
+            false => None,
+        };
+        match target {
+            Some(target) => self.mounted.insert(file, target),
+            None => self.mounted.remove(&file),
+        };
+    }
+}
+
+/// The target a record's publish mounts at, for a `--restage` driver
+/// without a staging step.
+fn driver_mounted_target(record: &Record, config: &RestageConfig) -> Option<PathBuf> {
+    let driver = record.driver.as_ref()?;
+    (matches!(record.request, Request::Publish(_))
+        && record.request.mounts_at_path()
+        && config.drivers.contains(driver))
+    .then(|| PathBuf::from(record.request.path()))
 }
 
 /// Every record in `dir` and in the directories in it (`--csi-records`);
@@ -445,42 +664,49 @@ pub fn read_records(dir: &Path) -> Result<Vec<Record>, RecordError> {
     Ok(read.records)
 }
 
-/// The pods that still use the volume of `stage`: each recorded publish of
-/// it whose target is still there, of a pod the kubelet's last `/pods`
-/// list (when there is one) does not show terminating. The kubelet removes
-/// a target's directory (`…/volumes/kubernetes.io~csi/<pv>`) with its pod.
-fn pods_of(shared: &Shared, stage: &Record) -> Vec<String> {
-    let config = &shared.config;
-    let Some(dir) = stage.file.parent() else { return Vec::new() };
-    let Ok(read) = records::read_all(dir) else { return Vec::new() };
+/// The pods that still use the volume of `record`: of a stage, each
+/// recorded publish of it; of a publish, its own; each whose target is
+/// still there, of a pod the kubelet's last `/pods` list (when there is
+/// one) does not show terminating. The kubelet removes a target's
+/// directory (`…/volumes/kubernetes.io~csi/<pv>`) with its pod.
+fn pods_of(shared: &Shared, record: &Record) -> Vec<String> {
     let listed = shared.kubelet.as_ref().and_then(Kubelet::last_listed);
-    let mut pods = BTreeSet::new();
-    for record in &read.records {
-        let Request::Publish(publish) = &record.request else { continue };
-        if publish.volume_id != stage.request.volume_id() || publish.staging_target_path != stage.request.path() {
-            continue;
-        }
+    let running = |publish: &api::NodePublishVolumeRequest| {
         let target = Path::new(&publish.target_path);
-        let Some(uid) = pod_of_target(&config.kubelet_root, target) else { continue };
+        let uid = pod_of_target(&shared.config.kubelet_root, target)?;
         // Its directory, not the target itself: a stat of a dead FUSE
         // mount fails with ENOTCONN.
         if !target.parent().is_some_and(Path::exists) {
-            continue;
+            return None;
         }
         let terminating = listed
             .as_ref()
             .and_then(|listed| listed.pods.pod(&uid).map(|pod| pod.metadata.deletion_timestamp.is_some()))
             .unwrap_or(false);
         if terminating {
-            debug!(
-                pod = uid,
-                volume_id = publish.volume_id,
-                "pod terminating: it does not need the volume staged again"
-            );
-            continue;
+            debug!(pod = uid, volume_id = publish.volume_id, "pod terminating: it does not need the volume again");
+            return None;
         }
-        pods.insert(uid);
-    }
+        Some(uid)
+    };
+    let stage = match &record.request {
+        Request::Publish(publish) => return running(publish).into_iter().collect(),
+        Request::Stage(stage) => stage,
+    };
+    let Some(dir) = record.file.parent() else { return Vec::new() };
+    let Ok(read) = records::read_all(dir) else { return Vec::new() };
+    let pods: BTreeSet<String> = read
+        .records
+        .iter()
+        .filter_map(|record| match &record.request {
+            Request::Publish(publish)
+                if publish.volume_id == stage.volume_id && publish.staging_target_path == stage.staging_target_path =>
+            {
+                running(publish)
+            }
+            _ => None,
+        })
+        .collect();
     pods.into_iter().collect()
 }
 

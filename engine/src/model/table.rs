@@ -3,7 +3,7 @@
 //! A snapshot owns only what the heal logic needs (the FUSE mounts), so the
 //! parser can stay zero-copy over its reused buffer.
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
@@ -163,11 +163,34 @@ pub struct Layout {
     pods_dir: PathBuf,
     /// Sidecar mode: only this pod's volumes are targets.
     only_pod: Option<String>,
+    /// Pod volume paths where a CSI driver without a staging step mounts
+    /// its FUSE filesystem itself (the CSI proxy's publish records): each
+    /// is a source, whose daemon is watched and whose copies in containers
+    /// are healed from its next mount, not a bind of one.
+    driver_mounted: BTreeSet<PathBuf>,
 }
 
 impl Layout {
     pub fn new(kubelet_root: &Path) -> Self {
-        Layout { kubelet_root: kubelet_root.to_path_buf(), pods_dir: kubelet_root.join("pods"), only_pod: None }
+        Layout {
+            kubelet_root: kubelet_root.to_path_buf(),
+            pods_dir: kubelet_root.join("pods"),
+            only_pod: None,
+            driver_mounted: BTreeSet::new(),
+        }
+    }
+
+    /// The pod volume paths a CSI driver mounts itself (see the field);
+    /// returns whether the set changed.
+    pub fn set_driver_mounted(&mut self, paths: BTreeSet<PathBuf>) -> bool {
+        let changed = self.driver_mounted != paths;
+        self.driver_mounted = paths;
+        changed
+    }
+
+    /// Whether a CSI driver mounts its FUSE filesystem itself at `path`.
+    pub fn is_driver_mounted(&self, path: &Path) -> bool {
+        !self.driver_mounted.is_empty() && self.driver_mounted.contains(path)
     }
 
     /// With `Some(uid)`, other pods' volumes are not targets (they are
@@ -193,6 +216,9 @@ impl Layout {
         let Ok(rest) = mount_point.strip_prefix(&self.pods_dir) else {
             return Role::Source;
         };
+        if self.is_driver_mounted(mount_point) {
+            return Role::Source;
+        }
         let mut parts = rest.components();
         let (Some(Component::Normal(uid)), Some(Component::Normal(dir)), Some(_)) =
             (parts.next(), parts.next(), parts.next())
@@ -506,5 +532,22 @@ mod tests {
         assert_eq!(layout.role(Path::new("/k/pods/other/volumes/kubernetes.io~csi/v/mount")), Role::Other);
         assert_eq!(layout.role(Path::new("/k/pods/other/volume-subpaths/v/c/0")), Role::Other);
         assert_eq!(layout.role(Path::new("/runtime/x")), Role::Source);
+    }
+
+    #[test]
+    fn a_target_the_driver_mounts_itself_is_a_source_and_its_subpath_binds_are_targets() {
+        let pod = "/k/pods/u/volumes/kubernetes.io~csi/v/mount";
+        let subpath = "/k/pods/u/volume-subpaths/v/app/0";
+        let mut bind = fuse(12, 1, 1, subpath);
+        bind.root = PathBuf::from("/sub");
+        let snapshot = Snapshot { fuse_mounts: vec![fuse(11, 1, 1, pod), bind], total_mounts: 3 };
+        let mut layout = Layout::new(Path::new("/k"));
+        assert!(!layout.set_driver_mounted(BTreeSet::new()), "no change");
+        assert_eq!(Classified::new(&snapshot, &layout).sources.len(), 0);
+        assert!(layout.set_driver_mounted(BTreeSet::from([PathBuf::from(pod)])));
+        assert!(layout.is_driver_mounted(Path::new(pod)) && !layout.is_driver_mounted(Path::new(subpath)));
+        let classified = Classified::new(&snapshot, &layout);
+        assert_eq!(classified.sources.keys().collect::<Vec<_>>(), [Path::new(pod)]);
+        assert_eq!(classified.targets.keys().collect::<Vec<_>>(), [Path::new(subpath)]);
     }
 }

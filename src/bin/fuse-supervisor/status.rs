@@ -4,6 +4,7 @@ use std::path::Path;
 
 use anyhow::Context as _;
 use fuse_supervisor::status::Status;
+use fuse_supervisor_engine::csi::records::Request;
 use fuse_supervisor_engine::model::state::Journal;
 use fuse_supervisor_engine::model::table::{Layout, Snapshot};
 
@@ -22,7 +23,21 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
         Some(file) => format!("in {}", file.display()),
         None => "in the live mount table".to_owned(),
     })?;
-    let layout = Layout::new(&node.kubelet_root);
+    // Live only: a captured table comes without the node's records.
+    let records = match mountinfo {
+        None => read_namespace_records(&node.mount_namespace, csi_records),
+        Some(_) => Vec::new(),
+    };
+    let mut layout = Layout::new(&node.kubelet_root);
+    // A driver without a staging step mounts at the pods' targets: each is
+    // a source, as `run --restage` takes it.
+    layout.set_driver_mounted(
+        records
+            .iter()
+            .filter(|record| matches!(record.request, Request::Publish(_)) && record.request.mounts_at_path())
+            .map(|record| record.request.path().into())
+            .collect(),
+    );
     // The state file tells where stale targets came from (offline too, when
     // the report came with one); without it only peer groups can. A bad one
     // is only reported (with where it is bad): `status` changes nothing.
@@ -34,9 +49,8 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
         }
     };
     let mut status = Status::new(snapshot, &layout, &layouts, &mut journal);
-    // Live only: a captured table comes without the node's records.
     if mountinfo.is_none() {
-        status = status.with_csi_records(&read_namespace_records(&node.mount_namespace, csi_records));
+        status = status.with_csi_records(&records);
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
