@@ -6,9 +6,17 @@
 //! and the agent's share (the probe's wake-up, the checks and the detach
 //! before the call; the host heal and every container's after it), with
 //! `--restage-grace 0s` (the grace is a configured wait, added as it is).
+//! With a driver without a staging step (`publish`), each pod's bindfs is
+//! mounted at its target and each target published again: the driver's
+//! share is then the longest of the cycle's `NodePublishVolume` calls.
 //!
-//! `cargo bench --bench csi_restage [-- --sizes 10,100 --cycles 5]`; needs
-//! root, /dev/fuse, runc and bindfs.
+//! Each container's reader is a busybox shell that forks `usleep` between
+//! reads: at the default 10 ms, 100 readers fork 10,000 times a second and
+//! saturate two CPUs by themselves (`--reader-interval-ms` eases them).
+//!
+//! `cargo bench --bench csi_restage [-- --sizes 10,100 --cycles 5
+//! --drivers stage,publish --reader-interval-ms 10]`; needs root, /dev/fuse,
+//! runc and bindfs.
 use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
@@ -39,13 +47,27 @@ fn main() {
     let flags = Flags::new("CSI_RESTAGE_BENCH");
     let sizes = flags.list("sizes", "10", |size| size.parse::<usize>().ok());
     let cycles: usize = flags.number("cycles", "5");
-    println!("re-staging a bindfs volume after its CSI plugin restarts, {cycles} restarts, --restage-grace 0s");
-    for size in sizes {
-        let figures = measure(size, cycles);
-        println!("{size} containers");
-        println!("  driver answers → last container reads    {}", summary(&figures.total));
-        println!("    the driver's NodeStageVolume           {}", summary(&figures.driver));
-        println!("    ours (checks, detach, heals)           {}", summary(&figures.ours));
+    let drivers = flags.list("drivers", "stage,publish", |driver| match driver {
+        "stage" => Some(false),
+        "publish" => Some(true),
+        _ => None,
+    });
+    let interval = Duration::from_millis(flags.number("reader-interval-ms", "10"));
+    println!(
+        "re-staging a bindfs volume after its CSI plugin restarts, {cycles} restarts, --restage-grace 0s, readers every {interval:?}"
+    );
+    for publish_only in drivers {
+        for &size in &sizes {
+            let figures = measure(size, cycles, publish_only, interval);
+            let (kind, call) = match publish_only {
+                false => ("a driver that stages", "NodeStageVolume  "),
+                true => ("a driver without a staging step", "NodePublishVolume"),
+            };
+            println!("{size} containers, {kind}");
+            println!("  driver answers → last container reads    {}", summary(&figures.total));
+            println!("    the driver's {call}          {}", summary(&figures.driver));
+            println!("    ours (checks, detach, heals)           {}", summary(&figures.ours));
+        }
     }
 }
 
@@ -56,15 +78,15 @@ struct Figures {
     ours: Vec<u64>,
 }
 
-fn measure(size: usize, cycles: usize) -> Figures {
+fn measure(size: usize, cycles: usize, publish_only: bool, interval: Duration) -> Figures {
     let binary = Path::new(BINARY);
     let sandbox = Sandbox::new().expect("sandbox");
     let root = sandbox.root().to_path_buf();
     let plugin_dir = sandbox.kubelet_root().join("plugins").join(DRIVER);
     let dir = plugin_dir.clone();
     sandbox.run(move || fs::create_dir_all(dir)).unwrap();
-    let mut plugin = CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, PluginFlags::default())
-        .expect("plugin");
+    let flags = PluginFlags { publish_only, ..PluginFlags::default() };
+    let mut plugin = CsiPluginProcess::start(&sandbox, &root.join("csi/plugin.sock"), DRIVER, flags).expect("plugin");
     let proxy = CsiProxyProcess::start(
         &sandbox,
         binary,
@@ -85,16 +107,22 @@ fn measure(size: usize, cycles: usize) -> Figures {
         }),
     };
     let context = HashMap::from([("daemon".into(), "bindfs".into()), ("source".into(), backing.display().to_string())]);
-    let staging = staging_path(&sandbox.kubelet_root(), DRIVER, "bench-vol").display().to_string();
-    kubelet
-        .stage(api::NodeStageVolumeRequest {
-            volume_id: "bench-vol".into(),
-            staging_target_path: staging.clone(),
-            volume_capability: Some(capability.clone()),
-            volume_context: context.clone(),
-            ..Default::default()
-        })
-        .expect("stage");
+    // The kubelet sends a staging path exactly when the driver stages.
+    let staging = match publish_only {
+        false => staging_path(&sandbox.kubelet_root(), DRIVER, "bench-vol").display().to_string(),
+        true => String::new(),
+    };
+    if !publish_only {
+        kubelet
+            .stage(api::NodeStageVolumeRequest {
+                volume_id: "bench-vol".into(),
+                staging_target_path: staging.clone(),
+                volume_capability: Some(capability.clone()),
+                volume_context: context.clone(),
+                ..Default::default()
+            })
+            .expect("stage");
+    }
     let runc = Runc::new(&sandbox).expect("runc image");
     let mut containers: Vec<RuncContainer> = Vec::new();
     for index in 0..size {
@@ -115,7 +143,7 @@ fn measure(size: usize, cycles: usize) -> Figures {
             })
             .expect("publish");
         let propagation = if index % 2 == 0 { VolumePropagation::HostToContainer } else { VolumePropagation::None };
-        let spec = RuncSpec::reader(uid, target, propagation, "data.txt", Duration::from_millis(10));
+        let spec = RuncSpec::reader(uid, target, propagation, "data.txt", interval);
         containers.push(runc.start(&spec).expect("container"));
     }
     let args = [
@@ -135,14 +163,21 @@ fn measure(size: usize, cycles: usize) -> Figures {
     let agent = SupervisorProcess::start_with(&sandbox, binary, &root.join("state"), args).expect("agent");
     agent.wait_for_log(TIMEOUT, |line| line.contains("\"mount namespaces walked\"")).unwrap();
     let mut figures = Figures::default();
+    // Per cycle: one daemon and one call, or one of each per pod.
+    let per_cycle = if publish_only { size } else { 1 };
+    let (waiting_line, done_line) = match publish_only {
+        false => ("waiting for the driver to stage the volume again", "volume staged again"),
+        true => ("waiting for the driver to publish the volume again", "volume published again"),
+    };
     for cycle in 0..cycles {
-        let watching = || log_lines(&agent, "watching the FUSE daemon").len() > cycle;
-        scenario::wait_for("the agent watching the daemon", TIMEOUT, watching).unwrap();
+        let (seen, next) = (cycle * per_cycle, (cycle + 1) * per_cycle);
+        let watching = || log_lines(&agent, "watching the FUSE daemon").len() >= next;
+        scenario::wait_for("the agent watching the daemons", TIMEOUT, watching).unwrap();
         plugin.kill().expect("kill the plugin");
         for container in &containers {
             container.wait_until(TIMEOUT, |seen| seen.error().is_some()).expect("the outage seen");
         }
-        let waiting = || log_lines(&agent, "waiting for the driver to stage the volume again").len() > cycle;
+        let waiting = || log_lines(&agent, waiting_line).len() >= next;
         scenario::wait_for("the agent waiting for the driver", TIMEOUT, waiting).unwrap();
         plugin.restart(&sandbox).expect("restart the plugin");
         let mut last = SystemTime::UNIX_EPOCH;
@@ -150,10 +185,14 @@ fn measure(size: usize, cycles: usize) -> Figures {
             let seen = container.wait_until(TIMEOUT, |seen| seen.content() == Some("bench")).expect("reads again");
             last = last.max(seen.at);
         }
-        let staged = || log_lines(&agent, "volume staged again").len() > cycle;
-        scenario::wait_for("the agent's call", TIMEOUT, staged).unwrap();
-        let answered = timestamp(&log_lines(&agent, "the driver answers again")[cycle]);
-        let took = log_lines(&agent, "volume staged again")[cycle]["fields"]["took_us"].as_u64().expect("took_us");
+        let called = || log_lines(&agent, done_line).len() >= next;
+        scenario::wait_for("the agent's calls", TIMEOUT, called).unwrap();
+        // The first task of the cycle to see the driver answer.
+        let answered = log_lines(&agent, "the driver answers again")[seen..next].iter().map(timestamp).min();
+        let answered = answered.expect("the driver answered");
+        let done = log_lines(&agent, done_line);
+        let took = done[seen..next].iter().map(|line| line["fields"]["took_us"].as_u64().expect("took_us")).max();
+        let took = took.expect("a call");
         let total = last.duration_since(answered).unwrap_or_default().as_micros() as u64;
         figures.total.push(total);
         figures.driver.push(took);
