@@ -43,6 +43,7 @@ use fuse_supervisor_sys::{ns, resolve};
 
 use super::carry::{self, NestedSlot, NotCarried};
 use super::in_namespace::{self, HealNamespaces, InNamespaceError, InNamespaceHeal, InNamespaceHealed, LiveSource};
+use super::namespace_threads::NamespaceThreads;
 use super::nested_copies::{self, NestedCopies};
 use super::priority::HealPriority;
 use super::probe::SourceHandles;
@@ -444,13 +445,15 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(1);
 /// behind: it ends whenever the kernel lets it. While it is held, no other
 /// worker is sent into that namespace, so a hostile tenant costs one thread
 /// and never more. At the heal priority: among 100 busy containers on two
-/// CPUs, each worker waited for a CPU behind the containers' shells.
+/// CPUs, each worker waited for a CPU behind the containers' shells. The
+/// workers are threads kept between heals ([`NamespaceThreads`]).
 #[derive(Clone)]
 pub struct NamespaceWorkers {
     priority: HealPriority,
     deadline: Duration,
     occupied: Arc<Mutex<Occupied>>,
     when_free: Arc<OnceLock<FreeNotify>>,
+    threads: Arc<NamespaceThreads>,
 }
 
 /// The namespaces (by inode) a worker is in now, and those of them whose
@@ -503,7 +506,13 @@ enum Unstarted {
 
 impl NamespaceWorkers {
     pub fn new(priority: HealPriority, deadline: Duration) -> Self {
-        NamespaceWorkers { priority, deadline, occupied: Arc::default(), when_free: Arc::default() }
+        NamespaceWorkers {
+            priority,
+            deadline,
+            occupied: Arc::default(),
+            when_free: Arc::default(),
+            threads: NamespaceThreads::new(priority, deadline),
+        }
     }
 
     /// `notify` hears each namespace whose given-up heal can be tried again:
@@ -556,19 +565,15 @@ impl NamespaceWorkers {
             return Err(Unstarted::StillHeld);
         }
         let leaving = BusyUntilDropped { workers: self.clone(), namespace };
-        let priority = self.priority;
         // The worker's lines read as part of what sent it (a heal, a death).
         let span = tracing::info_span!("namespace", namespace);
-        std::thread::Builder::new()
-            .name("container-heal".into())
-            .spawn(move || {
+        self.threads
+            .submit(Box::new(move || {
                 let _span = span.entered();
-                priority.raise();
                 let then = work();
                 drop(leaving);
                 then();
-            })
-            .map(drop)
+            }))
             .map_err(Unstarted::Thread)
     }
 

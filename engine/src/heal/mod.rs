@@ -37,6 +37,7 @@ pub mod in_namespace;
 mod isolations;
 mod let_go;
 mod mounter;
+mod namespace_threads;
 pub mod namespaces;
 pub mod nested_copies;
 mod pool;
