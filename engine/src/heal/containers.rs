@@ -511,7 +511,7 @@ impl NamespaceWorkers {
             deadline,
             occupied: Arc::default(),
             when_free: Arc::default(),
-            threads: NamespaceThreads::new(priority, deadline),
+            threads: NamespaceThreads::new(priority),
         }
     }
 

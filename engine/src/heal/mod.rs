@@ -384,7 +384,7 @@ pub struct MountExecutor {
     /// to its heal in containers: they keep the dead connections alive, so
     /// their device numbers are nobody else's while containers are searched
     /// by number for mounts made during the outage.
-    pinned: Vec<OwnedFd>,
+    pinned: LetGoOnDrop,
     /// Where the work in containers' namespaces runs, with its deadline.
     workers: containers::NamespaceWorkers,
     /// Copies of the mounts nested in containers' volumes, taken ahead.
@@ -418,7 +418,7 @@ impl MountExecutor {
             watched_inode,
             isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
             namespaces: namespaces::Namespaces::new(Path::new("/proc")),
-            pinned: Vec::new(),
+            pinned: LetGoOnDrop::default(),
             workers: containers::NamespaceWorkers::new(priority, containers::DEFAULT_DEADLINE),
             nested_copies: Arc::default(),
         })
@@ -510,6 +510,21 @@ impl MountExecutor {
                 flatten_error: None,
             })
             .collect())
+    }
+}
+
+/// Handles on a dead connection's mounts, let go on the closer thread
+/// when dropped ([`let_go`]): the last of them tears the dead superblock
+/// down in the closing thread, which under load took the loop 1.5 s, past
+/// its liveness check.
+#[derive(Debug, Default)]
+struct LetGoOnDrop(Vec<OwnedFd>);
+
+impl Drop for LetGoOnDrop {
+    fn drop(&mut self) {
+        for handle in self.0.drain(..) {
+            let_go::let_go(handle);
+        }
     }
 }
 
@@ -643,7 +658,7 @@ impl Executor for MountExecutor {
         // let go of the dead connection's last mounts here, and a freed
         // number is soon another connection's (another pod's, live), whose
         // mounts a search would find and replace.
-        if pinned.is_empty() || dead.is_empty() {
+        if pinned.0.is_empty() || dead.is_empty() {
             return outcomes;
         }
         let learnt_after = if self.namespaces.is_kept() { searched_at } else { None };
@@ -753,7 +768,8 @@ impl Executor for MountExecutor {
         drop(reserve);
         // A copy per stale layer (a dup each): any of them may be the only
         // one of its dead connection.
-        self.pinned = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect();
+        self.pinned =
+            LetGoOnDrop(flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect());
         crate::stop_point::reached(crate::stop_point::STACKED);
         // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the

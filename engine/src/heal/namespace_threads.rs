@@ -8,17 +8,20 @@
 //! two CPUs among 100 busy containers, nine tenths of their time off the
 //! CPU). Kept threads map nothing between heals.
 //!
-//! A thread takes the jobs in turn; it goes back to the agent's own mount
-//! namespace after each, so that an idle thread holds no tenant's namespace.
-//! A job may never end (a FUSE request its server never answers cannot be
-//! interrupted): a thread whose job is older than the deadline no longer
-//! counts, and another is made in its place, so a stuck tenant costs one
-//! thread and holds up no other namespace past one deadline.
-use std::collections::{BTreeMap, VecDeque};
+//! Each job gets a thread at once, as a thread of its own did: a waiting
+//! one, or one made for it (a heal of 100 containers on two CPUs waits
+//! mostly in the kernel, for the namespace lock and an expedited RCU grace
+//! period per detach, and eight threads taking the namespaces in turn made
+//! those waits add up past the deadline on a loaded node). A thread goes
+//! back to the agent's own mount namespace after each job, so that an idle
+//! one holds no tenant's namespace, and waits for the next; up to [`KEPT`]
+//! wait, the others end. A job that never ends (a FUSE request its server
+//! never answers cannot be interrupted) keeps its thread, and costs no other
+//! job anything.
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::ns;
 use tracing::warn;
@@ -26,11 +29,10 @@ use tracing::warn;
 use super::priority::HealPriority;
 use crate::errors::chain;
 
-/// Threads that work at once on the namespaces of one heal (more are made
-/// only in place of threads past the deadline). Each waits mostly in the
-/// kernel (the namespace lock, an expedited RCU grace period per detach),
-/// so a few per CPU keep the CPUs busy.
-pub(super) const THREADS: usize = 8;
+/// Threads kept waiting between heals, at most: as many as the largest
+/// heal's namespaces up to this, a few megabytes of address space each and
+/// tens of kilobytes resident.
+pub(super) const KEPT: usize = 128;
 
 /// A job for a namespace thread.
 pub(super) type Job = Box<dyn FnOnce() + Send>;
@@ -38,7 +40,6 @@ pub(super) type Job = Box<dyn FnOnce() + Send>;
 /// The queue and the threads that take from it.
 pub(super) struct NamespaceThreads {
     priority: HealPriority,
-    deadline: Duration,
     state: Mutex<State>,
     ready: Condvar,
 }
@@ -50,83 +51,73 @@ struct State {
     idle: usize,
     /// Threads made that have not taken their first look at the queue.
     starting: usize,
-    /// When each busy thread (by its number) took its job.
-    working: BTreeMap<u64, Instant>,
+    /// Threads working on a job.
+    working: usize,
     made: u64,
 }
 
 impl NamespaceThreads {
-    pub(super) fn new(priority: HealPriority, deadline: Duration) -> Arc<Self> {
-        Arc::new(NamespaceThreads { priority, deadline, state: Mutex::default(), ready: Condvar::new() })
+    pub(super) fn new(priority: HealPriority) -> Arc<Self> {
+        Arc::new(NamespaceThreads { priority, state: Mutex::default(), ready: Condvar::new() })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Queues `job`, waking a waiting thread, or making one when fewer than
-    /// [`THREADS`] are waiting, starting or within the deadline of their
-    /// job. Fails only when a thread is needed and none can be made.
+    /// Queues `job` and wakes a waiting thread for it, or makes one when
+    /// none waits for it. Fails only when a thread is needed, none can be
+    /// made and none is there to take the job later.
     pub(super) fn submit(self: &Arc<Self>, job: Job) -> io::Result<()> {
         let mut state = self.state();
         state.queue.push_back(job);
-        if state.queue.len() <= state.idle {
-            self.ready.notify_one();
-            return Ok(());
-        }
         if state.idle > 0 {
             self.ready.notify_one();
         }
-        let on_time = state.working.values().filter(|took| took.elapsed() < self.deadline).count();
-        if state.idle + state.starting + on_time >= THREADS {
+        if state.queue.len() <= state.idle + state.starting {
             return Ok(());
         }
-        let number = state.made;
-        let home = match ns::open_thread_mount_namespace() {
-            Ok(home) => home,
-            Err(err) => {
-                state.queue.pop_back();
-                return Err(err);
-            }
-        };
-        let threads = Arc::clone(self);
-        let made = std::thread::Builder::new().name("container-heal".into()).spawn(move || threads.serve(number, home));
+        let made = ns::open_thread_mount_namespace().and_then(|home| {
+            let threads = Arc::clone(self);
+            std::thread::Builder::new().name("container-heal".into()).spawn(move || threads.serve(home))
+        });
         match made {
             Ok(_) => {
                 state.made += 1;
                 state.starting += 1;
                 Ok(())
             }
+            // Taken by a thread when one is free, if any is there.
+            Err(_) if state.idle + state.starting + state.working > 0 => Ok(()),
             Err(err) => {
-                // Taken by a thread when one is free, if any is there.
-                if state.idle + state.working.len() == 0 {
-                    state.queue.pop_back();
-                    return Err(err);
-                }
-                Ok(())
+                state.queue.pop_back();
+                Err(err)
             }
         }
     }
 
     /// A thread's life: the jobs in turn, back home after each.
-    fn serve(&self, number: u64, home: OwnedFd) {
+    fn serve(&self, home: OwnedFd) {
         self.priority.raise();
         let mut state = self.state();
         state.starting -= 1;
         loop {
             let Some(job) = state.queue.pop_front() else {
+                if state.idle >= KEPT {
+                    return;
+                }
                 state.idle += 1;
                 state = self.ready.wait(state).unwrap_or_else(PoisonError::into_inner);
                 state.idle -= 1;
                 continue;
             };
-            state.working.insert(number, Instant::now());
+            state.working += 1;
             drop(state);
             // A job reports its own panics; one that escapes ends only it.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             let home_again = ns::enter_mount_namespace(home.as_fd());
             state = self.state();
-            state.working.remove(&number);
+            state.working -= 1;
             if let Err(err) = home_again {
                 // Still in a tenant's namespace: it must take no more jobs.
                 // Its place is taken at the next submit: a thread made here
@@ -140,13 +131,14 @@ impl NamespaceThreads {
     #[cfg(test)]
     fn threads(&self) -> usize {
         let state = self.state();
-        state.idle + state.starting + state.working.len()
+        state.idle + state.starting + state.working
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::mpsc;
+    use std::time::{Duration, Instant};
 
     use super::*;
 
@@ -159,48 +151,50 @@ mod tests {
     }
 
     #[test]
-    fn jobs_reuse_the_threads_kept_and_a_stuck_one_is_replaced_after_the_deadline() {
-        let threads = NamespaceThreads::new(HealPriority::OFF, Duration::from_millis(50));
+    fn a_heal_gets_a_thread_per_job_and_the_next_one_makes_none() {
+        let threads = NamespaceThreads::new(HealPriority::OFF);
         let (done, finished) = mpsc::channel();
-        // More jobs than threads: at most THREADS are made for them.
-        for job in 0..(THREADS * 4) {
-            let done = done.clone();
-            threads.submit(Box::new(move || done.send(job).unwrap())).unwrap();
-        }
-        let mut seen: Vec<usize> = (0..THREADS * 4).map(|_| finished.recv().unwrap()).collect();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..THREADS * 4).collect::<Vec<_>>());
-        assert!(threads.threads() <= THREADS, "{} threads", threads.threads());
-        wait_until("every thread waiting again", || {
-            let state = threads.state();
-            state.idle == state.starting + state.idle + state.working.len()
-        });
-        let kept = threads.threads();
-        // The next round makes none.
-        for job in 0..kept {
-            let done = done.clone();
-            threads.submit(Box::new(move || done.send(job).unwrap())).unwrap();
-        }
-        for _ in 0..kept {
-            finished.recv().unwrap();
-        }
-        assert_eq!(threads.state().made, kept as u64);
-        // Every thread held (as by a FUSE request nobody answers): once
-        // past the deadline, a job still gets a thread of its own.
-        let (release, held) = mpsc::channel::<()>();
-        let held = Arc::new(Mutex::new(held));
-        for _ in 0..THREADS {
-            let held = Arc::clone(&held);
+        // Every job held until all have started: each needs a thread.
+        let jobs = 12;
+        let all_started = Arc::new(std::sync::Barrier::new(jobs));
+        for job in 0..jobs {
+            let (done, all_started) = (done.clone(), Arc::clone(&all_started));
             threads
                 .submit(Box::new(move || {
-                    let _ = held.lock().unwrap().recv();
+                    all_started.wait();
+                    done.send(job).unwrap();
                 }))
                 .unwrap();
         }
-        wait_until("every thread busy", || threads.state().working.len() == THREADS);
-        std::thread::sleep(Duration::from_millis(60));
-        threads.submit(Box::new(move || done.send(99).unwrap())).unwrap();
-        assert_eq!(finished.recv_timeout(Duration::from_secs(5)), Ok(99));
+        let mut seen: Vec<usize> = (0..jobs).map(|_| finished.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..jobs).collect::<Vec<_>>());
+        wait_until("every thread waiting again", || threads.state().idle == jobs);
+        // The next heal's jobs take the waiting threads.
+        for job in 0..jobs {
+            let done = done.clone();
+            threads.submit(Box::new(move || done.send(job).unwrap())).unwrap();
+        }
+        for _ in 0..jobs {
+            finished.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+        assert_eq!(threads.state().made, jobs as u64);
+        assert_eq!(threads.threads(), jobs);
+        // A thread held for good (a FUSE request nobody answers) holds up
+        // no other job.
+        let (release, held) = mpsc::channel::<()>();
+        threads
+            .submit(Box::new(move || {
+                let _ = held.recv();
+            }))
+            .unwrap();
+        for job in 0..(jobs * 2) {
+            let done = done.clone();
+            threads.submit(Box::new(move || done.send(job).unwrap())).unwrap();
+        }
+        for _ in 0..(jobs * 2) {
+            finished.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
         drop(release);
     }
 }
