@@ -446,7 +446,7 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(1);
 /// worker is sent into that namespace, so a hostile tenant costs one thread
 /// and never more. At the heal priority: among 100 busy containers on two
 /// CPUs, each worker waited for a CPU behind the containers' shells. The
-/// workers are threads kept between heals ([`NamespaceThreads`]).
+/// workers are threads kept between heals (`heal::namespace_threads`).
 #[derive(Clone)]
 pub struct NamespaceWorkers {
     priority: HealPriority,
