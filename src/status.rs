@@ -161,7 +161,7 @@ impl Status {
                 // A publish that mounts (a driver without a staging step)
                 // is live or waits as a stage does.
                 let state = match &record.request {
-                    Request::Publish(_) if !record.request.mounts_at_path() => "published",
+                    Request::Publish(_) if record.request.driver_mounted_target().is_none() => "published",
                     Request::Publish(_) if live() => "published",
                     Request::Stage(_) if live() => "staged",
                     _ => "waiting for its driver",

@@ -112,13 +112,18 @@ impl Request {
     }
 
     /// Whether the call mounts the volume at its path: a stage, or a
-    /// publish of a driver without a staging step (the kubelet sends a
-    /// staging path exactly when the driver has one), which mounts its
-    /// FUSE filesystem at the pod's target itself.
+    /// publish of a driver without a staging step.
     pub fn mounts_at_path(&self) -> bool {
+        matches!(self, Request::Stage(_)) || self.driver_mounted_target().is_some()
+    }
+
+    /// The pod's target of a publish of a driver without a staging step
+    /// (the kubelet sends a staging path exactly when the driver has one),
+    /// which mounts its FUSE filesystem there itself.
+    pub fn driver_mounted_target(&self) -> Option<&str> {
         match self {
-            Request::Stage(_) => true,
-            Request::Publish(request) => request.staging_target_path.is_empty(),
+            Request::Publish(request) if request.staging_target_path.is_empty() => Some(&request.target_path),
+            _ => None,
         }
     }
 
@@ -385,6 +390,13 @@ pub struct ReadRecords {
     pub corrupt: Vec<RecordError>,
 }
 
+/// Whether a file of a record directory is a record: a temporary file
+/// (`.<name>.<pid>.tmp`) is not.
+pub fn is_record_name(name: &std::ffi::OsStr) -> bool {
+    let name = name.as_encoded_bytes();
+    !name.starts_with(b".") && name.ends_with(b".json")
+}
+
 /// Reads every record in `dir`, in file-name order. Fails only when the
 /// directory cannot be listed; temporary files are skipped.
 pub fn read_all(dir: &Path) -> Result<ReadRecords, RecordError> {
@@ -392,9 +404,7 @@ pub fn read_all(dir: &Path) -> Result<ReadRecords, RecordError> {
     let mut files = Vec::new();
     for entry in listing {
         let entry = entry.map_err(|source| RecordError::ReadDir { dir: dir.to_path_buf(), source })?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if !name.starts_with('.') && name.ends_with(".json") {
+        if is_record_name(&entry.file_name()) {
             files.push(entry.path());
         }
     }

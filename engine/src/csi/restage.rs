@@ -623,9 +623,7 @@ impl RecordWatch {
 
     /// Reads the record `file` again (gone, or a temporary file: no target).
     fn read_one(&mut self, file: PathBuf, config: &RestageConfig) {
-        let is_record = file.extension().is_some_and(|ext| ext == "json")
-            && file.file_name().is_some_and(|name| !name.as_encoded_bytes().starts_with(b"."));
-        let target = match is_record {
+        let target = match file.file_name().is_some_and(records::is_record_name) {
             true => records::read_one(&file).ok().and_then(|record| driver_mounted_target(&record, config)),
             false => None,
         };
@@ -639,11 +637,8 @@ impl RecordWatch {
 /// The target a record's publish mounts at, for a `--restage` driver
 /// without a staging step.
 fn driver_mounted_target(record: &Record, config: &RestageConfig) -> Option<PathBuf> {
-    let driver = record.driver.as_ref()?;
-    (matches!(record.request, Request::Publish(_))
-        && record.request.mounts_at_path()
-        && config.drivers.contains(driver))
-    .then(|| PathBuf::from(record.request.path()))
+    let target = record.request.driver_mounted_target()?;
+    config.drivers.contains(record.driver.as_ref()?).then(|| PathBuf::from(target))
 }
 
 /// Every record in `dir` and in the directories in it (`--csi-records`);

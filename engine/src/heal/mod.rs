@@ -42,6 +42,7 @@ pub mod namespaces;
 pub mod nested_copies;
 mod pool;
 
+use let_go::LetGoOnDrop;
 use mounter::{Mounter, Placed, Staging};
 pub mod priority;
 pub mod probe;
@@ -510,21 +511,6 @@ impl MountExecutor {
                 flatten_error: None,
             })
             .collect())
-    }
-}
-
-/// Handles on a dead connection's mounts, let go on the closer thread
-/// when dropped ([`let_go`]): the last of them tears the dead superblock
-/// down in the closing thread, which under load took the loop 1.5 s, past
-/// its liveness check.
-#[derive(Debug, Default)]
-struct LetGoOnDrop(Vec<OwnedFd>);
-
-impl Drop for LetGoOnDrop {
-    fn drop(&mut self) {
-        for handle in self.0.drain(..) {
-            let_go::let_go(handle);
-        }
     }
 }
 

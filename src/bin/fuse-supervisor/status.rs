@@ -1,10 +1,9 @@
 //! `status`: every FUSE source and target, live or from a captured table.
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use fuse_supervisor::status::Status;
-use fuse_supervisor_engine::csi::records::Request;
 use fuse_supervisor_engine::model::state::Journal;
 use fuse_supervisor_engine::model::table::{Layout, Snapshot};
 
@@ -32,11 +31,7 @@ pub(crate) fn status(node: &NodeArgs, json: bool, mountinfo: Option<&Path>, csi_
     // A driver without a staging step mounts at the pods' targets: each is
     // a source, as `run --restage` takes it.
     layout.set_driver_mounted(
-        records
-            .iter()
-            .filter(|record| matches!(record.request, Request::Publish(_)) && record.request.mounts_at_path())
-            .map(|record| record.request.path().into())
-            .collect(),
+        records.iter().filter_map(|record| record.request.driver_mounted_target()).map(PathBuf::from).collect(),
     );
     // The state file tells where stale targets came from (offline too, when
     // the report came with one); without it only peer groups can. A bad one
