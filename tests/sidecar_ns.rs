@@ -271,6 +271,8 @@ impl Pod {
             hide: vec![self.sandbox.kubelet_root(), self.sandbox.runtime_root(), self.mountpoint.clone()],
             read: PathBuf::from(read),
             interval: Duration::from_millis(2),
+            settled_interval: None,
+            propagation: fuse_supervisor_sys::mount::Propagation::Slave,
         };
         let reader = ContainerReader::spawn_wrapped(&self.sandbox, &self.in_fuse_container(), name, &options);
         self.readers.push(reader.expect("reader"));

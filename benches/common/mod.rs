@@ -36,6 +36,12 @@ impl Flags {
             .collect()
     }
 
+    /// One of the values `parse` knows.
+    pub fn one<T>(&self, flag: &str, default: &str, parse: impl Fn(&str) -> Option<T>) -> T {
+        let value = self.text(flag, default);
+        parse(&value).unwrap_or_else(|| panic!("--{flag}: cannot read {value:?}"))
+    }
+
     /// `on` or `off`.
     pub fn on_off(&self, flag: &str, default: &str) -> bool {
         match self.text(flag, default).as_str() {

@@ -32,6 +32,14 @@ pub struct ContainerOptions {
     pub read: PathBuf,
     /// Pause between reads.
     pub interval: Duration,
+    /// Pause between reads while the volume reads, if not `interval`: a
+    /// reader that polls fast only while its volume fails costs the node
+    /// little once it reads again, so the heal it waits for is not measured
+    /// against the readers themselves.
+    pub settled_interval: Option<Duration>,
+    /// The volume's propagation in the container: `Slave` as with
+    /// `mountPropagation: HostToContainer`, `Private` as with `None`.
+    pub propagation: Propagation,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +91,7 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
         target: mount_point.clone(),
         source,
     })?;
-    set_propagation(&mount_point, Propagation::Slave, false)?;
+    set_propagation(&mount_point, options.propagation, false)?;
     // What pivot_root does to the old root: the host trees leave this namespace.
     for hidden in &options.hide {
         mount::detach(hidden).map_err(|source| ContainerError::Hide { path: hidden.clone(), source })?;
@@ -93,13 +101,17 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
     let mut last = None;
     loop {
         let seen = observe(&file, &mount_point);
+        let pause = match options.settled_interval {
+            Some(settled) if seen.starts_with("ok") => settled,
+            _ => options.interval,
+        };
         if last.as_ref() != Some(&seen) {
             writeln!(stdout, "{} {}", unix_nanos(SystemTime::now()), seen)
                 .and_then(|()| stdout.flush())
                 .map_err(ContainerError::Output)?;
             last = Some(seen);
         }
-        std::thread::sleep(options.interval);
+        std::thread::sleep(pause);
     }
 }
 

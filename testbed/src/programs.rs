@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
+use fuse_supervisor_sys::mount::Propagation;
 
 use crate::bomb::{self, BombOptions};
 use crate::container::{self, ContainerOptions};
@@ -131,6 +132,13 @@ enum Program {
         read: PathBuf,
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
+        /// The pause while the volume reads, if not `--interval-ms`.
+        #[arg(long)]
+        settled_interval_ms: Option<u64>,
+        /// The volume private in the container (`None`), not a slave
+        /// (`HostToContainer`).
+        #[arg(long)]
+        private: bool,
     },
     /// A tenant that makes its mount table huge: BINDS binds at the end of
     /// a chain of directories PATH_BYTES long, in a namespace of its own;
@@ -289,13 +297,17 @@ fn run(program: Program) -> anyhow::Result<()> {
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }
-        Program::Container { volume, rootfs, hide, read, interval_ms } => container::run(&ContainerOptions {
-            volume,
-            rootfs,
-            hide,
-            read,
-            interval: Duration::from_millis(interval_ms),
-        })
+        Program::Container { volume, rootfs, hide, read, interval_ms, settled_interval_ms, private } => {
+            container::run(&ContainerOptions {
+                volume,
+                rootfs,
+                hide,
+                read,
+                interval: Duration::from_millis(interval_ms),
+                settled_interval: settled_interval_ms.map(Duration::from_millis),
+                propagation: if private { Propagation::Private } else { Propagation::Slave },
+            })
+        }
         .map_err(Into::into),
         Program::MountBomb { dir, binds, path_bytes, fuse } => {
             bomb::run(&BombOptions { dir, binds, path_bytes, fuse }).map_err(Into::into)

@@ -8,6 +8,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use fuse_supervisor_sys::mount::Propagation;
+
 use super::container::{ContainerOptions, unescape};
 use super::{Sandbox, SandboxChild, TestbedError};
 
@@ -171,6 +173,8 @@ impl ContainerReader {
             hide: vec![sandbox.kubelet_root(), sandbox.runtime_root()],
             read: read.to_path_buf(),
             interval: Duration::from_millis(2),
+            settled_interval: None,
+            propagation: Propagation::Slave,
         };
         Self::spawn_with(sandbox, name, &options)
     }
@@ -201,6 +205,8 @@ impl ContainerReader {
             .arg(&options.read)
             .arg("--interval-ms")
             .arg(options.interval.as_millis().to_string())
+            .args(options.settled_interval.map(|settled| format!("--settled-interval-ms={}", settled.as_millis())))
+            .args((options.propagation == Propagation::Private).then_some("--private"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -41,9 +41,13 @@ use fuse_supervisor_testbed::scenario::{DATA_FILE, Daemon, FuseSource, Restart, 
 use fuse_supervisor_testbed::{ContainerReader, Sandbox};
 
 #[allow(dead_code)]
+#[path = "../common/mod.rs"]
 mod common;
+mod floor;
 
 use common::{Flags, is_root};
+use floor::{FloorContainer, FloorHealer, FloorTimes};
+use fuse_supervisor_sys::mount::Propagation;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_fuse-supervisor");
 const HEAL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -67,6 +71,17 @@ struct Options {
     all_readers_up_to: usize,
     sampled_readers: usize,
     reader_interval: Duration,
+    /// The readers' pause once they read, if not `reader_interval`: readers
+    /// poll fast only while their volume fails, so that, healed, they do not
+    /// load the node the next heals run on. `--reader-settled-interval-ms 0`
+    /// keeps them polling fast throughout (the saturated rows).
+    reader_settled_interval: Option<Duration>,
+    /// Which containers mount the volume as a slave (`HostToContainer`) and
+    /// which private (`None`): every other one (`mixed`), or all one way.
+    propagation: PropagationMix,
+    /// Also time the floor (see `floor.rs`) on the same sandbox, before the
+    /// supervisor starts.
+    floor: bool,
     /// Off: no table watcher (so no (a) and (b)), to see what it costs the
     /// supervisor (its CPU time, and its brief holds of the namespace lock).
     table_watch: bool,
@@ -76,10 +91,11 @@ struct Options {
     /// every single change does not slow the heal it measures. The pauses
     /// bound how late (a) can be; the longest is reported.
     watch_duty_percent: u32,
-    /// The watcher's `SCHED_FIFO` priority (0, the default: the normal
-    /// scheduler). At the heal's own priority it sees the new mount at once
-    /// even among busy readers, but takes CPU time from the heal it
-    /// measures (100 targets, 100 readers: (a2) median 3.8 -> 5.6 ms).
+    /// The watcher's `SCHED_FIFO` priority once it has seen the new mount
+    /// (0, the default: the normal scheduler; until then it runs at
+    /// [`ANCHOR_PRIORITY`]). At the heal's own priority it takes CPU time
+    /// from the heal it measures (100 targets, 100 readers: (a2) median 3.8
+    /// -> 5.6 ms).
     watch_priority: u8,
     /// Also run each size without readers and without the table watcher, for
     /// the supervisor's own latency undisturbed by the measuring.
@@ -113,13 +129,33 @@ impl Options {
             watch_priority: flags.number::<u8>("watch-priority", "0"),
             table_watch: flags.on_off("table-watch", "on"),
             clean_pass: flags.on_off("clean-pass", "on"),
-            reader_interval: Duration::from_millis(flags.number("reader-interval-ms", "2")),
+            reader_interval: Duration::from_millis(flags.number("reader-interval-ms", "1")),
+            reader_settled_interval: Some(flags.number::<u64>("reader-settled-interval-ms", "100"))
+                .filter(|ms| *ms > 0)
+                .map(Duration::from_millis),
+            propagation: flags.one("propagation", "mixed", |name| match name {
+                "mixed" => Some(PropagationMix::Mixed),
+                "host-to-container" => Some(PropagationMix::HostToContainer),
+                "none" => Some(PropagationMix::None),
+                _ => None,
+            }),
+            floor: flags.on_off("floor", "on"),
         }
     }
 
     /// The same run without readers and without the table watcher.
     fn undisturbed(&self) -> Options {
-        Options { table_watch: false, all_readers_up_to: 0, sampled_readers: 0, ..self.clone() }
+        Options { table_watch: false, all_readers_up_to: 0, sampled_readers: 0, floor: false, ..self.clone() }
+    }
+
+    /// The volume's propagation in the container of the `index`th reader.
+    fn propagation(&self, index: usize) -> Propagation {
+        match self.propagation {
+            PropagationMix::HostToContainer => Propagation::Slave,
+            PropagationMix::None => Propagation::Private,
+            PropagationMix::Mixed if index.is_multiple_of(2) => Propagation::Slave,
+            PropagationMix::Mixed => Propagation::Private,
+        }
     }
 
     fn cycles_for(&self, targets: usize) -> usize {
@@ -135,6 +171,23 @@ impl Options {
             0 => Vec::new(),
             1 => vec![0],
             sampled => (0..sampled).map(|i| i * (targets - 1) / (sampled - 1)).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PropagationMix {
+    Mixed,
+    HostToContainer,
+    None,
+}
+
+impl PropagationMix {
+    fn name(self) -> &'static str {
+        match self {
+            PropagationMix::Mixed => "half HostToContainer, half None",
+            PropagationMix::HostToContainer => "HostToContainer",
+            PropagationMix::None => "None",
         }
     }
 }
@@ -266,6 +319,8 @@ impl Armed {
 #[derive(Default)]
 struct WatchState {
     armed: Option<Armed>,
+    /// At [`ANCHOR_PRIORITY`], waiting for the new mount.
+    anchoring: bool,
     wakes: u64,
     failure: Option<String>,
 }
@@ -275,6 +330,8 @@ struct WatchState {
 struct TableWatch {
     state: Arc<(Mutex<WatchState>, Condvar)>,
     stop: Arc<Waker>,
+    /// Tells the watcher it was armed (it raises its priority).
+    armed: Arc<Waker>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -284,6 +341,13 @@ const LONGEST_PAUSE: Duration = Duration::from_millis(2);
 
 const TABLE: u64 = 1;
 const STOP: u64 = 2;
+const ARMED: u64 = 3;
+
+/// The watcher's `SCHED_FIFO` priority from its arming until it has seen the
+/// new mount: above the heal's (1), so that it wakes first and the instant
+/// every measure runs from is the new mount's, whichever healer (the
+/// supervisor or the floor) would otherwise take the CPU first.
+const ANCHOR_PRIORITY: u8 = 2;
 
 impl TableWatch {
     fn start(sandbox: &Sandbox, duty_percent: u32, priority: u8) -> TableWatch {
@@ -293,11 +357,14 @@ impl TableWatch {
         let table = sandbox.run(|| std::fs::File::open("/proc/thread-self/mountinfo")).expect("open sandbox mountinfo");
         let namespace = std::fs::File::open(sandbox.namespace_path()).expect("open the sandbox's mount namespace");
         let stop = Arc::new(Waker::new().expect("eventfd"));
+        let armed = Arc::new(Waker::new().expect("eventfd"));
         let poller = Poller::new().expect("epoll");
         poller.add_priority(table.as_fd(), TABLE).expect("watch mountinfo");
         poller.add_readable(stop.as_fd(), STOP).expect("watch eventfd");
+        poller.add_readable(armed.as_fd(), ARMED).expect("watch eventfd");
         let state: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
         let shared = Arc::clone(&state);
+        let arming = Arc::clone(&armed);
         let thread = std::thread::Builder::new()
             .name("table-watch".into())
             .spawn(move || {
@@ -330,6 +397,17 @@ impl TableWatch {
                         return;
                     }
                     let mut state = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                    if events.contains(&ARMED) {
+                        let _ = arming.drain();
+                        if !HealPriority::realtime(ANCHOR_PRIORITY).raise() {
+                            eprintln!("# the table watcher cannot raise its priority: (a) and (b) may start late");
+                        }
+                        state.anchoring = true;
+                        changed.notify_all();
+                        if !events.contains(&TABLE) {
+                            continue;
+                        }
+                    }
                     state.wakes += 1;
                     if let Some(armed) = state.armed.as_mut() {
                         armed.observe(woke);
@@ -343,11 +421,15 @@ impl TableWatch {
                             pause = Some(gap);
                         }
                     }
+                    if state.anchoring && state.armed.as_ref().is_some_and(|armed| armed.seen.appeared.is_some()) {
+                        let _ = fuse_supervisor_sys::process::set_thread_realtime((priority > 0).then_some(priority));
+                        state.anchoring = false;
+                    }
                     changed.notify_all();
                 }
             })
             .expect("start the table watcher");
-        TableWatch { state, stop, thread: Some(thread) }
+        TableWatch { state, stop, armed, thread: Some(thread) }
     }
 
     /// Follows the restart of the source at `source` (now on `old_dev`,
@@ -364,7 +446,16 @@ impl TableWatch {
                 .collect()
         });
         let armed = Armed { source: source.to_path_buf(), old_dev, targets, flat: 0, seen: Milestones::default() };
-        self.state.0.lock().unwrap_or_else(PoisonError::into_inner).armed = Some(armed);
+        let (lock, changed) = &*self.state;
+        let mut state = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        state.armed = Some(armed);
+        state.anchoring = false;
+        self.armed.wake().expect("wake the table watcher");
+        // At its anchoring priority before the restart it times.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !state.anchoring && Instant::now() < deadline {
+            state = changed.wait_timeout(state, Duration::from_millis(100)).unwrap_or_else(PoisonError::into_inner).0;
+        }
     }
 
     /// Waits until the armed restart is fully healed; returns what was seen
@@ -421,10 +512,16 @@ struct Cycle {
     table_wakes: u64,
     /// The watcher's longest pause between looks during the heal.
     watch_pause_us: u64,
+    /// A floor cycle's own timings.
+    floor: Option<FloorTimes>,
 }
 
 struct SizeResult {
     undisturbed: bool,
+    /// Healed by the floor, not the supervisor.
+    floor: bool,
+    /// The readers' CPU time over the cycles' wall time, in % of one CPU.
+    readers_cpu_percent: Option<f64>,
     mode: Mode,
     daemon: Daemon,
     targets: usize,
@@ -490,7 +587,127 @@ fn reads_new(expected: &str) -> impl Fn(&fuse_supervisor_testbed::Observation) -
     move |observation| observation.content() == Some(expected)
 }
 
-fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> SizeResult {
+/// The readers' CPU time so far, in clock ticks (`/proc/<pid>/stat`'s utime
+/// and stime; 100 a second).
+fn readers_cpu_ticks(readers: &[&ContainerReader]) -> u64 {
+    readers
+        .iter()
+        .filter_map(|reader| std::fs::read_to_string(format!("/proc/{}/stat", reader.child().pid())).ok())
+        .filter_map(|stat| {
+            // After the command's closing parenthesis: state is field 3,
+            // utime and stime fields 14 and 15.
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum()
+}
+
+/// One crash and restart of `source`, timed from the new global mount as
+/// the watcher saw it: (a) and (b). `arm` is told the dead connection just
+/// before the restart. Returns the cycle and its anchor (the new mount's
+/// wall-clock time, or the restart call's without a watcher).
+fn crash_and_restart(
+    sandbox: &Sandbox,
+    source: &mut FuseSource,
+    readers: &[&ContainerReader],
+    watch: Option<&TableWatch>,
+    target_paths: &[PathBuf],
+    cycle: usize,
+    arm: impl FnOnce(Dev),
+) -> (Cycle, SystemTime) {
+    let old_dev = global_dev(sandbox, &source.path);
+    source.crash().expect("crash the daemon");
+    for reader in readers {
+        reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
+    }
+    if let Some(watch) = watch {
+        watch.arm(sandbox, &source.path, old_dev, target_paths);
+    }
+    arm(old_dev);
+    let restarted_wall = SystemTime::now();
+    source.restart(sandbox, Restart::UnmountThenMount).expect("restart the daemon");
+    let expected = source.expected_content();
+    let mut result = Cycle::default();
+    // Without the watcher, the timeline is anchored at the restart call
+    // instead, and (a) and (b) are not measured.
+    let mut anchor = restarted_wall;
+    let Some(watch) = watch else { return (result, anchor) };
+    let seen = watch.wait_healed(HEAL_TIMEOUT);
+    let Some((appeared, appeared_wall, _)) = seen.appeared else {
+        panic!("cycle {cycle}: the new global mount never appeared in the table");
+    };
+    anchor = appeared_wall;
+    result.reachable_us = seen.reachable.map(|at| micros(at - appeared));
+    result.healed_us = seen.flat.map(|at| micros(at - appeared));
+    result.watch_pause_us = micros(seen.longest_pause);
+    if seen.flat.is_none() {
+        eprintln!("cycle {cycle}: not healed within {HEAL_TIMEOUT:?}; table:\n{}", sandbox.mountinfo());
+    }
+    for reader in readers {
+        if reader.wait_until(HEAL_TIMEOUT, reads_new(&expected)).is_err() {
+            eprintln!("cycle {cycle}: {} never read {expected:?}", reader.name());
+            continue;
+        }
+        let first = reader.history().into_iter().find(|o| reads_new(&expected)(o)).map(|o| o.at);
+        if let Some(at) = first {
+            result.per_reader_us.push(micros(at.duration_since(anchor).unwrap_or_default()));
+        }
+    }
+    if result.per_reader_us.len() == readers.len() {
+        result.all_read_us = result.per_reader_us.iter().copied().max();
+    }
+    (result, anchor)
+}
+
+/// The floor's cycles (see `floor.rs`): the same crash and restart, healed
+/// by the minimal healer, the supervisor not running.
+fn floor_cycles(
+    sandbox: &Sandbox,
+    source: &mut FuseSource,
+    readers: &[(ContainerReader, PathBuf, Propagation)],
+    watch: &TableWatch,
+    target_paths: &[PathBuf],
+    cycles: usize,
+) -> Vec<Cycle> {
+    let containers = readers
+        .iter()
+        .map(|(reader, mount_point, propagation)| FloorContainer {
+            pid: reader.child().pid(),
+            mount_point: mount_point.clone(),
+            propagation: *propagation,
+        })
+        .collect();
+    let floor = FloorHealer::start(sandbox, &source.path, target_paths, containers);
+    let readers: Vec<&ContainerReader> = readers.iter().map(|(reader, _, _)| reader).collect();
+    let baseline = sandbox.count_mounts_under(sandbox.root());
+    let mut results = Vec::with_capacity(cycles);
+    for cycle in 0..cycles {
+        let (mut result, _) =
+            crash_and_restart(sandbox, source, &readers, Some(watch), target_paths, cycle, |dead| floor.arm(dead));
+        match floor.wait(HEAL_TIMEOUT) {
+            Ok(times) => {
+                result.floor = Some(times);
+            }
+            Err(err) => panic!("cycle {cycle}: the floor did not heal: {err}\n{}", sandbox.mountinfo()),
+        }
+        wait_for("baseline mount count", Duration::from_secs(10), || {
+            sandbox.count_mounts_under(sandbox.root()) == baseline
+        })
+        .unwrap_or_else(|_| panic!("cycle {cycle}: the floor left layers behind:\n{}", sandbox.mountinfo()));
+        eprintln!(
+            "  floor {cycle:>2}: healed {:?} µs, all read {:?} µs, host {} µs ({} detached alone), containers {:?} µs",
+            result.healed_us,
+            result.all_read_us,
+            result.floor.map_or(0, |f| f.host_us),
+            result.floor.map_or(0, |f| f.detached_alone),
+            result.floor.and_then(|f| f.containers_us),
+        );
+        results.push(result);
+    }
+    results
+}
+
+fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Vec<SizeResult> {
     let binary = Path::new(BINARY);
     let cycles = options.cycles_for(targets);
     eprintln!("# {} with {targets} target(s), {} mode: setting up", daemon.name(), mode.name());
@@ -501,7 +718,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         .map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod:05}"), "data").expect("bind a pod volume"))
         .collect();
     let readers_started = options.reader_indices(targets).len();
-    let readers: Vec<ContainerReader> = options
+    let readers: Vec<(ContainerReader, PathBuf, Propagation)> = options
         .reader_indices(targets)
         .into_iter()
         .map(|index| {
@@ -512,12 +729,36 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
                 hide: vec![sandbox.kubelet_root(), sandbox.runtime_root()],
                 read: PathBuf::from(DATA_FILE),
                 interval: options.reader_interval,
+                settled_interval: options.reader_settled_interval,
+                propagation: options.propagation(index),
             };
-            ContainerReader::spawn_with(&sandbox, &name, &container).expect("start a container reader")
+            let reader = ContainerReader::spawn_with(&sandbox, &name, &container).expect("start a container reader");
+            (reader, ContainerReader::volume_in_container(&container), container.propagation)
         })
         .collect();
-    for reader in &readers {
+    for (reader, _, _) in &readers {
         reader.wait_until(HEAL_TIMEOUT, reads_new(&source.expected_content())).expect("reader reads the source");
+    }
+    let reader_refs: Vec<&ContainerReader> = readers.iter().map(|(reader, _, _)| reader).collect();
+    let watch =
+        options.table_watch.then(|| TableWatch::start(&sandbox, options.watch_duty_percent, options.watch_priority));
+    let mut results = Vec::new();
+    if let Some(watch) = watch.as_ref().filter(|_| options.floor) {
+        eprintln!("# the floor, before the supervisor starts");
+        let ticks = readers_cpu_ticks(&reader_refs);
+        let started = Instant::now();
+        let floor = floor_cycles(&sandbox, &mut source, &readers, watch, &target_paths, cycles);
+        results.push(SizeResult {
+            undisturbed: false,
+            floor: true,
+            mode,
+            daemon,
+            targets,
+            readers: readers_started,
+            readers_cpu_percent: cpu_percent(readers_cpu_ticks(&reader_refs) - ticks, started.elapsed()),
+            cycles: floor,
+            timeline: Vec::new(),
+        });
     }
     let supervisor = SupervisorProcess::start_with(&sandbox, binary, &sandbox.root().join("state"), mode.args(options))
         .expect("start the supervisor");
@@ -528,56 +769,16 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
             .wait_for_log(HEAL_TIMEOUT, |line| line.contains("watching the FUSE daemon"))
             .expect("the supervisor finds the daemon");
     }
-    let watch =
-        options.table_watch.then(|| TableWatch::start(&sandbox, options.watch_duty_percent, options.watch_priority));
     let baseline = sandbox.count_mounts_under(sandbox.root());
-
-    let mut results = Vec::with_capacity(cycles);
+    let ticks = readers_cpu_ticks(&reader_refs);
+    let started = Instant::now();
+    let mut measured = Vec::with_capacity(cycles);
     let mut timeline = Vec::new();
     for cycle in 0..cycles {
-        let old_dev = global_dev(&sandbox, &source.path);
-        source.crash().expect("crash the daemon");
-        for reader in &readers {
-            reader.wait_until(HEAL_TIMEOUT, |o| o.error().is_some()).expect("reader sees the crash");
-        }
         let log_start = supervisor.log_len();
         let wakes_before = watch.as_ref().map_or(0, TableWatch::wakes);
-        if let Some(watch) = &watch {
-            watch.arm(&sandbox, &source.path, old_dev, &target_paths);
-        }
-        let restarted_wall = SystemTime::now();
-        source.restart(&sandbox, Restart::UnmountThenMount).expect("restart the daemon");
-        let expected = source.expected_content();
-        let mut result = Cycle::default();
-        // Without the watcher, the supervisor's timeline is anchored at the
-        // restart call instead, and (a) and (b) are not measured.
-        let mut anchor = restarted_wall;
-        if let Some(watch) = &watch {
-            let seen = watch.wait_healed(HEAL_TIMEOUT);
-            let Some((appeared, appeared_wall, _)) = seen.appeared else {
-                panic!("cycle {cycle}: the new global mount never appeared in the table");
-            };
-            anchor = appeared_wall;
-            result.reachable_us = seen.reachable.map(|at| micros(at - appeared));
-            result.healed_us = seen.flat.map(|at| micros(at - appeared));
-            result.watch_pause_us = micros(seen.longest_pause);
-            if seen.flat.is_none() {
-                eprintln!("cycle {cycle}: not healed within {HEAL_TIMEOUT:?}; table:\n{}", sandbox.mountinfo());
-            }
-        }
-        for reader in readers.iter().filter(|_| watch.is_some()) {
-            if reader.wait_until(HEAL_TIMEOUT, reads_new(&expected)).is_err() {
-                eprintln!("cycle {cycle}: {} never read {expected:?}", reader.name());
-                continue;
-            }
-            let first = reader.history().into_iter().find(|o| reads_new(&expected)(o)).map(|o| o.at);
-            if let Some(at) = first {
-                result.per_reader_us.push(micros(at.duration_since(anchor).unwrap_or_default()));
-            }
-        }
-        if watch.is_some() && result.per_reader_us.len() == readers.len() {
-            result.all_read_us = result.per_reader_us.iter().copied().max();
-        }
+        let (mut result, anchor) =
+            crash_and_restart(&sandbox, &mut source, &reader_refs, watch.as_ref(), &target_paths, cycle, |_| ());
         // The heal is done; let the supervisor finish its log and its
         // follow-up scans before the next crash.
         let _ = supervisor.wait_for_lines(Duration::from_secs(10), log_start, targets, |l| l.contains("\"healed\""));
@@ -617,7 +818,7 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
         result.after_source_us = source_waits.iter().map(|(_, after)| *after).max();
         result.table_wakes = watch.as_ref().map_or(0, TableWatch::wakes) - wakes_before;
         // The slowest cycle's timeline is the one worth reading.
-        let slowest = results.iter().all(|earlier: &Cycle| earlier.supervisor_us <= result.supervisor_us);
+        let slowest = measured.iter().all(|earlier: &Cycle| earlier.supervisor_us <= result.supervisor_us);
         if slowest {
             timeline = events
                 .into_iter()
@@ -633,9 +834,11 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
             result.healed_lines,
             result.table_wakes
         );
-        results.push(result);
+        measured.push(result);
     }
+    let readers_cpu_percent = cpu_percent(readers_cpu_ticks(&reader_refs) - ticks, started.elapsed());
     drop(watch);
+    drop(reader_refs);
     drop(readers);
     if let Some(dir) = &options.log_dir {
         let path = dir.join(format!("{}-{}-{targets}.log", daemon.name(), mode.name()));
@@ -647,15 +850,23 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Si
     if let Err(err) = supervisor.stop() {
         eprintln!("supervisor did not stop cleanly: {err}");
     }
-    SizeResult {
+    results.push(SizeResult {
         undisturbed: !options.table_watch && readers_started == 0,
+        floor: false,
         mode,
         daemon,
         targets,
         readers: readers_started,
-        cycles: results,
+        readers_cpu_percent,
+        cycles: measured,
         timeline,
-    }
+    });
+    results
+}
+
+/// CPU time in clock ticks over `wall`, as a share of one CPU.
+fn cpu_percent(ticks: u64, wall: Duration) -> Option<f64> {
+    (!wall.is_zero()).then(|| ticks as f64 / 100.0 / wall.as_secs_f64() * 100.0)
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -679,7 +890,7 @@ fn row(measure: &str, result: &SizeResult, mut values: Vec<u64>, missing: usize,
     println!(
         "{:<7} {:<5} {:>5}  {:<38} {:>6}{missing}  {:>9}  {:>9}  {:>9}  {target}",
         result.daemon.name(),
-        result.mode.name(),
+        if result.floor { "floor" } else { result.mode.name() },
         result.targets,
         measure,
         values.len(),
@@ -693,13 +904,34 @@ fn report(results: &[SizeResult], options: &Options) {
     println!();
     println!("heal latency, crash -> restart (unmount, then mount), ms");
     println!("(a), (b): from the new global mount appearing in the sandbox (EPOLLPRI wake-up of a watcher on");
-    println!("  its mountinfo, which looks at the source and the targets by path and mount ID: statx, statmount;");
+    println!("  its mountinfo, at SCHED_FIFO above the healers' until it has seen the new mount, so that it");
+    println!("  wakes first); it looks at the source and the targets by path and mount ID (statx, statmount;");
     println!("  never a whole-table read, which would hold the namespace lock the heal needs); after that it spends");
     println!(
         "  at most {}% of its time looking, so (a) can be late by its longest pause (listed below per N).",
         options.watch_duty_percent
     );
-    println!("(b): container readers poll every {:?}; their own timestamps.", options.reader_interval);
+    match options.reader_settled_interval {
+        Some(settled) => println!(
+            "(b): container readers ({}) poll every {:?} while their volume fails, every {:?} once it reads;",
+            options.propagation.name(),
+            options.reader_interval,
+            settled
+        ),
+        None => println!(
+            "(b): container readers ({}) poll every {:?} throughout (saturated: served reads load the daemon);",
+            options.propagation.name(),
+            options.reader_interval
+        ),
+    }
+    println!("  their own timestamps; what they cost is listed below per N, in % of one CPU over the cycles.");
+    if options.floor {
+        println!("floor: the same crash and restart on the same sandbox, before the supervisor starts, healed by");
+        println!("  a minimal healer told the layout: woken on the table, SCHED_FIFO, the new source slid beneath");
+        println!("  each host target and one detach; per container, on a thread kept per namespace, one clone,");
+        println!("  setns, slide beneath, detach. No probe, no plan, no checks: the kernel's cost of one layer");
+        println!("  everywhere, plus the new daemon's first answers.");
+    }
     println!("supervisor: its logged latency_us (loop wake-up for the table change -> heal done), max per cycle;");
     println!("  source_wait_us is the part spent waiting for the new daemon to answer the probe (its INIT and");
     println!("  one statfs), which no heal may skip; the rest is the heal's own.");
@@ -731,6 +963,7 @@ fn report(results: &[SizeResult], options: &Options) {
             row("supervisor latency_us, undisturbed", result, values, missing, heal_target);
             continue;
         }
+        let reads_target = if result.targets == 100 { "p99 <= 10 ms" } else { "" };
         if cycles.iter().any(|c| c.healed_us.is_some()) {
             let (values, missing) = collect(|c| c.reachable_us);
             row("(a1) all targets seen on the new mount", result, values, missing, "");
@@ -740,9 +973,16 @@ fn report(results: &[SizeResult], options: &Options) {
         if result.readers > 0 && cycles.iter().any(|c| c.all_read_us.is_some()) {
             let (values, missing) = collect(|c| c.all_read_us);
             let sampled = if result.readers < result.targets { " sampled" } else { "" };
-            row(&format!("(b)  all {}{sampled} readers read", result.readers), result, values, missing, "");
+            row(&format!("(b)  all {}{sampled} readers read", result.readers), result, values, missing, reads_target);
             let per_reader: Vec<u64> = cycles.iter().flat_map(|c| c.per_reader_us.iter().copied()).collect();
             row("(b') each reader reads (pooled)", result, per_reader, 0, "");
+        }
+        if result.floor {
+            let (values, missing) = collect(|c| c.floor.map(|floor| floor.host_us));
+            row("floor's clock: host targets, 1 layer", result, values, missing, "");
+            let (values, missing) = collect(|c| c.floor.and_then(|floor| floor.containers_us));
+            row("floor's clock: last container replaced", result, values, missing, "");
+            continue;
         }
         let (values, missing) = collect(|c| c.supervisor_us);
         row("supervisor latency_us", result, values, missing, "");
@@ -754,7 +994,13 @@ fn report(results: &[SizeResult], options: &Options) {
     println!();
     for result in results {
         let lines: Vec<usize> = result.cycles.iter().map(|c| c.healed_lines).collect();
-        let run = if result.undisturbed { "undisturbed" } else { "measured" };
+        let run = if result.undisturbed {
+            "undisturbed"
+        } else if result.floor {
+            "floor"
+        } else {
+            "measured"
+        };
         println!(
             "{} {} N={} ({run}): \"healed\" log lines per cycle {:?}",
             result.daemon.name(),
@@ -766,6 +1012,9 @@ fn report(results: &[SizeResult], options: &Options) {
             let wakes: Vec<u64> = result.cycles.iter().map(|c| c.table_wakes).collect();
             let pause = result.cycles.iter().map(|c| c.watch_pause_us).max().unwrap_or(0);
             println!("  table watcher wake-ups per cycle {wakes:?}; longest pause between looks {} ms", ms(pause));
+        }
+        if let Some(percent) = result.readers_cpu_percent.filter(|_| result.readers > 0) {
+            println!("  the {} readers used {percent:.1}% of one CPU over the cycles", result.readers);
         }
         if result.readers < result.targets && result.readers > 0 {
             println!("  readers sampled: {} of {} targets (evenly spread)", result.readers, result.targets);
@@ -788,9 +1037,9 @@ fn main() {
     for &daemon in &options.daemons {
         for &targets in &options.sizes {
             for &mode in &options.modes {
-                results.push(run_size(&options, mode, daemon, targets));
+                results.extend(run_size(&options, mode, daemon, targets));
                 if options.clean_pass && (options.table_watch || !options.reader_indices(targets).is_empty()) {
-                    results.push(run_size(&options.undisturbed(), mode, daemon, targets));
+                    results.extend(run_size(&options.undisturbed(), mode, daemon, targets));
                 }
             }
         }
