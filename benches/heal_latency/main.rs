@@ -10,6 +10,17 @@
 //! and the supervisor's own `latency_us` (its loop's wake-up to the heal) is
 //! collected from its log. A benchmark, not a test: it prints numbers.
 //!
+//! Before the supervisor starts, the same crash and restart is healed by the
+//! floor (`floor.rs`): a minimal healer making only the mount calls a heal of
+//! that size must make, on the same sandbox, daemon and readers, so that the
+//! supervisor's share is read against the kernel's own cost on the same
+//! machine in the same run (`--floor off` skips it). Each reader is a
+//! container of its own, every other one mounting the volume
+//! `HostToContainer` and the rest `None` (`--propagation`); readers poll
+//! every `--reader-interval-ms` while their volume fails and every
+//! `--reader-settled-interval-ms` once it reads, so that they do not load
+//! the node the heal runs on (0: fast throughout, the saturated variant).
+//!
 //! `--modes event,poll` runs every size in both of the supervisor's modes,
 //! one after the other, and prints them side by side: `event` wakes on the
 //! kernel's mount-table notification, `poll` scans every `--poll-period`
@@ -18,7 +29,8 @@
 //! ```text
 //! cargo bench --bench heal_latency [-- --sizes 1,100,1000 --cycles 20 --large-cycles 8
 //!     --daemons demofs,bindfs --modes event,poll --poll-period 5s --sampled-readers 20
-//!     --reader-interval-ms 2 --supervisor-log info --log-dir DIR]
+//!     --reader-interval-ms 1 --reader-settled-interval-ms 100 --propagation mixed
+//!     --floor on --supervisor-log info --log-dir DIR]
 //! ```
 //!
 //! Every flag is also an environment variable (`HEAL_BENCH_SIZES`, ...).
