@@ -725,6 +725,7 @@ fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
             interval: READ_INTERVAL,
             settled_interval: None,
             propagation: fuse_supervisor_sys::mount::Propagation::Slave,
+            wake_on_mount_change: false,
         },
     );
     let fuse_layers = || {

@@ -273,6 +273,7 @@ impl Pod {
             interval: Duration::from_millis(2),
             settled_interval: None,
             propagation: fuse_supervisor_sys::mount::Propagation::Slave,
+            wake_on_mount_change: false,
         };
         let reader = ContainerReader::spawn_wrapped(&self.sandbox, &self.in_fuse_container(), name, &options);
         self.readers.push(reader.expect("reader"));

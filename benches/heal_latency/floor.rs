@@ -233,8 +233,15 @@ fn replace(source: &Path, namespace: std::os::fd::BorrowedFd<'_>, container: &Fl
     mount::set_propagation_of(clone.as_fd(), container.propagation)
         .map_err(|err| format!("set the clone's propagation: {err}"))?;
     ns::enter_mount_namespace(namespace).map_err(|err| format!("enter the container's namespace: {err}"))?;
-    let onto = resolve::open_path(at).map_err(|err| format!("open {}: {err}", at.display()))?;
-    mount::move_mount_beneath(clone.as_fd(), onto.as_fd())
+    let dead = resolve::open_path(at).map_err(|err| format!("open {}: {err}", at.display()))?;
+    let dead_id = resolve::unique_mount_id_of(dead.as_fd()).map_err(|err| format!("the dead copy's ID: {err}"))?;
+    mount::move_mount_beneath(clone.as_fd(), dead.as_fd())
         .map_err(|err| format!("slide beneath {}: {err}", at.display()))?;
-    mount::detach(at).map_err(|err| format!("detach the dead copy at {}: {err}", at.display()))
+    // A slave of the new source loses the dead copy on its root to the
+    // host's detach of its own dead layers (which sit on the roots of the
+    // source's peers, the slave's masters) when that comes first.
+    match mount::detach_top(dead.as_fd()) {
+        Err(_) if statmount::mount_summary(dead_id).is_err() => Ok(()),
+        detached => detached.map_err(|err| format!("detach the dead copy at {}: {err}", at.display())),
+    }
 }

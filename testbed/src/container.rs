@@ -12,10 +12,12 @@
 //! and newline, `|`, `,` and other control characters → `\xNN`.
 use std::fs;
 use std::io::{self, Write};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuse_supervisor_sys::mount::{self, Propagation};
+use fuse_supervisor_sys::poll::Poller;
 use fuse_supervisor_sys::{ns, process};
 
 /// A process that sets up its mount namespace the way runc does and then
@@ -40,6 +42,12 @@ pub struct ContainerOptions {
     /// The volume's propagation in the container: `Slave` as with
     /// `mountPropagation: HostToContainer`, `Private` as with `None`.
     pub propagation: Propagation,
+    /// While the volume fails, read again as soon as the container's mount
+    /// table changes (`POLLPRI` on its own mountinfo), or after `interval`
+    /// at the latest, instead of every `interval`: a reader that costs
+    /// nothing while it waits, and reads again the moment a heal (or
+    /// propagation) changes its namespace.
+    pub wake_on_mount_change: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +82,29 @@ pub enum ContainerError {
     },
     #[error("cannot write an observation to stdout")]
     Output(#[source] io::Error),
+    #[error("cannot watch the container's mount table")]
+    WatchTable(#[source] io::Error),
+}
+
+/// The calling thread's mount table, polled for changes.
+struct MountChanges {
+    poller: Poller,
+    _table: fs::File,
+}
+
+impl MountChanges {
+    fn open() -> io::Result<Self> {
+        let table = fs::File::open("/proc/thread-self/mountinfo")?;
+        let poller = Poller::new()?;
+        poller.add_priority(table.as_fd(), 0)?;
+        Ok(MountChanges { poller, _table: table })
+    }
+
+    /// Until the table changes (each change is reported once: the poll
+    /// itself takes note of it), or `timeout`.
+    fn wait(&self, timeout: Duration) -> io::Result<()> {
+        self.poller.wait(&mut Vec::new(), Some(timeout))
+    }
 }
 
 /// Builds the container's namespace, then reads forever (until killed or
@@ -97,12 +128,18 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
         mount::detach(hidden).map_err(|source| ContainerError::Hide { path: hidden.clone(), source })?;
     }
     let file = mount_point.join(&options.read);
+    // This namespace's table, as it is now: polled, never read.
+    let table = match options.wake_on_mount_change {
+        true => Some(MountChanges::open().map_err(ContainerError::WatchTable)?),
+        false => None,
+    };
     let mut stdout = io::stdout().lock();
     let mut last = None;
     loop {
         let seen = observe(&file, &mount_point);
+        let reads = seen.starts_with("ok");
         let pause = match options.settled_interval {
-            Some(settled) if seen.starts_with("ok") => settled,
+            Some(settled) if reads => settled,
             _ => options.interval,
         };
         if last.as_ref() != Some(&seen) {
@@ -111,7 +148,10 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
                 .map_err(ContainerError::Output)?;
             last = Some(seen);
         }
-        std::thread::sleep(pause);
+        match &table {
+            Some(table) if !reads => table.wait(pause).map_err(ContainerError::WatchTable)?,
+            _ => std::thread::sleep(pause),
+        }
     }
 }
 

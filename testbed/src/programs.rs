@@ -139,6 +139,10 @@ enum Program {
         /// (`HostToContainer`).
         #[arg(long)]
         private: bool,
+        /// While the volume fails, read again when the container's mount
+        /// table changes (or after the interval at the latest).
+        #[arg(long)]
+        wake_on_mount_change: bool,
     },
     /// A tenant that makes its mount table huge: BINDS binds at the end of
     /// a chain of directories PATH_BYTES long, in a namespace of its own;
@@ -297,7 +301,16 @@ fn run(program: Program) -> anyhow::Result<()> {
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }
-        Program::Container { volume, rootfs, hide, read, interval_ms, settled_interval_ms, private } => {
+        Program::Container {
+            volume,
+            rootfs,
+            hide,
+            read,
+            interval_ms,
+            settled_interval_ms,
+            private,
+            wake_on_mount_change,
+        } => {
             container::run(&ContainerOptions {
                 volume,
                 rootfs,
@@ -306,6 +319,7 @@ fn run(program: Program) -> anyhow::Result<()> {
                 interval: Duration::from_millis(interval_ms),
                 settled_interval: settled_interval_ms.map(Duration::from_millis),
                 propagation: if private { Propagation::Private } else { Propagation::Slave },
+                wake_on_mount_change,
             })
         }
         .map_err(Into::into),

@@ -175,6 +175,7 @@ impl ContainerReader {
             interval: Duration::from_millis(2),
             settled_interval: None,
             propagation: Propagation::Slave,
+            wake_on_mount_change: false,
         };
         Self::spawn_with(sandbox, name, &options)
     }
@@ -207,6 +208,7 @@ impl ContainerReader {
             .arg(options.interval.as_millis().to_string())
             .args(options.settled_interval.map(|settled| format!("--settled-interval-ms={}", settled.as_millis())))
             .args((options.propagation == Propagation::Private).then_some("--private"))
+            .args(options.wake_on_mount_change.then_some("--wake-on-mount-change"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
