@@ -723,7 +723,6 @@ fn a_process_with_its_own_copy_of_a_target_is_healed_in_its_namespace_too() {
             hide: Vec::new(),
             read: DATA_FILE.into(),
             interval: READ_INTERVAL,
-            settled_interval: None,
             propagation: fuse_supervisor_sys::mount::Propagation::Slave,
             wake_on_mount_change: false,
         },

@@ -271,7 +271,6 @@ impl Pod {
             hide: vec![self.sandbox.kubelet_root(), self.sandbox.runtime_root(), self.mountpoint.clone()],
             read: PathBuf::from(read),
             interval: Duration::from_millis(2),
-            settled_interval: None,
             propagation: fuse_supervisor_sys::mount::Propagation::Slave,
             wake_on_mount_change: false,
         };

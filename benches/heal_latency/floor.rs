@@ -22,11 +22,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fuse_supervisor_engine::heal::priority::HealPriority;
-use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_sys::mount::{self, Propagation};
 use fuse_supervisor_sys::poll::{Poller, Waker};
-use fuse_supervisor_sys::{fuse, ns, resolve, statmount};
+use fuse_supervisor_sys::{ns, resolve, statmount};
 use fuse_supervisor_testbed::Sandbox;
 
 /// A container's volume, as the floor heals it.
@@ -108,7 +107,7 @@ impl FloorHealer {
                         Some(Armed { old_dev, times: None }) => *old_dev,
                         _ => continue,
                     };
-                    let Some(new_dev) = new_source(&source, old_dev) else { continue };
+                    let Some(new_dev) = super::new_fuse_mount(&source, old_dev) else { continue };
                     let times = heal(&source, &targets, new_dev, &workers, woke);
                     let (lock, done) = &*thread_shared;
                     if let Some(armed) = lock.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
@@ -149,19 +148,13 @@ impl FloorHealer {
 
 impl Drop for FloorHealer {
     fn drop(&mut self) {
-        // Its threads hold the sandbox's namespace: they end before it does.
+        // Its threads hold the sandbox's namespace: the host's ends here,
+        // and with it the containers' queues, which ends theirs.
         let _ = self.stop.wake();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
-}
-
-/// The device of the source's new FUSE mount, once there is one.
-fn new_source(source: &Path, old_dev: Dev) -> Option<Dev> {
-    let top = fuse::top_mount_id(source).and_then(statmount::mount_summary).ok()?;
-    let dev = Dev::from(top.dev);
-    (is_fuse_type(&top.fs_type) && dev != old_dev).then_some(dev)
 }
 
 fn heal(

@@ -286,6 +286,14 @@ fn top_mount(path: &Path) -> Option<MountSummary> {
     fuse::top_mount_id(path).and_then(statmount::mount_summary).ok()
 }
 
+/// The device of a FUSE mount on top at `source` that is not the dead one
+/// on `old_dev`: the new mount of a restart, once there is one.
+fn new_fuse_mount(source: &Path, old_dev: Dev) -> Option<Dev> {
+    let top = top_mount(source)?;
+    let dev = Dev::from(top.dev);
+    (is_fuse_type(&top.fs_type) && dev != old_dev).then_some(dev)
+}
+
 /// The device of the mount on top at `path`, without a lock and without
 /// asking its FUSE daemon.
 fn top_dev(path: &Path) -> Option<Dev> {
@@ -304,11 +312,7 @@ impl Armed {
     /// targets in order up to the first that is not.
     fn observe(&mut self, woke: (Instant, SystemTime)) {
         if self.seen.appeared.is_none() {
-            let Some(top) = top_mount(&self.source) else { return };
-            let dev = Dev::from(top.dev);
-            if !is_fuse_type(&top.fs_type) || dev == self.old_dev {
-                return;
-            }
+            let Some(dev) = new_fuse_mount(&self.source, self.old_dev) else { return };
             self.seen.appeared = Some((woke.0, woke.1, dev));
         }
         let Some((_, _, dev)) = self.seen.appeared else { return };
@@ -748,7 +752,6 @@ fn run_size(options: &Options, mode: Mode, daemon: Daemon, targets: usize) -> Ve
                 hide: vec![sandbox.kubelet_root(), sandbox.runtime_root()],
                 read: PathBuf::from(DATA_FILE),
                 interval: if options.readers_wake { WAKING_READERS_INTERVAL } else { options.reader_interval },
-                settled_interval: None,
                 wake_on_mount_change: options.readers_wake,
                 propagation: options.propagation(index),
             };

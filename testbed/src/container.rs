@@ -34,11 +34,6 @@ pub struct ContainerOptions {
     pub read: PathBuf,
     /// Pause between reads.
     pub interval: Duration,
-    /// Pause between reads while the volume reads, if not `interval`: a
-    /// reader that polls fast only while its volume fails costs the node
-    /// little once it reads again, so the heal it waits for is not measured
-    /// against the readers themselves.
-    pub settled_interval: Option<Duration>,
     /// The volume's propagation in the container: `Slave` as with
     /// `mountPropagation: HostToContainer`, `Private` as with `None`.
     pub propagation: Propagation,
@@ -138,10 +133,6 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
     loop {
         let seen = observe(&file, &mount_point);
         let reads = seen.starts_with("ok");
-        let pause = match options.settled_interval {
-            Some(settled) if reads => settled,
-            _ => options.interval,
-        };
         if last.as_ref() != Some(&seen) {
             writeln!(stdout, "{} {}", unix_nanos(SystemTime::now()), seen)
                 .and_then(|()| stdout.flush())
@@ -149,8 +140,8 @@ pub fn run(options: &ContainerOptions) -> Result<(), ContainerError> {
             last = Some(seen);
         }
         match &table {
-            Some(table) if !reads => table.wait(pause).map_err(ContainerError::WatchTable)?,
-            _ => std::thread::sleep(pause),
+            Some(table) if !reads => table.wait(options.interval).map_err(ContainerError::WatchTable)?,
+            _ => std::thread::sleep(options.interval),
         }
     }
 }

@@ -132,9 +132,6 @@ enum Program {
         read: PathBuf,
         #[arg(long, default_value_t = 2)]
         interval_ms: u64,
-        /// The pause while the volume reads, if not `--interval-ms`.
-        #[arg(long)]
-        settled_interval_ms: Option<u64>,
         /// The volume private in the container (`None`), not a slave
         /// (`HostToContainer`).
         #[arg(long)]
@@ -301,23 +298,13 @@ fn run(program: Program) -> anyhow::Result<()> {
             };
             demofs::serve(&DemoFsOptions { backing, mountpoint, name, role }).map_err(Into::into)
         }
-        Program::Container {
-            volume,
-            rootfs,
-            hide,
-            read,
-            interval_ms,
-            settled_interval_ms,
-            private,
-            wake_on_mount_change,
-        } => {
+        Program::Container { volume, rootfs, hide, read, interval_ms, private, wake_on_mount_change } => {
             container::run(&ContainerOptions {
                 volume,
                 rootfs,
                 hide,
                 read,
                 interval: Duration::from_millis(interval_ms),
-                settled_interval: settled_interval_ms.map(Duration::from_millis),
                 propagation: if private { Propagation::Private } else { Propagation::Slave },
                 wake_on_mount_change,
             })

@@ -173,7 +173,6 @@ impl ContainerReader {
             hide: vec![sandbox.kubelet_root(), sandbox.runtime_root()],
             read: read.to_path_buf(),
             interval: Duration::from_millis(2),
-            settled_interval: None,
             propagation: Propagation::Slave,
             wake_on_mount_change: false,
         };
@@ -206,7 +205,6 @@ impl ContainerReader {
             .arg(&options.read)
             .arg("--interval-ms")
             .arg(options.interval.as_millis().to_string())
-            .args(options.settled_interval.map(|settled| format!("--settled-interval-ms={}", settled.as_millis())))
             .args((options.propagation == Propagation::Private).then_some("--private"))
             .args(options.wake_on_mount_change.then_some("--wake-on-mount-change"))
             .stdin(Stdio::null())
