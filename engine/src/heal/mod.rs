@@ -13,7 +13,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fuse_supervisor_sys::mount::MountAttributes;
 use fuse_supervisor_sys::{fds, mount, ns, resolve};
@@ -244,9 +244,69 @@ struct Stacking {
     attributes: Vec<Result<MountAttributes, HealError>>,
 }
 
+/// A target healed by a clone slid in beneath its stale top.
+struct SlidIn {
+    stale_unique_id: Option<u64>,
+}
+
+/// Whether the mount with unique ID `unique` is still in this namespace
+/// (an ID is never reused): true where the kernel does not say.
+fn still_attached(unique: u64) -> bool {
+    use fuse_supervisor_sys::statmount;
+    !matches!(statmount::mount_attributes(unique, statmount::Namespace::Current), Err(err) if err.kind() == std::io::ErrorKind::NotFound)
+}
+
+/// Which targets of a batch get a clone of the source slid in beneath their
+/// stale top, each taken out of its peer group here, before any stack: on
+/// a kernel that slides, every target with one stale layer but the first
+/// on each root in the source. Those first ones are stacked onto: their
+/// stack propagates to the slaves of the group, which are the copies in
+/// containers the death's search did not find (and so did not isolate),
+/// while the targets out of the group receive nothing. A slid-in target
+/// takes one mount call where a propagated copy takes three (the copy,
+/// its park, its slide), and its clone gets its own attributes.
+///
+/// A target made private keeps its slaves in the group: the kernel hands
+/// them to a peer with the same root where there is one.
+///
+/// Each slid-in target comes with its stale top's unique mount ID, where the
+/// kernel tells it: once the batch's first detach has taken the layers by
+/// propagation, asking for that ID says whether this one went too, which
+/// costs far less than resolving the target again.
+fn slid_in_directly(
+    batch: &HealBatch,
+    stale: &[Result<OwnedFd, HealError>],
+    mount_beneath: bool,
+) -> Vec<Option<SlidIn>> {
+    let mut stacked_roots = BTreeSet::new();
+    batch
+        .targets
+        .iter()
+        .zip(stale)
+        .map(|(target, stale)| {
+            let Ok(stale) = stale else { return None };
+            if !mount_beneath {
+                return None;
+            }
+            if target.layer_ids.len() != 1 || stacked_roots.insert(target.root_in_source.as_path()) {
+                stacked_roots.insert(target.root_in_source.as_path());
+                return None;
+            }
+            match mount::make_private(stale.as_fd()) {
+                Ok(()) => Some(SlidIn { stale_unique_id: resolve::unique_mount_id_of(stale.as_fd()).ok() }),
+                Err(err) => {
+                    debug!(target = %target.path.display(), err = %chain(&err), "cannot take the target out of its peer group: stacked onto instead");
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
 /// Reads each stale top's attributes (from its mount, never its dead
 /// filesystem), and takes out of the peer group, before any stack, every
-/// target whose attributes differ from the first's.
+/// stacked target (not `direct`) whose attributes differ from the first
+/// stacked one's.
 ///
 /// A stack on one target propagates a copy onto every peer still in the
 /// group, and a copy has the attributes of the mount it copies, not those
@@ -258,23 +318,36 @@ struct Stacking {
 /// own stack with its own attributes, set on the detached clone: no
 /// process ever sees any target with attributes it did not have. (Its
 /// containers' copies, isolated at the death and healed in their own
-/// namespaces, never depended on that propagation.)
-fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> Stacking {
+/// namespaces, never depended on that propagation.) A slid-in target is
+/// out of the group already, and its clone gets its own attributes.
+fn own_stacks_where_attributes_differ(
+    batch: &HealBatch,
+    prepared: Prepared,
+    direct: &[Option<SlidIn>],
+    mount_beneath: bool,
+) -> Stacking {
     let attributes: Vec<Result<MountAttributes, HealError>> = batch
         .targets
         .iter()
         .zip(&prepared.stale)
-        .map(|(target, stale)| match stale {
-            Ok(stale) => carry::attributes_of(stale.as_fd(), target.top_mount_id, None, None)
-                .map_err(|source| HealError::Attributes { path: target.path.clone(), source }),
+        .zip(direct)
+        .map(|((target, stale), direct)| match stale {
+            Ok(stale) => {
+                let unique = direct.as_ref().and_then(|direct| direct.stale_unique_id);
+                carry::attributes_of(stale.as_fd(), target.top_mount_id, unique, None)
+                    .map_err(|source| HealError::Attributes { path: target.path.clone(), source })
+            }
             Err(_) => Ok(MountAttributes::default()),
         })
         .collect();
-    let first = prepared.stale.iter().zip(&attributes).find_map(|(stale, attributes)| match (stale, attributes) {
+    let stacked = || {
+        batch.targets.iter().zip(&prepared.stale).zip(&attributes).zip(direct).filter(|(_, direct)| direct.is_none())
+    };
+    let first = stacked().find_map(|(((_, stale), attributes), _)| match (stale, attributes) {
         (Ok(_), Ok(attributes)) => Some(*attributes),
         _ => None,
     });
-    for ((target, stale), attributes) in batch.targets.iter().zip(&prepared.stale).zip(&attributes) {
+    for (((target, stale), attributes), _) in stacked() {
         let (Ok(stale), Ok(attributes), Some(first)) = (stale, attributes, first) else { continue };
         if attributes.carried() == first.carried() {
             continue;
@@ -293,8 +366,13 @@ fn own_stacks_where_attributes_differ(batch: &HealBatch, prepared: Prepared) -> 
             }
         }
     }
-    for (target, stale) in batch.targets.iter().zip(&prepared.stale) {
-        if let Ok(stale) = stale {
+    // A target slid beneath its stale layer says so when that layer is
+    // detached ([`Mounter::detach_slid`]): only where no peer's detach took
+    // it, which is where something is mounted on it.
+    for (((target, stale), _), _) in stacked() {
+        if let Ok(stale) = stale
+            && !(mount_beneath && target.layer_ids.len() == 1)
+        {
             warn_of_mounts_on_stale_layer(target, stale.as_fd());
         }
     }
@@ -706,9 +784,16 @@ impl Executor for MountExecutor {
         // (older layers under it, if any, stay under the new mount).
         let mut slid = Vec::new();
         let source_root = &batch.source.top().root;
-        let prepared = own_stacks_where_attributes_differ(batch, prepared);
-        for (index, ((target, opened), attributes)) in
-            batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).enumerate()
+        let started = Instant::now();
+        let direct = slid_in_directly(batch, &prepared.stale, self.mount_beneath);
+        let slid_in = direct.iter().flatten().count();
+        let prepared = own_stacks_where_attributes_differ(batch, prepared, &direct, self.mount_beneath);
+        let grouped = started.elapsed();
+        // The stale tops of the slid-in targets, kept to the containers'
+        // heal like the stacked ones' (see `pinned`).
+        let mut slid_in_stale = Vec::new();
+        for (index, (((target, opened), attributes), direct)) in
+            batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).zip(direct).enumerate()
         {
             if target
                 .beneath_top
@@ -726,6 +811,26 @@ impl Executor for MountExecutor {
             }
             // The stack's own: the target resolved, and the source's clone.
             reserve.release(DESCRIPTORS_PER_STACK);
+            if let (Some(direct), Ok(stale), Ok(attributes)) = (&direct, &opened, &attributes) {
+                match mounter.slide_in(target, stale.as_fd(), source, *attributes) {
+                    Ok(new_top) => {
+                        slid.push((index, new_top, direct.stale_unique_id));
+                        slid_in_stale.extend(opened.ok());
+                        let result = Ok(Healed::Stacked);
+                        outcomes.push(TargetOutcome {
+                            path: target.path.clone(),
+                            result,
+                            layers_removed: 0,
+                            flatten_error: None,
+                        });
+                        continue;
+                    }
+                    // Stacked onto instead, and flattened as a stacked target is.
+                    Err(err) => {
+                        debug!(err = %chain(&err), "cannot slide the new source in beneath the stale target; stacking onto it")
+                    }
+                }
+            }
             let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev, attributes?)?)));
             let mut flatten_error = None;
             let result = match stacked {
@@ -735,7 +840,7 @@ impl Executor for MountExecutor {
                     // propagate a copy onto this stale layer, a mount on it
                     // that would keep it from going with the others.
                     match mount::make_private(stale.as_fd()) {
-                        Ok(()) if placed == Placed::Beneath => slid.push((index, new_top)),
+                        Ok(()) if placed == Placed::Beneath => slid.push((index, new_top, None)),
                         Ok(()) => flattens.push((index, stale, new_top)),
                         Err(err) => {
                             flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
@@ -748,14 +853,15 @@ impl Executor for MountExecutor {
             outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed: 0, flatten_error });
         }
         // Containers read again from here on; the heal ends with the flatten.
+        let stacked = started.elapsed();
         debug!(targets = outcomes.len(), "stacks in place");
         // The flatten's: a flatten that runs short leaves the stale layer,
         // private by now, for the next heal's flatten to reach.
         drop(reserve);
         // A copy per stale layer (a dup each): any of them may be the only
         // one of its dead connection.
-        self.pinned =
-            LetGoOnDrop(flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok()).collect());
+        let stacked_stale = flattens.iter().filter_map(|(_, stale, _): &(_, OwnedFd, _)| stale.try_clone().ok());
+        self.pinned = LetGoOnDrop(stacked_stale.chain(slid_in_stale).collect());
         crate::stop_point::reached(crate::stop_point::STACKED);
         // Every stack before any flatten, as tests/testbed.rs shows it: the
         // containers read again once the stacks are in place, and the
@@ -787,17 +893,22 @@ impl Executor for MountExecutor {
         for (index, stale, new_top) in slides {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
             match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {
-                Ok(None) => slid.push((index, new_top)),
+                Ok(None) => slid.push((index, new_top, None)),
                 Ok(Some(removed)) => outcome.layers_removed = removed,
                 Err(err) => outcome.flatten_error = Some(err),
             }
         }
+        let slid_under = started.elapsed();
         let (slid_count, mut detaches) = (slid.len(), 0);
         if slid_count > 0 {
             crate::stop_point::reached(crate::stop_point::SLID);
         }
-        for (index, new_top) in slid {
+        for (index, new_top, stale_unique_id) in slid {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
+            if detaches > 0 && stale_unique_id.is_some_and(|unique| !still_attached(unique)) {
+                outcome.layers_removed = 1;
+                continue;
+            }
             match mounter.detach_slid(target, new_top.as_fd()) {
                 Ok(detached) => {
                     outcome.layers_removed = 1;
@@ -806,6 +917,7 @@ impl Executor for MountExecutor {
                 Err(err) => outcome.flatten_error = Some(err),
             }
         }
+        let detached = started.elapsed();
         while let Some(job) = self.pool.queue.try_next() {
             job.run(mounter, 0);
         }
@@ -817,7 +929,20 @@ impl Executor for MountExecutor {
                 Err(err) => outcome.flatten_error = Some(err),
             }
         }
-        debug!(targets = outcomes.len(), slid = slid_count, detaches, "flattened");
+        // The host heal's phases, each from the end of the one before.
+        let micros = |phase: Duration| phase.as_micros() as u64;
+        info!(
+            targets = outcomes.len(),
+            slid = slid_count,
+            slid_in,
+            detaches,
+            grouped_us = micros(grouped),
+            stacks_us = micros(stacked - grouped),
+            slides_us = micros(slid_under - stacked),
+            detaches_us = micros(detached - slid_under),
+            layered_us = micros(started.elapsed() - detached),
+            "flattened"
+        );
         outcomes
     }
 }

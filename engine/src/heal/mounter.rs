@@ -193,6 +193,33 @@ impl Mounter {
             carry_onto_copy(target, fd.as_fd(), top, attributes)?;
             return Ok((Healed::Propagated, fd, Placed::OnTop));
         }
+        let clone = self.clone_for(target, source, attributes)?;
+        // Attached, the clone's fd is a handle on the target's new mount.
+        match mount::move_mount(clone.as_fd(), fd.as_fd()) {
+            Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),
+            // The stale layer's root directory is out of its filesystem's
+            // tree (a subPath directory removed since it was bound, or its
+            // dentry invalidated by a lookup through FUSE): the kernel mounts
+            // nothing on an unhashed dentry, but the new source can go under
+            // the stale layer, on the target's own directory.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                mount::move_mount_beneath(clone.as_fd(), fd.as_fd())
+                    .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
+                debug!(target = %target.path.display(), "its stale root is out of its filesystem's tree: the new source slid beneath it");
+                Ok((Healed::Stacked, clone, Placed::Beneath))
+            }
+            Err(err) => Err(HealError::mount("stack onto target", &target.path)(err)),
+        }
+    }
+
+    /// A detached clone of the source's root for `target`, given the stale
+    /// top's `attributes`.
+    fn clone_for(
+        &self,
+        target: &TargetHeal,
+        source: &SourceHandles,
+        attributes: MountAttributes,
+    ) -> Result<OwnedFd, HealError> {
         let from = match source.for_root(&target.root_in_source) {
             Some(Ok(from)) => from,
             // A symlink, another mount, or gone: only the targets on this root fail.
@@ -213,22 +240,25 @@ impl Mounter {
         if idmapped {
             warn!(target = %target.path.display(), "the stale layer was idmapped: its new mount is not (the mapping's user namespace cannot be had from the mount)");
         }
-        // Attached, the clone's fd is a handle on the target's new mount.
-        match mount::move_mount(clone.as_fd(), fd.as_fd()) {
-            Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),
-            // The stale layer's root directory is out of its filesystem's
-            // tree (a subPath directory removed since it was bound, or its
-            // dentry invalidated by a lookup through FUSE): the kernel mounts
-            // nothing on an unhashed dentry, but the new source can go under
-            // the stale layer, on the target's own directory.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                mount::move_mount_beneath(clone.as_fd(), fd.as_fd())
-                    .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
-                debug!(target = %target.path.display(), "its stale root is out of its filesystem's tree: the new source slid beneath it");
-                Ok((Healed::Stacked, clone, Placed::Beneath))
-            }
-            Err(err) => Err(HealError::mount("stack onto target", &target.path)(err)),
-        }
+        Ok(clone)
+    }
+
+    /// Slides a clone of the source, with the stale top's `attributes`,
+    /// beneath the target's stale top `stale` (private, so nothing
+    /// propagates from it): the target's final tree is in place, and only
+    /// the stale layer's detach ([`Mounter::detach_slid`]) is left. Returns
+    /// a handle on the new mount.
+    pub(super) fn slide_in(
+        &self,
+        target: &TargetHeal,
+        stale: BorrowedFd<'_>,
+        source: &SourceHandles,
+        attributes: MountAttributes,
+    ) -> Result<OwnedFd, HealError> {
+        let clone = self.clone_for(target, source, attributes)?;
+        mount::move_mount_beneath(clone.as_fd(), stale)
+            .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
+        Ok(clone)
     }
 
     /// Leaves one layer: parks the new top, removes every stale layer that
@@ -335,6 +365,9 @@ impl Mounter {
         if top != target.top_mount_id {
             return Err(HealError::Changed { path: target.path.clone(), planned: target.top_mount_id, found: top });
         }
+        // A layer no peer's detach reached: mounts on it keep the kernel
+        // from taking it by propagation, and go with it now.
+        super::warn_of_mounts_on_stale_layer(target, fd.as_fd());
         mount::detach_top(fd.as_fd()).map(|()| true).map_err(HealError::mount("remove stale layer", &target.path))
     }
 
