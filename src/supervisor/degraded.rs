@@ -280,7 +280,8 @@ impl<E: Executor> Supervisor<E> {
     /// planned tops (a held mount cannot be freed, so its ID is not reused
     /// while held): a heal after a seen death opens none of them again.
     pub(super) fn prepare_heal(&self, batch: &HealBatch) -> Prepared {
-        let held = batch
+        let started = Instant::now();
+        let held: Vec<Option<_>> = batch
             .targets
             .iter()
             .map(|target| {
@@ -293,7 +294,15 @@ impl<E: Executor> Supervisor<E> {
                 held.fd.try_clone().ok()
             })
             .collect();
-        self.executor.prepare(batch, held)
+        let already = held.iter().flatten().count();
+        let prepared = self.executor.prepare(batch, held);
+        debug!(
+            targets = batch.targets.len(),
+            held = already,
+            took_us = started.elapsed().as_micros() as u64,
+            "stale layers opened for the heal"
+        );
+        prepared
     }
 
     /// Makes the dead connection's mounts in containers private (see

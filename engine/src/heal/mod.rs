@@ -785,6 +785,16 @@ impl Executor for MountExecutor {
         let mut slid = Vec::new();
         let source_root = &batch.source.top().root;
         let started = Instant::now();
+        // What every clone of the source has before it is given the stale
+        // top's attributes.
+        let source_has = resolve::unique_mount_id_of(source.root.as_fd())
+            .and_then(|unique| {
+                fuse_supervisor_sys::statmount::mount_attributes(
+                    unique,
+                    fuse_supervisor_sys::statmount::Namespace::Current,
+                )
+            })
+            .ok();
         let direct = slid_in_directly(batch, &prepared.stale, self.mount_beneath);
         let slid_in = direct.iter().flatten().count();
         let prepared = own_stacks_where_attributes_differ(batch, prepared, &direct, self.mount_beneath);
@@ -812,7 +822,7 @@ impl Executor for MountExecutor {
             // The stack's own: the target resolved, and the source's clone.
             reserve.release(DESCRIPTORS_PER_STACK);
             if let (Some(direct), Ok(stale), Ok(attributes)) = (&direct, &opened, &attributes) {
-                match mounter.slide_in(target, stale.as_fd(), source, *attributes) {
+                match mounter.slide_in(target, stale.as_fd(), source, *attributes, source_has) {
                     Ok(new_top) => {
                         slid.push((index, new_top, direct.stale_unique_id));
                         slid_in_stale.extend(opened.ok());
@@ -831,7 +841,8 @@ impl Executor for MountExecutor {
                     }
                 }
             }
-            let stacked = opened.and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev, attributes?)?)));
+            let stacked = opened
+                .and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev, attributes?, source_has)?)));
             let mut flatten_error = None;
             let result = match stacked {
                 Ok((stale, (how, new_top, placed))) => {

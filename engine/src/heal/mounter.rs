@@ -178,6 +178,7 @@ impl Mounter {
         source: &SourceHandles,
         source_dev: Dev,
         attributes: MountAttributes,
+        source_has: Option<MountAttributes>,
     ) -> Result<(Healed, OwnedFd, Placed), HealError> {
         let (fd, top, dev) = self.resolve_mount(&target.path)?;
         if let Err(changed) = planned_top(target, top, dev) {
@@ -193,7 +194,7 @@ impl Mounter {
             carry_onto_copy(target, fd.as_fd(), top, attributes)?;
             return Ok((Healed::Propagated, fd, Placed::OnTop));
         }
-        let clone = self.clone_for(target, source, attributes)?;
+        let clone = self.clone_for(target, source, attributes, source_has)?;
         // Attached, the clone's fd is a handle on the target's new mount.
         match mount::move_mount(clone.as_fd(), fd.as_fd()) {
             Ok(()) => Ok((Healed::Stacked, clone, Placed::OnTop)),
@@ -213,12 +214,15 @@ impl Mounter {
     }
 
     /// A detached clone of the source's root for `target`, given the stale
-    /// top's `attributes`.
+    /// top's `attributes`. A clone has its source's attributes
+    /// (`source_has`, where known): it is given the stale top's only where
+    /// they differ.
     fn clone_for(
         &self,
         target: &TargetHeal,
         source: &SourceHandles,
         attributes: MountAttributes,
+        source_has: Option<MountAttributes>,
     ) -> Result<OwnedFd, HealError> {
         let from = match source.for_root(&target.root_in_source) {
             Some(Ok(from)) => from,
@@ -235,6 +239,9 @@ impl Mounter {
             }
         };
         let clone = mount::clone_mount(from.as_fd()).map_err(HealError::mount("clone source", &target.path))?;
+        if source_has.is_some_and(|has| has == attributes && !attributes.contains(MountAttributes::IDMAP)) {
+            return Ok(clone);
+        }
         let idmapped = carry::give_attributes(clone.as_fd(), attributes, None)
             .map_err(HealError::mount("give the clone the stale layer's attributes", &target.path))?;
         if idmapped {
@@ -254,8 +261,9 @@ impl Mounter {
         stale: BorrowedFd<'_>,
         source: &SourceHandles,
         attributes: MountAttributes,
+        source_has: Option<MountAttributes>,
     ) -> Result<OwnedFd, HealError> {
-        let clone = self.clone_for(target, source, attributes)?;
+        let clone = self.clone_for(target, source, attributes, source_has)?;
         mount::move_mount_beneath(clone.as_fd(), stale)
             .map_err(HealError::mount("slide the new source beneath the stale target", &target.path))?;
         Ok(clone)
