@@ -276,22 +276,24 @@ impl<E: Executor> Supervisor<E> {
     }
 
     /// What the executor can do for `batch` before its source answers, given
-    /// copies of the handles held on its targets that are still their
-    /// planned tops (a held mount cannot be freed, so its ID is not reused
-    /// while held): a heal after a seen death opens none of them again.
-    pub(super) fn prepare_heal(&self, batch: &HealBatch) -> Prepared {
+    /// the handles held on its targets that are still their planned tops (a
+    /// held mount cannot be freed, so its ID is not reused while held): a
+    /// heal after a seen death opens none of them again. They are handed
+    /// over, not copied: a copy each would take a second descriptor per
+    /// target, which a node's 10,000 targets can run out of. A heal that
+    /// does not happen opens its targets again by path; no new mount covers
+    /// a target a batch is planned for.
+    pub(super) fn prepare_heal(&mut self, batch: &HealBatch) -> Prepared {
         let started = Instant::now();
         let held: Vec<Option<_>> = batch
             .targets
             .iter()
             .map(|target| {
-                let held = self
-                    .records
-                    .get(&target.path)?
-                    .held
-                    .as_ref()
-                    .filter(|held| held.mount_id == target.top_mount_id)?;
-                held.fd.try_clone().ok()
+                let record = self.records.get_mut(&target.path)?;
+                if record.held.as_ref()?.mount_id != target.top_mount_id {
+                    return None;
+                }
+                record.held.take().map(|held| held.fd)
             })
             .collect();
         let already = held.iter().flatten().count();

@@ -254,6 +254,13 @@ impl<E: Executor> Supervisor<E> {
                 (batch, prepared)
             }
         };
+        // Not prepared ahead: the handles held since the death are handed
+        // over here, so the executor opens only what no one holds.
+        let holds = |path: &Path| self.records.get(path).is_some_and(|record| record.held.is_some());
+        let prepared = match prepared.is_empty() && batch.targets.iter().any(|target| holds(&target.path)) {
+            true => self.prepare_heal(&batch),
+            false => prepared,
+        };
         // The pod of a target may have been deleted since it was planned
         // (the executor prepares again what no longer fits the batch).
         batch.targets.retain(|target| !self.in_back_off(&target.path) && self.journal.get(&target.path).is_some());

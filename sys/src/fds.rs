@@ -9,11 +9,21 @@ use std::os::fd::AsFd;
 use rustix::fs::{Mode, OFlags};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 
-/// Raises the soft limit on open files to the hard limit (container
-/// runtimes often start processes at 1024) and returns the new soft limit;
-/// None means unlimited.
+/// Raises the limit on open files as far as the process may: both limits to
+/// the kernel's ceiling (`fs.nr_open`) where it can raise the hard limit (a
+/// privileged agent can: a heal holds a descriptor or more per target, and a
+/// dense node's volume has 10,000), else the soft limit to the hard one
+/// (container runtimes often start processes at 1024). Returns the new soft
+/// limit; None means unlimited.
 pub fn raise_open_file_limit() -> io::Result<Option<u64>> {
     let limit = getrlimit(Resource::Nofile);
+    let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|text| text.trim().parse::<u64>().ok());
+    if let (Some(ceiling), Some(maximum)) = (ceiling, limit.maximum)
+        && ceiling > maximum
+        && setrlimit(Resource::Nofile, Rlimit { current: Some(ceiling), maximum: Some(ceiling) }).is_ok()
+    {
+        return Ok(Some(ceiling));
+    }
     if limit.current != limit.maximum {
         setrlimit(Resource::Nofile, Rlimit { current: limit.maximum, maximum: limit.maximum })?;
     }

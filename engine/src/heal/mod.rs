@@ -249,6 +249,12 @@ struct SlidIn {
     stale_unique_id: Option<u64>,
 }
 
+/// The mount ID of a target's new top, which a slide put under its stale
+/// layer.
+fn new_top_id(target: &TargetHeal, new_top: std::os::fd::BorrowedFd<'_>) -> Result<u32, HealError> {
+    resolve::mount_id_of(new_top).map_err(|source| HealError::Resolve { path: target.path.clone(), source })
+}
+
 /// Whether the mount with unique ID `unique` is still in this namespace
 /// (an ID is never reused): true where the kernel does not say.
 fn still_attached(unique: u64) -> bool {
@@ -278,20 +284,13 @@ fn slid_in_directly(
     stale: &[Result<OwnedFd, HealError>],
     mount_beneath: bool,
 ) -> Vec<Option<SlidIn>> {
-    let mut stacked_roots = BTreeSet::new();
     batch
         .targets
         .iter()
         .zip(stale)
-        .map(|(target, stale)| {
-            let Ok(stale) = stale else { return None };
-            if !mount_beneath {
-                return None;
-            }
-            if target.layer_ids.len() != 1 || stacked_roots.insert(target.root_in_source.as_path()) {
-                stacked_roots.insert(target.root_in_source.as_path());
-                return None;
-            }
+        .zip(to_slide_in(batch, stale, mount_beneath))
+        .map(|((target, stale), slides_in)| {
+            let (Ok(stale), true) = (stale, slides_in) else { return None };
             match mount::make_private(stale.as_fd()) {
                 Ok(()) => Some(SlidIn { stale_unique_id: resolve::unique_mount_id_of(stale.as_fd()).ok() }),
                 Err(err) => {
@@ -299,6 +298,23 @@ fn slid_in_directly(
                     None
                 }
             }
+        })
+        .collect()
+}
+
+/// Which targets [`slid_in_directly`] slides in, before anything is changed.
+fn to_slide_in(batch: &HealBatch, stale: &[Result<OwnedFd, HealError>], mount_beneath: bool) -> Vec<bool> {
+    let mut stacked_roots = BTreeSet::new();
+    batch
+        .targets
+        .iter()
+        .zip(stale)
+        .map(|(target, stale)| {
+            if stale.is_err() || !mount_beneath {
+                return false;
+            }
+            let first_on_root = stacked_roots.insert(target.root_in_source.as_path());
+            target.layer_ids.len() == 1 && !first_on_root
         })
         .collect()
 }
@@ -551,9 +567,14 @@ impl MountExecutor {
     /// handle or a copy could not be had for want of descriptors, nothing
     /// is mounted and every target of the batch fails with
     /// [`HealError::Descriptors`], retried with the usual back-off.
+    /// A target slid in keeps no descriptor of its own beyond its stale
+    /// handle: its clone is closed once attached, one at a time.
     fn reserve_descriptors(&self, batch: &HealBatch, prepared: &Prepared) -> Result<Reserve, Vec<TargetOutcome>> {
         let targets = batch.targets.len();
-        let needed = targets * (DESCRIPTORS_PER_STACK + 1)
+        let slid_in = to_slide_in(batch, &prepared.stale, self.mount_beneath).into_iter().filter(|slides| *slides);
+        let slid_in = slid_in.count();
+        let needed = (targets - slid_in) * (DESCRIPTORS_PER_STACK + 1)
+            + usize::from(slid_in > 0) * DESCRIPTORS_PER_STACK
             + FLATTEN_THREADS * DESCRIPTORS_PER_FLATTEN_THREAD
             + DESCRIPTORS_SPARE;
         let mut reserve = Reserve(Vec::with_capacity(needed));
@@ -769,7 +790,14 @@ impl Executor for MountExecutor {
         let mounter = &*self.mounter;
         let source_dev = batch.source.top().dev;
         // Handles on every stale top, taken before the first stack covers them.
-        let prepared = if prepared.fits(batch.targets.len()) { prepared } else { self.prepare(batch, Vec::new()) };
+        // (Those prepared for another batch are let go first: they may be as
+        // many as the process can open.)
+        let prepared = if prepared.fits(batch.targets.len()) {
+            prepared
+        } else {
+            drop(prepared);
+            self.prepare(batch, Vec::new())
+        };
         // And every descriptor the stacks will open, before the first: a
         // stack that ran out half-way would leave the targets after it
         // reached by the first ones' propagation while their stale layers
@@ -802,6 +830,7 @@ impl Executor for MountExecutor {
         // The stale tops of the slid-in targets, kept to the containers'
         // heal like the stacked ones' (see `pinned`).
         let mut slid_in_stale = Vec::new();
+        let mut clone_room = false;
         for (index, (((target, opened), attributes), direct)) in
             batch.targets.iter().zip(prepared.stale).zip(prepared.attributes).zip(direct).enumerate()
         {
@@ -819,12 +848,17 @@ impl Executor for MountExecutor {
                 outcomes.push(TargetOutcome { path: target.path.clone(), result, layers_removed, flatten_error: None });
                 continue;
             }
-            // The stack's own: the target resolved, and the source's clone.
-            reserve.release(DESCRIPTORS_PER_STACK);
             if let (Some(direct), Ok(stale), Ok(attributes)) = (&direct, &opened, &attributes) {
+                // Room for one clone, closed before the next is made.
+                if !clone_room {
+                    reserve.release(DESCRIPTORS_PER_STACK);
+                    clone_room = true;
+                }
                 match mounter.slide_in(target, stale.as_fd(), source, *attributes, source_has) {
                     Ok(new_top) => {
-                        slid.push((index, new_top, direct.stale_unique_id));
+                        // Its mount ID is all the detach needs of it: the
+                        // clone's descriptor goes.
+                        slid.push((index, new_top_id(target, new_top.as_fd()), direct.stale_unique_id));
                         slid_in_stale.extend(opened.ok());
                         let result = Ok(Healed::Stacked);
                         outcomes.push(TargetOutcome {
@@ -835,11 +869,16 @@ impl Executor for MountExecutor {
                         });
                         continue;
                     }
-                    // Stacked onto instead, and flattened as a stacked target is.
+                    // Stacked onto instead, and flattened as a stacked target is
+                    // (with the clone's room, or what is spare).
                     Err(err) => {
                         debug!(err = %chain(&err), "cannot slide the new source in beneath the stale target; stacking onto it")
                     }
                 }
+            }
+            // The stack's own: the target resolved, and the source's clone.
+            if direct.is_none() {
+                reserve.release(DESCRIPTORS_PER_STACK);
             }
             let stacked = opened
                 .and_then(|stale| Ok((stale, mounter.stack(target, source, source_dev, attributes?, source_has)?)));
@@ -851,7 +890,9 @@ impl Executor for MountExecutor {
                     // propagate a copy onto this stale layer, a mount on it
                     // that would keep it from going with the others.
                     match mount::make_private(stale.as_fd()) {
-                        Ok(()) if placed == Placed::Beneath => slid.push((index, new_top, None)),
+                        Ok(()) if placed == Placed::Beneath => {
+                            slid.push((index, new_top_id(target, new_top.as_fd()), None))
+                        }
                         Ok(()) => flattens.push((index, stale, new_top)),
                         Err(err) => {
                             flatten_error = Some(HealError::mount("make stale layer private", &target.path)(err));
@@ -904,7 +945,7 @@ impl Executor for MountExecutor {
         for (index, stale, new_top) in slides {
             let (Some(target), Some(outcome)) = (batch.targets.get(index), outcomes.get_mut(index)) else { continue };
             match mounter.slide_beneath(target, stale.as_fd(), new_top.as_fd()) {
-                Ok(None) => slid.push((index, new_top, None)),
+                Ok(None) => slid.push((index, new_top_id(target, new_top.as_fd()), None)),
                 Ok(Some(removed)) => outcome.layers_removed = removed,
                 Err(err) => outcome.flatten_error = Some(err),
             }
@@ -920,7 +961,7 @@ impl Executor for MountExecutor {
                 outcome.layers_removed = 1;
                 continue;
             }
-            match mounter.detach_slid(target, new_top.as_fd()) {
+            match new_top.and_then(|new_top| mounter.detach_slid(target, new_top)) {
                 Ok(detached) => {
                     outcome.layers_removed = 1;
                     detaches += usize::from(detached);

@@ -353,7 +353,8 @@ impl Mounter {
         }
     }
 
-    /// Removes the stale layer a slide left on top of `new_top`, unless an
+    /// Removes the stale layer a slide left on top of the new top (mount
+    /// `new_id`), unless an
     /// earlier detach took it: a detach propagates to the same place on
     /// every peer of the detached mount's parent, so the first detach of a
     /// batch takes the stale layers of all the targets slid onto new tops
@@ -363,9 +364,7 @@ impl Mounter {
     /// unique), and the kernel leaves a layer with mounts of its own on it
     /// (a copy a stack propagated there) for this function to detach.
     /// Returns whether it detached the layer itself.
-    pub(super) fn detach_slid(&self, target: &TargetHeal, new_top: BorrowedFd<'_>) -> Result<bool, HealError> {
-        let resolve_error = |source| HealError::Resolve { path: target.path.clone(), source };
-        let new_id = resolve::mount_id_of(new_top).map_err(resolve_error)?;
+    pub(super) fn detach_slid(&self, target: &TargetHeal, new_id: u32) -> Result<bool, HealError> {
         let (fd, top) = self.resolve_target(&target.path)?;
         if top == new_id {
             return Ok(false);
