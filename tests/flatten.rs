@@ -42,10 +42,7 @@ enum Kernel {
 fn flattens_every_target_to_one_layer(kernel: Kernel, flattened: &str) {
     let sandbox = Sandbox::new().unwrap();
     let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "data").unwrap();
-    let volumes: Vec<PathBuf> =
-        (0..20).map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod}"), "pv").unwrap()).collect();
-    let subpaths: Vec<PathBuf> =
-        (0..3).map(|pod| source.bind_subpath(&sandbox, &format!("pod-sub-{pod}"), "pv").unwrap()).collect();
+    let (volumes, subpaths) = bind_pods(&sandbox, &source, 20, 3);
     let baseline = sandbox.count_mounts_under(&sandbox.kubelet_root());
     let log = CapturedLogs::default();
     let outcomes = restart_and_heal_in_one_batch(&sandbox, &mut source, kernel, &log);
@@ -79,6 +76,15 @@ fn flattens_every_target_to_one_layer(kernel: Kernel, flattened: &str) {
     });
     assert_eq!(data.unwrap(), source.expected_content());
     assert!(inner.unwrap().contains(SUBDIR), "the subPath target shows its subdirectory");
+}
+
+/// Binds `source` into `volumes` pods' whole-volume targets and `subpaths`
+/// pods' subPath targets, and returns the two lists.
+fn bind_pods(sandbox: &Sandbox, source: &FuseSource, volumes: usize, subpaths: usize) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let volumes = (0..volumes).map(|pod| source.bind_volume(sandbox, &format!("pod-{pod}"), "pv").unwrap()).collect();
+    let subpaths =
+        (0..subpaths).map(|pod| source.bind_subpath(sandbox, &format!("pod-sub-{pod}"), "pv").unwrap()).collect();
+    (volumes, subpaths)
 }
 
 /// Learns `source`'s targets, restarts its daemon, plans, and heals the one
@@ -131,10 +137,7 @@ fn containers_nobody_isolated_read_again_through_the_first_stack_on_their_root()
     for kernel in [Kernel::SlidesBeneath, Kernel::CannotSlide] {
         let sandbox = Sandbox::new().unwrap();
         let mut source = FuseSource::start(&sandbox, Daemon::Bindfs, "data").unwrap();
-        let volumes: Vec<PathBuf> =
-            (0..4).map(|pod| source.bind_volume(&sandbox, &format!("pod-{pod}"), "pv").unwrap()).collect();
-        let subpaths: Vec<PathBuf> =
-            (0..3).map(|pod| source.bind_subpath(&sandbox, &format!("pod-sub-{pod}"), "pv").unwrap()).collect();
+        let (volumes, subpaths) = bind_pods(&sandbox, &source, 4, 3);
         let readers = [
             ContainerReader::spawn(&sandbox, "volume", &volumes[2], Path::new(DATA_FILE)).unwrap(),
             ContainerReader::spawn(&sandbox, "subpath", &subpaths[1], Path::new(SUBDIR_FILE)).unwrap(),

@@ -282,15 +282,15 @@ fn still_attached(unique: u64) -> bool {
 fn slid_in_directly(
     batch: &HealBatch,
     stale: &[Result<OwnedFd, HealError>],
-    mount_beneath: bool,
+    slides_in: &[bool],
 ) -> Vec<Option<SlidIn>> {
     batch
         .targets
         .iter()
         .zip(stale)
-        .zip(to_slide_in(batch, stale, mount_beneath))
+        .zip(slides_in)
         .map(|((target, stale), slides_in)| {
-            let (Ok(stale), true) = (stale, slides_in) else { return None };
+            let (Ok(stale), true) = (stale, *slides_in) else { return None };
             match mount::make_private(stale.as_fd()) {
                 Ok(()) => Some(SlidIn { stale_unique_id: resolve::unique_mount_id_of(stale.as_fd()).ok() }),
                 Err(err) => {
@@ -302,7 +302,8 @@ fn slid_in_directly(
         .collect()
 }
 
-/// Which targets [`slid_in_directly`] slides in, before anything is changed.
+/// Which targets [`slid_in_directly`] slides in, decided before anything is
+/// changed (the descriptors a heal reserves depend on it).
 fn to_slide_in(batch: &HealBatch, stale: &[Result<OwnedFd, HealError>], mount_beneath: bool) -> Vec<bool> {
     let mut stacked_roots = BTreeSet::new();
     batch
@@ -569,10 +570,14 @@ impl MountExecutor {
     /// [`HealError::Descriptors`], retried with the usual back-off.
     /// A target slid in keeps no descriptor of its own beyond its stale
     /// handle: its clone is closed once attached, one at a time.
-    fn reserve_descriptors(&self, batch: &HealBatch, prepared: &Prepared) -> Result<Reserve, Vec<TargetOutcome>> {
+    fn reserve_descriptors(
+        &self,
+        batch: &HealBatch,
+        prepared: &Prepared,
+        slides_in: &[bool],
+    ) -> Result<Reserve, Vec<TargetOutcome>> {
         let targets = batch.targets.len();
-        let slid_in = to_slide_in(batch, &prepared.stale, self.mount_beneath).into_iter().filter(|slides| *slides);
-        let slid_in = slid_in.count();
+        let slid_in = slides_in.iter().filter(|slides| **slides).count();
         let needed = (targets - slid_in) * (DESCRIPTORS_PER_STACK + 1)
             + usize::from(slid_in > 0) * DESCRIPTORS_PER_STACK
             + FLATTEN_THREADS * DESCRIPTORS_PER_FLATTEN_THREAD
@@ -802,7 +807,8 @@ impl Executor for MountExecutor {
         // stack that ran out half-way would leave the targets after it
         // reached by the first ones' propagation while their stale layers
         // are still shared, beyond any flatten's reach.
-        let mut reserve = match self.reserve_descriptors(batch, &prepared) {
+        let slides_in = to_slide_in(batch, &prepared.stale, self.mount_beneath);
+        let mut reserve = match self.reserve_descriptors(batch, &prepared, &slides_in) {
             Ok(reserve) => reserve,
             Err(shortage) => return shortage,
         };
@@ -815,15 +821,8 @@ impl Executor for MountExecutor {
         let started = Instant::now();
         // What every clone of the source has before it is given the stale
         // top's attributes.
-        let source_has = resolve::unique_mount_id_of(source.root.as_fd())
-            .and_then(|unique| {
-                fuse_supervisor_sys::statmount::mount_attributes(
-                    unique,
-                    fuse_supervisor_sys::statmount::Namespace::Current,
-                )
-            })
-            .ok();
-        let direct = slid_in_directly(batch, &prepared.stale, self.mount_beneath);
+        let source_has = carry::attributes_of(source.root.as_fd(), batch.source.top().mount_id, None, None).ok();
+        let direct = slid_in_directly(batch, &prepared.stale, &slides_in);
         let slid_in = direct.iter().flatten().count();
         let prepared = own_stacks_where_attributes_differ(batch, prepared, &direct, self.mount_beneath);
         let grouped = started.elapsed();

@@ -354,11 +354,11 @@ impl Mounter {
     }
 
     /// Removes the stale layer a slide left on top of the new top (mount
-    /// `new_id`), unless an
-    /// earlier detach took it: a detach propagates to the same place on
-    /// every peer of the detached mount's parent, so the first detach of a
-    /// batch takes the stale layers of all the targets slid onto new tops
-    /// with the same root, in one RCU grace period. Nothing else is mounted
+    /// `new_id`), unless an earlier detach took it: a detach propagates to
+    /// the same place on every peer of the detached mount's parent, so the
+    /// first detach of a batch takes the stale layers of all the targets
+    /// slid onto new tops with the same root, in one RCU grace period.
+    /// Nothing else is mounted
     /// on the root of a peer of the source (the global mount, its copies in
     /// pods, their slaves in containers, whose mount paths Kubernetes keeps
     /// unique), and the kernel leaves a layer with mounts of its own on it
