@@ -202,7 +202,7 @@ impl<E: Executor> Supervisor<E> {
             .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
             .map(|(path, _)| path.clone())
             .collect();
-        targets.sort_unstable();
+        targets.sort_unstable_by(|a, b| a.as_os_str().cmp(b.as_os_str()));
         targets
     }
 
@@ -420,7 +420,7 @@ impl<E: Executor> Supervisor<E> {
     /// Targets healed by propagation over a held stale layer: the layer is
     /// removed through its handle.
     fn flatten_covered(&mut self, classified: &Classified) {
-        let covered: Vec<(TargetHeal, PathBuf)> = self
+        let mut covered: Vec<(TargetHeal, PathBuf)> = self
             .records
             .iter()
             .filter_map(|(path, record)| Some((path, record.held.as_ref()?)))
@@ -433,6 +433,8 @@ impl<E: Executor> Supervisor<E> {
                     .then(|| (TargetHeal::of(path, target, mapping), mapping.source.clone()))
             })
             .collect();
+        // In the same order from run to run, as they are logged.
+        covered.sort_unstable_by(|a, b| a.0.path.as_os_str().cmp(b.0.path.as_os_str()));
         let mut containers_of = BTreeSet::new();
         for (heal, source) in covered {
             let Some(held) = self.update_record(&heal.path, |record| record.held.take()) else { continue };

@@ -4,7 +4,7 @@
 //! The loop thread joins the watched mount namespace and does all mounting
 //! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
 //! calls never reach the daemon). Probes, which do, run on worker threads.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -197,7 +197,10 @@ enum Event {
 struct Supervisor<E: Executor> {
     layout: Layout,
     journal: Journal,
-    records: BTreeMap<PathBuf, TargetRecord>,
+    /// A hash map, like the journal's: a heal looks up each of its targets
+    /// several times, and an ordered map's component-by-component path
+    /// comparisons were a fifth of the loop's CPU at 10,000 targets.
+    records: HashMap<PathBuf, TargetRecord>,
     /// The mount table of the watched namespace.
     reader: Box<dyn TableSource>,
     prober: Prober,

@@ -1,6 +1,6 @@
 //! Start-up: the threads and watchers `run` wires together, and the
 //! loop's own construction.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
@@ -352,7 +352,7 @@ impl<E: Executor> Supervisor<E> {
         Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load_or_set_aside(&config.state_dir),
-            records: BTreeMap::new(),
+            records: HashMap::new(),
             reader,
             prober: Prober::new(config.probe_timeout, config.heal_priority),
             heal_window: HealWindow::new(config.heal_priority, heal_activity),

@@ -10,6 +10,7 @@ pub mod locate;
 pub mod scan;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use tracing::info;
@@ -230,9 +231,10 @@ impl TargetHeal {
     }
 
     /// Whole-volume targets first: one stack on one of them propagates to
-    /// every other root-level peer.
-    fn order_key(&self) -> (bool, bool, &Path) {
-        (!self.root_in_source.as_os_str().is_empty(), self.kind == TargetKind::Subpath, &self.path)
+    /// every other root-level peer. Then by the path's bytes, which sort as
+    /// well and several times faster than its components.
+    fn order_key(&self) -> (bool, bool, &OsStr) {
+        (!self.root_in_source.as_os_str().is_empty(), self.kind == TargetKind::Subpath, self.path.as_os_str())
     }
 }
 
@@ -267,7 +269,7 @@ pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &BTree
         }
     }
     for batch in &mut batches {
-        batch.targets.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
+        batch.targets.sort_unstable_by(|a, b| a.order_key().cmp(&b.order_key()));
     }
     batches
 }
