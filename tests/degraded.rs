@@ -3,14 +3,18 @@
 //! back, with both process watchers; the heal then reports the outage from
 //! the death; a connection kept open by another process is aborted so that
 //! a hung reader gets an error; a daemon that hands its connection to a
-//! process the supervisor had not seen is not taken for dead. Real daemons
-//! in private mount namespaces; needs root and /dev/fuse.
-use std::os::fd::OwnedFd;
+//! process the supervisor had not seen is not taken for dead; a freed
+//! connection number goes to the next connection with another `fusectl`
+//! directory (what a connection's identity stands on). Real daemons in
+//! private mount namespaces; needs root and /dev/fuse.
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_sys::mount;
+use fuse_supervisor_engine::heal::connection_inode;
+use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::pidfd::PidFd;
+use fuse_supervisor_sys::{fuse, mount};
 use fuse_supervisor_testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, ScenarioError, SupervisorProcess, wait_for,
 };
@@ -532,4 +536,59 @@ fn a_restart_that_beats_the_detach_keeps_its_new_mount() {
         // Its death is seen once the new daemon is found.
         world.supervisor().wait_for_lines(TIMEOUT, mark, 1, message_is("watching the FUSE daemon")).expect("watched");
     }
+}
+
+/// The kernel's behaviour a connection's identity stands on: once a FUSE
+/// connection's superblock is gone, its number goes to the next connection
+/// made (a pod's own daemon, anywhere on the node), and that connection's
+/// `fusectl` directory is another one (a new inode). So the supervisor keys
+/// a connection by both: a discovery of the number that ran after the reuse
+/// would otherwise take the new connection's holders for the old one's.
+#[test]
+fn a_freed_connection_number_goes_to_the_next_connection_with_another_fusectl_directory() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let root = sandbox.root().to_path_buf();
+    let outcome = sandbox.run(move || -> std::io::Result<Option<(String, u64, u64)>> {
+        let (fusectl, first, second) = (root.join("fusectl"), root.join("first"), root.join("second"));
+        for dir in [&fusectl, &first, &second] {
+            std::fs::create_dir_all(dir)?;
+        }
+        mount::mount_fusectl(&fusectl)?;
+        // A connection with no daemon: the mount alone makes it, and no
+        // call here asks its filesystem anything. This thread is in the
+        // sandbox's namespace, not the process: thread-self's table.
+        let connect = |at: &Path| -> std::io::Result<(OwnedFd, Dev)> {
+            let device = fuse::open_device()?;
+            fuse::mount(device.as_fd(), at, "identity", "identity")?;
+            let table = std::fs::read_to_string("/proc/thread-self/mountinfo")?;
+            let dev = Snapshot::parse(table.as_bytes())
+                .ok()
+                .and_then(|snapshot| snapshot.fuse_mounts.into_iter().find(|mount| mount.mount_point == at))
+                .map(|mount| mount.dev)
+                .ok_or_else(|| {
+                    std::io::Error::other(format!("the FUSE mount at {} is not in the table", at.display()))
+                })?;
+            Ok((device, dev))
+        };
+        // Other tests of this binary make mounts meanwhile and may take the
+        // number first: a few tries.
+        for _ in 0..20 {
+            let (device, old) = connect(&first)?;
+            let old_inode = connection_inode(&fusectl, old).ok_or_else(|| std::io::Error::other("no fusectl entry"))?;
+            mount::unmount(&first)?;
+            drop(device);
+            let (device, new) = connect(&second)?;
+            let new_inode = connection_inode(&fusectl, new);
+            mount::unmount(&second)?;
+            drop(device);
+            if new == old {
+                let new_inode = new_inode.ok_or_else(|| std::io::Error::other("no fusectl entry"))?;
+                return Ok(Some((new.to_string(), old_inode, new_inode)));
+            }
+        }
+        Ok(None)
+    });
+    let (number, old_inode, new_inode) =
+        outcome.expect("FUSE mounts in the sandbox").expect("the freed number came back in 20 tries");
+    assert_ne!(old_inode, new_inode, "connection {number}: the same fusectl directory for two connections");
 }

@@ -99,8 +99,10 @@ impl Isolations {
 }
 
 /// The inode of the `fusectl` directory of the connection numbered `dev`,
-/// named by the kernel's internal device number (major in the top 12 bits).
-fn connection_inode(connections: &Path, dev: Dev) -> Option<u64> {
+/// named by the kernel's internal device number (major in the top 12 bits):
+/// with the number, what names one connection. None where `fusectl` is not
+/// mounted at `connections`, or the connection is gone.
+pub fn connection_inode(connections: &Path, dev: Dev) -> Option<u64> {
     let number = (u64::from(dev.major) << 20) | u64::from(dev.minor);
     std::fs::metadata(connections.join(number.to_string())).ok().map(|metadata| metadata.ino())
 }

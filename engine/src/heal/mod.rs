@@ -28,6 +28,7 @@ use crate::plan::{HealBatch, TargetHeal};
 /// How a container's copy of a target follows the host's (the container
 /// heal's outcome names it).
 pub use fuse_supervisor_sys::mount::Propagation;
+pub use isolations::connection_inode;
 
 pub mod carry;
 pub mod containers;

@@ -116,14 +116,17 @@ pub(super) fn add_holder(holders: &Mutex<HashMap<u32, Holder>>, process: Process
     }
 }
 
-pub(super) fn remove_holder(holders: &Mutex<HashMap<u32, Holder>>, process: ProcessId, dev: Dev) {
+/// Forgets that `process` holds `dev`; true when it holds nothing else
+/// watched (so need not be watched any more).
+pub(super) fn remove_holder(holders: &Mutex<HashMap<u32, Holder>>, process: ProcessId, dev: Dev) -> bool {
     let mut holders = lock(holders);
-    if let Some(holder) = holders.get_mut(&process.pid).filter(|holder| holder.process == process) {
-        holder.serves.retain(|(_, served)| *served != dev);
-        if holder.serves.is_empty() {
-            holders.remove(&process.pid);
-        }
+    let Some(holder) = holders.get_mut(&process.pid).filter(|holder| holder.process == process) else { return false };
+    holder.serves.retain(|(_, served)| *served != dev);
+    let unneeded = holder.serves.is_empty();
+    if unneeded {
+        holders.remove(&process.pid);
     }
+    unneeded
 }
 
 impl Daemons {

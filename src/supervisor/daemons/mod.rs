@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use fuse_supervisor_engine::errors::chain;
+use fuse_supervisor_engine::heal::connection_inode;
 use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority};
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
@@ -46,7 +47,7 @@ use fuse_supervisor_engine::watch::processes::{
 mod discovery;
 mod orphans;
 
-use discovery::{Holders, discovery_loop, lock};
+use discovery::{Holders, discovery_loop, lock, remove_holder};
 use orphans::{Orphan, reads_fuse_device};
 pub use orphans::{connection_dir, read_waiting};
 
@@ -212,6 +213,11 @@ pub struct Daemons {
     watcher: Arc<dyn ProcessWatcher>,
     holders: Holders,
     known: BTreeMap<Dev, (PathBuf, Known)>,
+    /// The inode of each known connection's `fusectl` directory when it was
+    /// first seen at its source: the kernel gives a freed number to the next
+    /// connection made anywhere (a pod's own FUSE daemon), and a discovery
+    /// that ran after that would take its holders for this one's.
+    identities: BTreeMap<Dev, Option<u64>>,
     want_exec: Arc<AtomicBool>,
     last_exec_discovery: Option<Instant>,
     orphans: BTreeMap<Dev, Orphan>,
@@ -291,6 +297,7 @@ impl Daemons {
             watcher,
             holders,
             known: BTreeMap::new(),
+            identities: BTreeMap::new(),
             want_exec,
             last_exec_discovery: None,
             orphans: BTreeMap::new(),
@@ -331,8 +338,12 @@ impl Daemons {
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
         let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
+        for (_, dev) in &new {
+            self.identities.insert(*dev, connection_inode(&self.options.fuse_connections, *dev));
+        }
         for dev in gone {
             self.known.remove(&dev);
+            self.identities.remove(&dev);
             self.orphans.remove(&dev);
             let mut holders = lock(&self.holders);
             holders.retain(|&pid, holder| {
@@ -419,7 +430,17 @@ impl Daemons {
     pub fn discovered(&mut self, found: Vec<Discovered>) -> Verdicts {
         let now = Instant::now();
         let mut verdicts = Verdicts::default();
-        for Discovered { source, dev, result, scanned_at, exact } in found {
+        for Discovered { source, dev, result, scanned_at, mut exact } in found {
+            let result = match result {
+                Ok(processes) if !processes.is_empty() && !self.same_connection(dev) => {
+                    debug!(source = %source.display(), connection = %dev, "the connection's number is another connection's now: its holders are not this one's");
+                    self.let_go(&processes, dev);
+                    // Nobody holds the connection that was seen: it is gone.
+                    exact = true;
+                    Ok(Vec::new())
+                }
+                result => result,
+            };
             let Some((_, known)) = self.known.get_mut(&dev) else { continue };
             match known {
                 Known::Dead => continue,
@@ -488,6 +509,25 @@ impl Daemons {
         }
         self.update_exec_interest();
         verdicts
+    }
+
+    /// Whether the connection numbered `dev` is still the one seen at its
+    /// source. Asked once a discovery is over: a connection that is there
+    /// both when first seen and after the `/proc` scan was there all along
+    /// (a number is not given again while its connection lives), so the
+    /// holders the scan found are its own. Where `fusectl` is not mounted,
+    /// the number alone tells.
+    fn same_connection(&self, dev: Dev) -> bool {
+        self.identities.get(&dev).is_none_or(|seen| *seen == connection_inode(&self.options.fuse_connections, dev))
+    }
+
+    /// Stops watching `processes` as holders of `dev`.
+    fn let_go(&self, processes: &[ProcessId], dev: Dev) {
+        for process in processes {
+            if remove_holder(&self.holders, *process, dev) {
+                self.watcher.unwatch(process.pid);
+            }
+        }
     }
 
     /// An exec somewhere: worth a discovery if a connection has no daemon.

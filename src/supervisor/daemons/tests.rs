@@ -22,13 +22,17 @@ impl ProcessWatcher for NoWatcher {
 }
 
 /// Daemons without threads: discovery requests queue on the receiver.
+/// No `fusectl` (the number alone names a connection) but where a test
+/// makes one.
 fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
     let (requests, queue) = mpsc::channel();
+    let options = DaemonWatch { fuse_connections: PathBuf::from("/nonexistent/fusectl"), ..DaemonWatch::default() };
     let daemons = Daemons {
-        options: DaemonWatch::default(),
+        options,
         watcher: Arc::new(NoWatcher),
         holders: Arc::default(),
         known: BTreeMap::new(),
+        identities: BTreeMap::new(),
         want_exec: Arc::default(),
         last_exec_discovery: None,
         orphans: BTreeMap::new(),
@@ -45,7 +49,13 @@ fn found(dev: Dev, pids: &[u32], scanned_at: Instant) -> Vec<Discovered> {
 
 /// A connection served by pid 10, discovered.
 fn served(dev: Dev) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
-    let (mut daemons, queue) = daemons();
+    served_with(daemons(), dev)
+}
+
+fn served_with(
+    (mut daemons, queue): (Daemons, Receiver<Vec<(PathBuf, Dev)>>),
+    dev: Dev,
+) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
     daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
     assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
     add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
@@ -79,6 +89,33 @@ fn a_death_stands_when_nobody_holds_the_connection() {
         Verdicts { confirmed: vec![Death { source: "/runtime/g".into(), dev }], ..Verdicts::default() }
     );
     assert_eq!(daemons.discovered(found(dev, &[11], Instant::now())), Verdicts::default(), "dead for good");
+}
+
+#[test]
+fn a_death_stands_when_its_number_went_to_another_connection() {
+    let connections = tempfile::tempdir().unwrap();
+    let dir = connections.path().join("52");
+    fs::create_dir(&dir).unwrap();
+    let dev = Dev { major: 0, minor: 52 };
+    let (mut fresh, queue) = daemons();
+    fresh.options.fuse_connections = connections.path().to_path_buf();
+    let (mut daemons, _queue) = served_with((fresh, queue), dev);
+    assert_eq!(daemons.exited(10).0.len(), 1);
+    // The connection goes, and a pod's own daemon gets its number before
+    // the check's scan: its directory is another (the old one is kept
+    // aside so that the new cannot take its inode).
+    fs::rename(&dir, connections.path().join("old")).unwrap();
+    fs::create_dir(&dir).unwrap();
+    let stranger = ProcessId { pid: 20, start_time: 1 };
+    add_holder(&daemons.holders, stranger, Path::new("/runtime/g"), dev);
+    let verdicts = daemons.discovered(found(dev, &[20], Instant::now()));
+    assert_eq!(
+        verdicts,
+        Verdicts { confirmed: vec![Death { source: "/runtime/g".into(), dev }], ..Verdicts::default() },
+        "not retracted by another connection's holder"
+    );
+    assert!(!lock(&daemons.holders).contains_key(&20), "nor watched as this one's");
+    assert_eq!(daemons.exited(20), (Vec::new(), Vec::new()), "so its exit is nobody's death");
 }
 
 #[test]
