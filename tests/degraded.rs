@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use fuse_supervisor_engine::heal::connection_inode;
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
+use fuse_supervisor_sys::mount::Propagation;
 use fuse_supervisor_sys::pidfd::PidFd;
 use fuse_supervisor_sys::{fuse, mount};
+use fuse_supervisor_testbed::container::ContainerOptions;
 use fuse_supervisor_testbed::scenario::{
     DATA_FILE, Daemon, FuseSource, Restart, ScenarioError, SupervisorProcess, wait_for,
 };
@@ -591,4 +593,41 @@ fn a_freed_connection_number_goes_to_the_next_connection_with_another_fusectl_di
     let (number, old_inode, new_inode) =
         outcome.expect("FUSE mounts in the sandbox").expect("the freed number came back in 20 tries");
     assert_ne!(old_inode, new_inode, "connection {number}: the same fusectl directory for two connections");
+}
+
+/// A container made after the supervisor's start walk whose namespace no
+/// exec was ever made in (the container model unshares after its own exec,
+/// as any process calling unshare(2) itself does) is not known by events:
+/// the walk at the daemon's death finds it during the outage, and its
+/// private copy of the dead volume (`None` propagation, which no host heal
+/// reaches) reads again after the heal.
+#[test]
+fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
+    let sandbox = Sandbox::new().expect("sandbox");
+    let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared-data").expect("start daemon");
+    let mut world = World::without_reader(sandbox, source);
+    world.supervise(&[]);
+    let walked = |line: &str| line.contains("\"mount namespaces walked\"");
+    world.supervisor().wait_for_log(TIMEOUT, walked).expect("the start walk");
+    let rootfs = world.sandbox.container_rootfs("pod-0000").expect("rootfs");
+    let options = ContainerOptions {
+        volume: world.target.clone(),
+        rootfs,
+        hide: vec![world.sandbox.kubelet_root(), world.sandbox.runtime_root()],
+        read: PathBuf::from(DATA_FILE),
+        interval: Duration::from_millis(20),
+        propagation: Propagation::Private,
+        wake_on_mount_change: true,
+    };
+    world.reader = Some(ContainerReader::spawn_with(&world.sandbox, "pod-0000", &options).expect("reader"));
+    world.reads_current();
+
+    world.source.crash().unwrap();
+    let learnt = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, message_is("mount namespaces walked for those no exec made known"))
+        .expect("the walk at the death");
+    assert!(field(&learnt, "learnt").as_u64().is_some_and(|learnt| learnt >= 1), "{learnt}");
+    world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
+    world.reads_current();
 }

@@ -683,6 +683,12 @@ impl Executor for MountExecutor {
                 Some(Some(at))
             }
         };
+        if !searched_before {
+            // The death's search reads the namespaces known; those no exec
+            // made known are walked for now, off the loop, during the
+            // outage: the search before the host heal reads them.
+            self.namespaces.look_for_unknown();
+        }
         let searching = std::time::Instant::now();
         let mut found = match query
             .map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after))

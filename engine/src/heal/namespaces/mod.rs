@@ -121,6 +121,9 @@ impl NamespaceRead {
 pub struct Namespaces {
     proc_root: PathBuf,
     known: Mutex<Known>,
+    /// The keeper's thread, once it keeps the set: asked for a walk at a
+    /// death ([`Namespaces::look_for_unknown`]).
+    keeper: OnceLock<Mutex<Sender<Message>>>,
     /// Where the mounts nested in watched volumes are copied ahead, once a
     /// heal executor is there to use them.
     copier: OnceLock<Copier>,
@@ -174,7 +177,12 @@ pub struct Holding {
 impl Namespaces {
     /// Not kept yet: queries walk until [`Namespaces::keep`] has walked once.
     pub fn new(proc_root: &Path) -> Arc<Namespaces> {
-        Arc::new(Namespaces { proc_root: proc_root.to_path_buf(), known: Mutex::default(), copier: OnceLock::new() })
+        Arc::new(Namespaces {
+            proc_root: proc_root.to_path_buf(),
+            known: Mutex::default(),
+            keeper: OnceLock::new(),
+            copier: OnceLock::new(),
+        })
     }
 
     /// Copies ahead, into `copies` and on `workers`, the mounts nested in
@@ -301,6 +309,20 @@ impl Namespaces {
         Ok(holding)
     }
 
+    /// Asks the keeper's thread to walk `/proc` for the namespaces no exec
+    /// made known: a process that called unshare(2) itself and never
+    /// exec'd since (the start walk being the last to see its namespace)
+    /// can hold a copy of a dead connection's mount. Asked at a death, so
+    /// the walk runs during the outage, at the lowest priority and after
+    /// any heal, and what it learns is searched before the host heal (those
+    /// learnt since the death's search). Nothing where events do not keep
+    /// the set: searches walk `/proc` there anyway.
+    pub fn look_for_unknown(&self) {
+        if let Some(keeper) = self.keeper.get() {
+            let _ = keeper.lock().unwrap_or_else(PoisonError::into_inner).send(Message::LookForUnknown);
+        }
+    }
+
     /// A heal put a mount of connection `dev` in `namespace`: the next
     /// search for `dev` reads it.
     pub fn healed_onto(&self, namespace: u64, dev: Dev) {
@@ -321,6 +343,7 @@ impl Namespaces {
     ) -> Result<NamespaceKeeper, ProcessWatchError> {
         let (send, events) = mpsc::channel();
         let sink_send = send.clone();
+        let _ = self.keeper.set(Mutex::new(send.clone()));
         let subscription = Subscription { exec: ExecReports::All, batch_window: Some(EVENT_BATCH_WINDOW) };
         // Most execs are in a known namespace (a probe, a shell's command):
         // told apart on the connector's thread by one stat, so that the
@@ -361,6 +384,7 @@ impl Namespaces {
                     }
                 }
                 Message::Process(ProcessEvent::Lost) => self.walk_again(watcher, heal_activity, "lost events"),
+                Message::LookForUnknown => self.learn_unknown(watcher, heal_activity),
                 Message::Process(ProcessEvent::Failed(err)) => {
                     warn!(err = %chain(&err), "the namespace keeper's process events stopped; heals in containers walk /proc again");
                     self.known().kept = false;
@@ -472,6 +496,44 @@ impl Namespaces {
     }
 }
 
+impl Namespaces {
+    /// Walks `/proc` for namespaces not known (reading only those), and
+    /// learns them; the known ones keep their entries, so a search of those
+    /// learnt since reads only the new.
+    fn learn_unknown(&self, watcher: &ProcConnectorWatcher, heal_activity: &HealActivity) {
+        let started = Instant::now();
+        let known: BTreeSet<u64> = self.known().by_inode.keys().copied().collect();
+        let walked = match walk(&self.proc_root, &known, || heal_activity.wait_until_quiet()) {
+            Ok(walked) => walked,
+            Err(err) => {
+                warn!(err = %chain(&err), "cannot walk /proc for mount namespaces no exec made known");
+                return;
+            }
+        };
+        let mut learnt = 0;
+        for read in walked {
+            // Learnt by an exec meanwhile, or its anchor gone already.
+            if self.is_known(read.namespace) || watcher.watch(read.anchor).is_err() {
+                continue;
+            }
+            debug!(
+                namespace = read.namespace,
+                pid = read.anchor.pid,
+                fuse_mounts = read.fuse_mounts.len(),
+                "mount namespace learnt by a walk"
+            );
+            self.forget_copies(read.namespace);
+            self.copy_ahead([&read]);
+            let mut known = self.known();
+            known.warn_once_if_over_caps(&read);
+            known.learn(read);
+            learnt += 1;
+        }
+        let took_us = started.elapsed().as_micros() as u64;
+        info!(learnt, took_us, "mount namespaces walked for those no exec made known");
+    }
+}
+
 impl Known {
     fn learn(&mut self, read: NamespaceRead) {
         if let Some(stale) = self.by_inode.get(&read.namespace) {
@@ -536,6 +598,8 @@ fn to_copy_ahead(read: &NamespaceRead, connections: &BTreeSet<Dev>, copies: &Nes
 
 enum Message {
     Process(ProcessEvent),
+    /// A death: walk for the namespaces no exec made known.
+    LookForUnknown,
     Stop,
 }
 

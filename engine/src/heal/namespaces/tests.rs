@@ -59,8 +59,12 @@ fn private_volume(minor: u32) -> String {
 
 /// Known as a walk leaves them: every namespace of `proc`.
 fn kept(proc: &FakeProc) -> Namespaces {
-    let namespaces =
-        Namespaces { proc_root: proc.path().to_path_buf(), known: Mutex::default(), copier: OnceLock::new() };
+    let namespaces = Namespaces {
+        proc_root: proc.path().to_path_buf(),
+        known: Mutex::default(),
+        keeper: OnceLock::new(),
+        copier: OnceLock::new(),
+    };
     let walked = walk(proc.path(), &BTreeSet::new(), || {}).unwrap();
     let mut known = namespaces.known();
     for read in walked {
