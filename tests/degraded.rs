@@ -623,11 +623,15 @@ fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
     world.reads_current();
 
     world.source.crash().unwrap();
-    let learnt = world
+    // Unloaded, the walk is what learns the container's namespace (without
+    // it the reader stays ENOTCONN). On a loaded machine the keeper may
+    // handle the model's own exec only after its unshare, and learn the
+    // namespace from it: the walk then finds nothing new, and the heal
+    // reaches the container all the same.
+    world
         .supervisor()
         .wait_for_log(TIMEOUT, message_is("mount namespaces walked for those no exec made known"))
         .expect("the walk at the death");
-    assert!(field(&learnt, "learnt").as_u64().is_some_and(|learnt| learnt >= 1), "{learnt}");
     world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
     world.reads_current();
 }
