@@ -515,10 +515,12 @@ impl Daemons {
     /// source. Asked once a discovery is over: a connection that is there
     /// both when first seen and after the `/proc` scan was there all along
     /// (a number is not given again while its connection lives), so the
-    /// holders the scan found are its own. Where `fusectl` is not mounted,
-    /// the number alone tells.
+    /// holders the scan found are its own. Where either look found no
+    /// `fusectl` directory (not mounted, then or now), the number alone
+    /// tells.
     fn same_connection(&self, dev: Dev) -> bool {
-        self.identities.get(&dev).is_none_or(|seen| *seen == connection_inode(&self.options.fuse_connections, dev))
+        let Some(Some(seen)) = self.identities.get(&dev) else { return true };
+        connection_inode(&self.options.fuse_connections, dev).is_none_or(|now| now == *seen)
     }
 
     /// Stops watching `processes` as holders of `dev`.

@@ -119,6 +119,22 @@ fn a_death_stands_when_its_number_went_to_another_connection() {
 }
 
 #[test]
+fn a_connection_first_seen_without_fusectl_is_known_by_its_number() {
+    let connections = tempfile::tempdir().unwrap();
+    let dev = Dev { major: 0, minor: 52 };
+    let (mut fresh, queue) = daemons();
+    fresh.options.fuse_connections = connections.path().to_path_buf();
+    let (mut daemons, _queue) = served_with((fresh, queue), dev);
+    // fusectl mounted since (its directory now there): no identity to
+    // compare, so a holder found after the exit is the connection's.
+    fs::create_dir(connections.path().join("52")).unwrap();
+    assert_eq!(daemons.exited(10).0.len(), 1);
+    add_holder(&daemons.holders, ProcessId { pid: 11, start_time: 1 }, Path::new("/runtime/g"), dev);
+    let retracted = daemons.discovered(found(dev, &[11], Instant::now())).retracted;
+    assert_eq!(retracted, vec![Retraction { source: "/runtime/g".into(), dev, pids: vec![11] }]);
+}
+
+#[test]
 fn a_holder_of_a_dying_connection_exiting_is_not_a_second_death() {
     let dev = Dev { major: 0, minor: 52 };
     let (mut daemons, queue) = served(dev);
