@@ -18,7 +18,7 @@ use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::containers::{ContainerHealError, ForeignMount};
 use fuse_supervisor_engine::heal::{Executor, Prepared};
 use fuse_supervisor_engine::model::state::{DaemonDeath, TargetState};
-use fuse_supervisor_engine::model::table::{Classified, Dev};
+use fuse_supervisor_engine::model::table::{Classified, Dev, path_order};
 use fuse_supervisor_engine::plan::{self, Assessment, HealBatch, TargetHeal};
 use fuse_supervisor_engine::report::{Report, TargetEvent};
 use fuse_supervisor_engine::watch::processes::{Detection, ProcessEvent};
@@ -202,7 +202,7 @@ impl<E: Executor> Supervisor<E> {
             .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
             .map(|(path, _)| path.clone())
             .collect();
-        targets.sort_unstable_by(|a, b| a.as_os_str().cmp(b.as_os_str()));
+        targets.sort_unstable_by(|a, b| path_order(a, b));
         targets
     }
 
@@ -433,8 +433,8 @@ impl<E: Executor> Supervisor<E> {
                     .then(|| (TargetHeal::of(path, target, mapping), mapping.source.clone()))
             })
             .collect();
-        // In the same order from run to run, as they are logged.
-        covered.sort_unstable_by(|a, b| a.0.path.as_os_str().cmp(b.0.path.as_os_str()));
+        // In path order, as they are logged.
+        covered.sort_unstable_by(|a, b| path_order(&a.0.path, &b.0.path));
         let mut containers_of = BTreeSet::new();
         for (heal, source) in covered {
             let Some(held) = self.update_record(&heal.path, |record| record.held.take()) else { continue };

@@ -352,7 +352,7 @@ impl Classified {
 /// prints (absolute, without `.`, `..`, repeated or trailing slashes), found
 /// from the bytes: the separator sorts before every other byte. Several
 /// times faster than comparing components.
-fn path_order(a: &Path, b: &Path) -> Ordering {
+pub fn path_order(a: &Path, b: &Path) -> Ordering {
     let (a, b) = (a.as_os_str().as_bytes(), b.as_os_str().as_bytes());
     // Eight bytes at a time to the first difference: paths under the pods
     // directory share long prefixes.

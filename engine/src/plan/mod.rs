@@ -9,14 +9,14 @@ pub mod layout;
 pub mod locate;
 pub mod scan;
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use tracing::info;
 
 use crate::model::state::{Journal, Mapping};
-use crate::model::table::{Classified, Dev, Layout, Stack, Target, TargetKind, root_within};
+use crate::model::table::{Classified, Dev, Layout, Stack, Target, TargetKind, path_order, root_within};
 
 /// What a target needs, judged from the table alone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -231,10 +231,10 @@ impl TargetHeal {
     }
 
     /// Whole-volume targets first: one stack on one of them propagates to
-    /// every other root-level peer. Then by the path's bytes, which sort as
-    /// well and several times faster than its components.
-    fn order_key(&self) -> (bool, bool, &OsStr) {
-        (!self.root_in_source.as_os_str().is_empty(), self.kind == TargetKind::Subpath, self.path.as_os_str())
+    /// every other root-level peer. Then in path order.
+    fn heal_order(&self, other: &TargetHeal) -> Ordering {
+        let key = |heal: &TargetHeal| (!heal.root_in_source.as_os_str().is_empty(), heal.kind == TargetKind::Subpath);
+        key(self).cmp(&key(other)).then_with(|| path_order(&self.path, &other.path))
     }
 }
 
@@ -269,7 +269,7 @@ pub fn plan(classified: &Classified, journal: &Journal, confirmed_broken: &BTree
         }
     }
     for batch in &mut batches {
-        batch.targets.sort_unstable_by(|a, b| a.order_key().cmp(&b.order_key()));
+        batch.targets.sort_unstable_by(|a, b| a.heal_order(b));
     }
     batches
 }

@@ -433,14 +433,18 @@ impl Namespaces {
         }
         let fuse_mounts = read.fuse_mounts.len();
         let receives = read.receives;
+        self.learn_new(read);
+        debug!(namespace, pid, fuse_mounts, receives, "mount namespace learnt");
+    }
+
+    /// Learns `read`, of a namespace not known, whose anchor is watched.
+    fn learn_new(&self, read: NamespaceRead) {
         // Not known: what was copied for its inode was another namespace's.
         self.forget_copies(read.namespace);
         self.copy_ahead([&read]);
         let mut known = self.known();
         known.warn_once_if_over_caps(&read);
         known.learn(read);
-        drop(known);
-        debug!(namespace, pid, fuse_mounts, receives, "mount namespace learnt");
     }
 
     /// Learns every namespace afresh by a walk of `/proc`.
@@ -494,9 +498,7 @@ impl Namespaces {
         let took_us = started.elapsed().as_micros() as u64;
         info!(reason, namespaces, holding, took_us, "mount namespaces walked");
     }
-}
 
-impl Namespaces {
     /// Walks `/proc` for namespaces not known (reading only those), and
     /// learns them; the known ones keep their entries, so a search of those
     /// learnt since reads only the new.
@@ -522,11 +524,7 @@ impl Namespaces {
                 fuse_mounts = read.fuse_mounts.len(),
                 "mount namespace learnt by a walk"
             );
-            self.forget_copies(read.namespace);
-            self.copy_ahead([&read]);
-            let mut known = self.known();
-            known.warn_once_if_over_caps(&read);
-            known.learn(read);
+            self.learn_new(read);
             learnt += 1;
         }
         let took_us = started.elapsed().as_micros() as u64;

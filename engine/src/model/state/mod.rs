@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 use tracing::warn;
 
 use crate::errors::chain;
-use crate::model::table::{Dev, TargetKind};
+use crate::model::table::{Dev, TargetKind, path_order};
 
 mod writer;
 
@@ -104,15 +104,15 @@ struct StateFileRef<'a> {
     sources: &'a BTreeMap<PathBuf, SourceRecord>,
 }
 
-/// The mappings, written in the order of their paths' bytes so that the
-/// file reads and diffs well (the order of components, which `Path`
-/// compares, costs several times more: the loop serializes every save).
+/// The mappings, written in path order so that the file reads and diffs
+/// well ([`path_order`]: the loop serializes every save, and comparing
+/// components costs several times more).
 struct SortedTargets<'a>(&'a HashMap<PathBuf, Mapping>);
 
 impl Serialize for SortedTargets<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut sorted: Vec<(&PathBuf, &Mapping)> = self.0.iter().collect();
-        sorted.sort_unstable_by(|a, b| a.0.as_os_str().cmp(b.0.as_os_str()));
+        sorted.sort_unstable_by(|a, b| path_order(a.0, b.0));
         serializer.collect_map(sorted)
     }
 }
