@@ -2,11 +2,13 @@
 //! targets are Degraded (logged, and shown by `status`) before it comes
 //! back, with both process watchers; the heal then reports the outage from
 //! the death; a connection kept open by another process is aborted so that
-//! a hung reader gets an error; a daemon that hands its connection to a
-//! process the supervisor had not seen is not taken for dead; a freed
-//! connection number goes to the next connection with another `fusectl`
-//! directory (what a connection's identity stands on). Real daemons in
-//! private mount namespaces; needs root and /dev/fuse.
+//! a hung reader gets an error; a death after the daemon's own mount was
+//! unmounted (its target still on the connection) is reported; a daemon
+//! that hands its connection to a process the supervisor had not seen is
+//! not taken for dead; a freed connection number goes to the next
+//! connection with another `fusectl` directory (what a connection's
+//! identity stands on). Real daemons in private mount namespaces; needs
+//! root and /dev/fuse.
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -196,6 +198,47 @@ fn sigkill_marks_degraded_before_the_restart_with_the_process_connector() {
 #[test]
 fn sigkill_marks_degraded_before_the_restart_with_pidfds() {
     sigkill_marks_degraded_before_the_restart("pidfd");
+}
+
+/// A restart script's `kill; umount` whose unmount the loop scans before it
+/// handles the exit, made certain here: the global mount is unmounted first
+/// (its daemon still serving the target, which holds the connection), the
+/// scan that finds the source gone is waited for, and only then is the
+/// daemon killed. The target still on the connection keeps its daemon
+/// watched, so its exit is a death (before, the scan stopped watching it and
+/// the exit named nobody), and the new mount heals the target. (The target
+/// is Broken from the scan on, its source down: the death keeps that.)
+fn a_death_after_its_source_was_unmounted_is_reported(backend: &str) {
+    let mut world = World::new(Daemon::Bindfs);
+    world.reads_current();
+    world.supervise(&["--process-watch", backend]);
+    let pid = world.source.pid().expect("daemon running");
+    let global = world.source.path.clone();
+    world.sandbox.run(move || mount::unmount(&global)).expect("the global mount unmounted");
+    let sources = || world.supervisor().metric("fuse_supervisor_sources").expect("scrape /metrics");
+    wait_for("a scan without the source", TIMEOUT, || sources() == Some(0.0)).unwrap();
+    world.reads_current();
+
+    world.source.crash().unwrap();
+    let died = world
+        .supervisor()
+        .wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded"))
+        .expect("the death is logged");
+    assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
+    assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
+    world.reads_current();
+    world.supervisor().wait_for_log(TIMEOUT, message_is("healed")).expect("healed");
+}
+
+#[test]
+fn a_death_after_its_source_was_unmounted_is_reported_with_pidfds() {
+    a_death_after_its_source_was_unmounted_is_reported("pidfd");
+}
+
+#[test]
+fn a_death_after_its_source_was_unmounted_is_reported_with_the_process_connector() {
+    a_death_after_its_source_was_unmounted_is_reported("connector");
 }
 
 /// A duplicate of the daemon's `/dev/fuse` descriptor (the same open file):

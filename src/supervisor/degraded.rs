@@ -272,6 +272,7 @@ impl<E: Executor> Supervisor<E> {
                 .iter()
                 .filter(|(path, _)| !healing(path))
                 .map(|(path, stack)| (path.as_path(), stack.top().dev)),
+            classified.targets.values().map(|target| target.stack.top().dev),
         );
     }
 

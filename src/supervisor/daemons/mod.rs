@@ -23,7 +23,7 @@
 //! once requests wait and no holder reads the device.
 //!
 //! [`FuseServers`]: fuse_supervisor_engine::watch::processes::fuse_server::FuseServers
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -328,16 +328,26 @@ impl Daemons {
         }
     }
 
-    /// After a scan: asks who serves each connection not seen before, and
-    /// stops watching the holders of connections no longer at any source.
-    pub fn sources_seen<'a>(&mut self, sources: impl Iterator<Item = (&'a Path, Dev)>) {
+    /// After a scan: asks who serves each connection not seen before at a
+    /// source, and stops watching the holders of connections neither at a
+    /// source nor under a target (`under_targets`). A daemon killed and its
+    /// mount unmounted at once (a restart script's `kill; umount`) leaves
+    /// its source before the loop may have handled its exit; its targets,
+    /// still on the connection, keep it known, so that the exit is a death.
+    pub fn sources_seen<'a>(
+        &mut self,
+        sources: impl Iterator<Item = (&'a Path, Dev)>,
+        under_targets: impl Iterator<Item = Dev>,
+    ) {
         let current: BTreeMap<Dev, &Path> = sources.map(|(path, dev)| (dev, path)).collect();
         let new: Vec<(PathBuf, Dev)> = current
             .iter()
             .filter(|(dev, _)| !self.known.contains_key(dev))
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
-        let gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
+        let in_use: BTreeSet<Dev> = under_targets.collect();
+        let gone: Vec<Dev> =
+            self.known.keys().filter(|dev| !current.contains_key(dev) && !in_use.contains(dev)).copied().collect();
         for (_, dev) in &new {
             self.identities.insert(*dev, connection_inode(&self.options.fuse_connections, *dev));
         }

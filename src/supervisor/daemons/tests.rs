@@ -56,7 +56,7 @@ fn served_with(
     (mut daemons, queue): (Daemons, Receiver<Vec<(PathBuf, Dev)>>),
     dev: Dev,
 ) -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
-    daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
+    daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter(), std::iter::empty());
     assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
     add_holder(&daemons.holders, ProcessId { pid: 10, start_time: 1 }, Path::new("/runtime/g"), dev);
     assert!(daemons.discovered(found(dev, &[10], Instant::now())) == Verdicts::default());
@@ -201,7 +201,7 @@ fn this_process_does_not_read_a_fuse_device() {
 fn a_connection_nobody_held_at_its_first_search_is_checked_and_may_be_dead() {
     let dev = Dev { major: 0, minor: 53 };
     let (mut daemons, queue) = daemons();
-    daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter());
+    daemons.sources_seen([(Path::new("/runtime/g"), dev)].into_iter(), std::iter::empty());
     assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
     let unheld = daemons.discovered(found(dev, &[], Instant::now())).unheld;
     assert_eq!(unheld, vec![(PathBuf::from("/runtime/g"), dev)], "nobody holds it: its mount is probed");
@@ -212,11 +212,31 @@ fn a_connection_nobody_held_at_its_first_search_is_checked_and_may_be_dead() {
     // Without fdinfo's connection, an empty answer may be the fallback's
     // doubt rather than nobody: nothing to probe.
     let other = Dev { major: 0, minor: 54 };
-    daemons.sources_seen([(Path::new("/runtime/h"), other)].into_iter());
+    daemons.sources_seen([(Path::new("/runtime/h"), other)].into_iter(), std::iter::empty());
     let mut doubtful = found(other, &[], Instant::now());
     doubtful[0].exact = false;
     assert!(daemons.discovered(doubtful).unheld.is_empty());
     // A holder found since: not dead, whatever a late probe says.
     let (mut daemons, _queue) = served(Dev { major: 0, minor: 55 });
     assert!(!daemons.unheld_died(Dev { major: 0, minor: 55 }));
+}
+
+#[test]
+fn a_connection_unmounted_from_its_source_stays_watched_while_a_target_is_on_it() {
+    let dev = Dev { major: 0, minor: 53 };
+    // A restart script's `kill; umount`: the scan of the unmount comes
+    // before the loop handles the exit, and the target is still on the
+    // dead connection.
+    let (mut daemons, _queue) = served(dev);
+    daemons.sources_seen(std::iter::empty(), [dev].into_iter());
+    let (deaths, partial) = daemons.exited(10);
+    assert_eq!(deaths, vec![Death { source: "/runtime/g".into(), dev }], "the exit is a death");
+    assert!(partial.is_empty());
+
+    // With no target on it either (its pod went first), it is forgotten:
+    // the daemon's end after its last unmount is no death.
+    let (mut daemons, _queue) = served(dev);
+    daemons.sources_seen(std::iter::empty(), std::iter::empty());
+    let (deaths, partial) = daemons.exited(10);
+    assert!(deaths.is_empty() && partial.is_empty());
 }
