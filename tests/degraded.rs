@@ -79,6 +79,16 @@ impl World {
         self.supervisor.as_ref().expect("supervisor running")
     }
 
+    /// Waits for the death of the daemon `pid` to be logged, with the target.
+    fn wait_for_death_of(&self, pid: u32) {
+        let died = self
+            .supervisor()
+            .wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded"))
+            .expect("the death is logged");
+        assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
+        assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    }
+
     /// Waits for the log line of the target's move to `state`.
     fn wait_for_target_state(&self, state: &str) {
         let (target, to) = (self.target.display().to_string(), format!("\"to\":\"{state}\""));
@@ -157,12 +167,7 @@ fn sigkill_marks_degraded_before_the_restart(backend: &str) {
 
     world.source.crash().unwrap();
     let killed = Instant::now();
-    let died = world
-        .supervisor()
-        .wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded"))
-        .expect("the death is logged");
-    assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
-    assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    world.wait_for_death_of(pid);
     world.wait_for_target_state("degraded");
     let target = world.target.display().to_string();
     // The state file is written once the loop is idle: shortly after.
@@ -220,12 +225,7 @@ fn a_death_after_its_source_was_unmounted_is_reported(backend: &str) {
     world.reads_current();
 
     world.source.crash().unwrap();
-    let died = world
-        .supervisor()
-        .wait_for_log(TIMEOUT, message_is("daemon died; its targets are degraded"))
-        .expect("the death is logged");
-    assert_eq!(field(&died, "pid"), serde_json::json!(pid), "{died}");
-    assert_eq!(field(&died, "targets"), serde_json::json!(1), "{died}");
+    world.wait_for_death_of(pid);
     world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
     world.reads_current();
     world.supervisor().wait_for_log(TIMEOUT, message_is("healed")).expect("healed");
