@@ -87,39 +87,36 @@ impl<E: Executor> Supervisor<E> {
         // A probe started on the watcher's word may have begun before the
         // wake-up the latency runs from.
         let source_wait = source_wait.min(latency);
+        let mut healed_any = false;
         // Put off whole for want of descriptors: nothing was mounted, and
         // the containers' isolated dead mounts wait for the retry too.
         let put_off = !outcomes.is_empty()
             && outcomes.iter().all(|outcome| matches!(outcome.result, Err(HealError::Descriptors { .. })));
-        // Each target's state is recorded now and reported once the
-        // containers are healed: a log line, an Event and the metrics for
-        // each of 1,000 targets took as long as their host heal, and the
-        // containers' readers waited for them.
-        let mut healed = Vec::new();
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
+            let _span = info_span!("target", target = %outcome.path.display(), pod = %target.pod_uid).entered();
             let record =
                 self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+            let event = TargetEvent {
+                target: &outcome.path,
+                pod_uid: &target.pod_uid,
+                source: &batch.source.path,
+                broken_since: record.broken_since,
+            };
             match outcome.result {
                 Ok(how) => {
-                    let broken_since = record.broken_since;
-                    let outage = broken_since.and_then(|since| since.elapsed().ok());
-                    record.state = TargetState::Healed { outage };
-                    record.attempts = 0;
-                    record.broken_since = None;
-                    record.found_dead = false;
-                    record.held = None;
-                    // The target is now on the source's current mount: record
-                    // it at once, since the daemon may die again before the
-                    // next scan could learn it from the peer groups.
-                    if let Some(mapping) = self.journal.get(&outcome.path) {
-                        let source = batch.source.top();
-                        let now_on = Mapping {
-                            source_mount_id: source.mount_id,
-                            peer_group: source.peer_group,
-                            dev: source.dev,
-                            ..mapping.clone()
-                        };
-                        self.journal.record(&outcome.path, now_on);
+                    let outage = record.broken_since.and_then(|since| since.elapsed().ok());
+                    info!(
+                        target = %outcome.path.display(),
+                        pod = %target.pod_uid,
+                        how = match how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
+                        layers_removed = outcome.layers_removed,
+                        latency_us = latency.as_micros() as u64,
+                        source_wait_us = source_wait.as_micros() as u64,
+                        outage_ms = outage.map(|outage| outage.as_millis() as u64),
+                        "healed"
+                    );
+                    if let Some(err) = outcome.flatten_error {
+                        warn!(target = %outcome.path.display(), err = %chain(&err), "healed, but stale layers remain");
                     }
                     let heal = HealReport {
                         how,
@@ -128,37 +125,38 @@ impl<E: Executor> Supervisor<E> {
                         outage,
                         layers_removed: outcome.layers_removed,
                     };
-                    healed.push((target, outcome.path, broken_since, heal, outcome.flatten_error));
+                    self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
+                    record.state = TargetState::Healed { outage };
+                    record.attempts = 0;
+                    record.broken_since = None;
+                    healed_any = true;
+                    record.found_dead = false;
+                    record.held = None;
+                    // The target is now on the source's current mount: record
+                    // it at once, since the daemon may die again before the
+                    // next scan could learn it from the peer groups.
+                    if let Some(mapping) = self.journal.get(&outcome.path) {
+                        let source = batch.source.top();
+                        let healed = Mapping {
+                            source_mount_id: source.mount_id,
+                            peer_group: source.peer_group,
+                            dev: source.dev,
+                            ..mapping.clone()
+                        };
+                        self.journal.record(&outcome.path, healed);
+                    }
                 }
                 // With its cause: the pod's Event says why (a subdirectory
                 // that is a symlink, a mount call the kernel refused).
                 Err(err) => self.attempt_failed(&outcome.path, &target.pod_uid, &batch.source.path, error_chain(&err)),
             }
         }
-        self.state_dirty |= !healed.is_empty();
-        if !healed.is_empty() {
+        self.state_dirty |= healed_any;
+        if healed_any {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
         if !put_off {
             self.heal_containers(&dead, &batch.source.path, batch.source.top(), Some(handles));
-        }
-        for (target, path, broken_since, heal, flatten_error) in healed {
-            info!(
-                target = %path.display(),
-                pod = %target.pod_uid,
-                how = match heal.how { Healed::Stacked => "stacked", Healed::Propagated => "propagated" },
-                layers_removed = heal.layers_removed,
-                latency_us = heal.latency.as_micros() as u64,
-                source_wait_us = source_wait.as_micros() as u64,
-                outage_ms = heal.outage.map(|outage| outage.as_millis() as u64),
-                "healed"
-            );
-            if let Some(err) = flatten_error {
-                warn!(target = %path.display(), err = %chain(&err), "healed, but stale layers remain");
-            }
-            let event =
-                TargetEvent { target: &path, pod_uid: &target.pod_uid, source: &batch.source.path, broken_since };
-            self.reporters.report(&Report::TargetHealed { target: &event, heal: &heal });
         }
     }
 
