@@ -329,11 +329,13 @@ impl Daemons {
     }
 
     /// After a scan: asks who serves each connection not seen before at a
-    /// source, and stops watching the holders of connections neither at a
-    /// source nor under a target (`under_targets`). A daemon killed and its
-    /// mount unmounted at once (a restart script's `kill; umount`) leaves
-    /// its source before the loop may have handled its exit; its targets,
-    /// still on the connection, keep it known, so that the exit is a death.
+    /// source, and forgets those no longer there, with their holders. A
+    /// daemon killed and its mount unmounted at once (a restart script's
+    /// `kill; umount`) leaves its source before the loop may have handled
+    /// its exit: a connection still under a target (`under_targets`) whose
+    /// holders are watched stays known, so that their exit is a death. One
+    /// whose daemon was never found is forgotten all the same: a search for
+    /// it would probe its source, which shows another mount or none.
     pub fn sources_seen<'a>(
         &mut self,
         sources: impl Iterator<Item = (&'a Path, Dev)>,
@@ -345,9 +347,11 @@ impl Daemons {
             .filter(|(dev, _)| !self.known.contains_key(dev))
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
-        let in_use: BTreeSet<Dev> = under_targets.collect();
+        let watched: BTreeSet<Dev> =
+            lock(&self.holders).values().flat_map(|holder| holder.serves.iter().map(|(_, dev)| *dev)).collect();
+        let kept: BTreeSet<Dev> = under_targets.filter(|dev| watched.contains(dev)).collect();
         let gone: Vec<Dev> =
-            self.known.keys().filter(|dev| !current.contains_key(dev) && !in_use.contains(dev)).copied().collect();
+            self.known.keys().filter(|dev| !current.contains_key(dev) && !kept.contains(dev)).copied().collect();
         for (_, dev) in &new {
             self.identities.insert(*dev, connection_inode(&self.options.fuse_connections, *dev));
         }

@@ -239,4 +239,12 @@ fn a_connection_unmounted_from_its_source_stays_watched_while_a_target_is_on_it(
     daemons.sources_seen(std::iter::empty(), std::iter::empty());
     let (deaths, partial) = daemons.exited(10);
     assert!(deaths.is_empty() && partial.is_empty());
+
+    // Nor is one whose daemon was never found kept by its target: a search
+    // would probe the source, which no longer shows it.
+    let (mut unserved, queue) = self::daemons();
+    unserved.sources_seen([(Path::new("/runtime/g"), dev)].into_iter(), std::iter::empty());
+    assert_eq!(queue.try_recv().unwrap(), vec![(PathBuf::from("/runtime/g"), dev)]);
+    unserved.sources_seen(std::iter::empty(), [dev].into_iter());
+    assert!(!unserved.known.contains_key(&dev), "an unserved connection gone from its source is forgotten");
 }
