@@ -491,7 +491,12 @@ fn a_namespace_made_during_the_outage_is_healed_with_one_layer(propagation: &str
     // heal (seen once in a loaded run: the new namespace learnt 9 ms after
     // the host heal, its copy never healed).
     let own = format!("\"namespace\":{},", namespace().expect("its namespace"));
-    let learnt = |line: &str| line.contains("\"mount namespace learnt\"") && line.contains(&own);
+    // Learnt from the exec's event, or, when the keeper had not handled
+    // that event yet, by the walk at the death (its own line).
+    let learnt = |line: &str| {
+        (line.contains("\"mount namespace learnt\"") || line.contains("\"mount namespace learnt by a walk\""))
+            && line.contains(&own)
+    };
     node.supervisor.as_ref().expect("supervisor running").wait_for_log(HEAL_TIMEOUT, learnt).unwrap();
 
     node.source.restart(&node.sandbox, Restart::UnmountThenMount).expect("restart the daemon");
