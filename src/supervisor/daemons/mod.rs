@@ -347,11 +347,15 @@ impl Daemons {
             .filter(|(dev, _)| !self.known.contains_key(dev))
             .map(|(dev, path)| (path.to_path_buf(), *dev))
             .collect();
-        let watched: BTreeSet<Dev> =
-            lock(&self.holders).values().flat_map(|holder| holder.serves.iter().map(|(_, dev)| *dev)).collect();
-        let kept: BTreeSet<Dev> = under_targets.filter(|dev| watched.contains(dev)).collect();
-        let gone: Vec<Dev> =
-            self.known.keys().filter(|dev| !current.contains_key(dev) && !kept.contains(dev)).copied().collect();
+        let mut gone: Vec<Dev> = self.known.keys().filter(|dev| !current.contains_key(dev)).copied().collect();
+        // Only when one left its source: a node has thousands of targets,
+        // and the loop calls this after every scan.
+        if !gone.is_empty() {
+            let watched: BTreeSet<Dev> =
+                lock(&self.holders).values().flat_map(|holder| holder.serves.iter().map(|(_, dev)| *dev)).collect();
+            let kept: BTreeSet<Dev> = under_targets.filter(|dev| watched.contains(dev)).collect();
+            gone.retain(|dev| !kept.contains(dev));
+        }
         for (_, dev) in &new {
             self.identities.insert(*dev, connection_inode(&self.options.fuse_connections, *dev));
         }
