@@ -101,11 +101,10 @@ pub fn signal(pid: u32, signal: Signal) -> io::Result<()> {
     Ok(rustix::process::kill_process(pid, signal.to_rustix())?)
 }
 
-/// Gives the calling thread the lowest CPU priority (nice 19), leaving the
-/// rest of the process as it is: on Linux `setpriority` on a thread ID
-/// applies to that thread alone.
-pub fn lower_thread_priority() -> io::Result<()> {
-    Ok(rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19)?)
+/// Sets the calling thread's nice value, leaving the rest of the process as
+/// it is: on Linux `setpriority` on a thread ID applies to that thread alone.
+pub fn set_thread_nice(nice: i32) -> io::Result<()> {
+    Ok(rustix::process::setpriority_process(Some(rustix::thread::gettid()), nice)?)
 }
 
 /// Stops the whole process, from the calling thread (`raise(SIGSTOP)`, a

@@ -19,6 +19,15 @@ use crate::errors::chain;
 use fuse_supervisor_sys::process;
 use tracing::{debug, warn};
 
+/// The nice value of background work (the namespace keeper, the daemons'
+/// discovery). Not 19: beside one busy nice-0 process per CPU, nice 19
+/// (weight 15 against 1,024) got ~1.4 % of a CPU, and a keeper reading a
+/// large table or a discovery walking `/proc` at a death took over a
+/// minute; nice 10 (weight 110) gets ~10 %, still well behind any process
+/// at the normal priority. Heals do not wait for it: they hold background
+/// work off while they run ([`HealActivity`]).
+pub const BACKGROUND_NICE: i32 = 10;
+
 /// `SCHED_FIFO` priority of the heal path; off for the normal policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HealPriority(Option<u8>);
@@ -43,11 +52,11 @@ impl HealPriority {
         self.0
     }
 
-    /// Lowers the calling thread to the lowest CPU priority (nice 19), for
-    /// background work that must take no CPU a heal or another process
-    /// wants.
+    /// Lowers the calling thread to the background priority
+    /// ([`BACKGROUND_NICE`]), for work that yields the CPU to heals and to
+    /// other processes but must still end on a busy node.
     pub fn lower_this_thread() -> std::io::Result<()> {
-        process::lower_thread_priority()
+        process::set_thread_nice(BACKGROUND_NICE)
     }
 
     /// Raises the calling thread; without the privilege (no
@@ -225,6 +234,24 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    /// Only the calling thread is lowered; the field after the priority in
+    /// `/proc/thread-self/stat` is its nice value.
+    #[test]
+    fn background_threads_are_lowered_alone() {
+        fn nice() -> i32 {
+            let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+            let after_command = &stat[stat.rfind(')').unwrap() + 2..];
+            after_command.split(' ').nth(16).unwrap().parse().unwrap()
+        }
+        let before = nice();
+        let lowered = std::thread::spawn(|| {
+            HealPriority::lower_this_thread().unwrap();
+            nice()
+        });
+        assert_eq!(lowered.join().unwrap(), BACKGROUND_NICE);
+        assert_eq!(nice(), before);
     }
 
     #[test]

@@ -313,7 +313,7 @@ impl Namespaces {
     /// made known: a process that called unshare(2) itself and never
     /// exec'd since (the start walk being the last to see its namespace)
     /// can hold a copy of a dead connection's mount. Asked at a death, so
-    /// the walk runs during the outage, at the lowest priority and after
+    /// the walk runs during the outage, at the background priority and after
     /// any heal, and what it learns is searched before the host heal (those
     /// learnt since the death's search). Nothing where events do not keep
     /// the set: searches walk `/proc` there anyway.
@@ -334,7 +334,7 @@ impl Namespaces {
     /// Keeps the set by the process connector's events from now on: a
     /// thread walks `/proc` once, then learns and forgets namespaces as
     /// processes exec and exit. It waits for any heal under way before it
-    /// reads a table (`heal_activity`), at the lowest CPU priority. The
+    /// reads a table (`heal_activity`), at the background CPU priority. The
     /// connector must have been opened with execs.
     pub fn keep(
         self: &Arc<Self>,
