@@ -638,20 +638,21 @@ fn a_freed_connection_number_goes_to_the_next_connection_with_another_fusectl_di
     assert_ne!(old_inode, new_inode, "connection {number}: the same fusectl directory for two connections");
 }
 
-/// A container made after the supervisor's start walk whose namespace no
-/// exec was ever made in (the container model unshares after its own exec,
-/// as any process calling unshare(2) itself does) is not known by events:
-/// the walk at the daemon's death finds it during the outage, and its
-/// private copy of the dead volume (`None` propagation, which no host heal
-/// reaches) reads again after the heal.
-#[test]
-fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
+/// A demofs source and its target, no reader yet, supervised once the
+/// supervisor's start walk is done.
+fn walked_world() -> World {
     let sandbox = Sandbox::new().expect("sandbox");
     let source = FuseSource::start(&sandbox, Daemon::DemoFs, "shared-data").expect("start daemon");
     let mut world = World::without_reader(sandbox, source);
     world.supervise(&[]);
     let walked = |line: &str| line.contains("\"mount namespaces walked\"");
     world.supervisor().wait_for_log(TIMEOUT, walked).expect("the start walk");
+    world
+}
+
+/// The test world's container model on the target, with a private copy
+/// of it (`None` propagation, which no host heal reaches).
+fn private_container(world: &World) -> ContainerReader {
     let rootfs = world.sandbox.container_rootfs("pod-0000").expect("rootfs");
     let options = ContainerOptions {
         volume: world.target.clone(),
@@ -662,7 +663,19 @@ fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
         propagation: Propagation::Private,
         wake_on_mount_change: true,
     };
-    world.reader = Some(ContainerReader::spawn_with(&world.sandbox, "pod-0000", &options).expect("reader"));
+    ContainerReader::spawn_with(&world.sandbox, "pod-0000", &options).expect("reader")
+}
+
+/// A container made after the supervisor's start walk whose namespace no
+/// exec was ever made in (the container model unshares after its own exec,
+/// as any process calling unshare(2) itself does) is not known by events:
+/// the walk at the daemon's death finds it during the outage, and its
+/// private copy of the dead volume (`None` propagation, which no host heal
+/// reaches) reads again after the heal.
+#[test]
+fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
+    let mut world = walked_world();
+    world.reader = Some(private_container(&world));
     world.reads_current();
 
     world.source.crash().unwrap();
@@ -677,4 +690,41 @@ fn a_namespace_no_exec_made_known_is_found_at_the_death_and_healed() {
         .expect("the walk at the death");
     world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
     world.reads_current();
+}
+
+/// A container made during the outage after the walk at the death, whose
+/// namespace no exec made known (the container model unshares after its
+/// own exec), holds a private copy of the dead volume that no search
+/// before or just after the host heal can know of. The walk that follows
+/// the heal learns it, finds a copy of the connection the heal replaced,
+/// and the container reads again.
+#[test]
+fn a_namespace_made_after_the_walk_at_the_death_is_found_after_the_heal() {
+    let mut world = walked_world();
+
+    world.source.crash().unwrap();
+    let searched = message_is("mount namespaces walked for those no exec made known");
+    world.supervisor().wait_for_log(TIMEOUT, &searched).expect("the walk at the death");
+    world.reader = Some(private_container(&world));
+    world.reader().wait_until(TIMEOUT, |o| o.error().is_some()).expect("the container's copy is dead");
+
+    world.source.restart(&world.sandbox, Restart::UnmountThenMount).unwrap();
+    world.reads_current();
+    // On a loaded machine the keeper may handle the model's exec after its
+    // unshare and learn the namespace before the heal, which then heals it
+    // as any other; otherwise only the walk after the heal finds it.
+    let namespace = std::fs::metadata(format!("/proc/{}/ns/mnt", world.reader().child().pid()))
+        .map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata))
+        .expect("the container's namespace");
+    let log = world.supervisor().log();
+    let learnt_by_exec = log.iter().any(|line| {
+        line.contains("\"mount namespace learnt\"") && field(line, "namespace") == serde_json::json!(namespace)
+    });
+    let late = log
+        .iter()
+        .find(|line| line.contains("\"a namespace learnt after a heal holds mounts of the connection it replaced\""));
+    match late {
+        Some(late) => assert_eq!(field(late, "namespace"), serde_json::json!(namespace), "{late}"),
+        None => assert!(learnt_by_exec, "the container healed without its namespace being learnt\n{}", log.join("\n")),
+    }
 }

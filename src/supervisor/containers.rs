@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 use fuse_supervisor_engine::errors::error_chain;
 use fuse_supervisor_engine::heal::containers::{self, ContainerHealError, ForeignHealed, ForeignMount};
 use fuse_supervisor_engine::heal::in_namespace::InNamespaceError;
+use fuse_supervisor_engine::heal::namespaces::LateCopies;
 use fuse_supervisor_engine::heal::probe::SourceHandles;
 use fuse_supervisor_engine::heal::{ContainerOutcome, Executor};
 use fuse_supervisor_engine::kube::cgroup::{PodContainer, container_of};
@@ -105,6 +106,23 @@ impl<E: Executor> Supervisor<E> {
             let outcomes = self.executor.retry_containers(&mounts, &top);
             self.container_outcomes(outcomes, &source, started, None, &attempts);
         }
+    }
+
+    /// Heals the copies of a connection a heal replaced that a namespace
+    /// learnt after that heal holds, from their source's current mount: a
+    /// retry due now, so a source down again waits as a retry does.
+    pub(super) fn heal_late_copies(&mut self, late: LateCopies) {
+        let LateCopies { source, mounts } = late;
+        let Some(first) = mounts.first() else { return };
+        info!(namespace = first.namespace, pid = first.pid, mounts = mounts.len(), source = %source.display(), "a namespace learnt after a heal holds mounts of the connection it replaced");
+        let now = Instant::now();
+        self.container_retries.extend(mounts.into_iter().map(|foreign| ContainerRetry {
+            foreign,
+            source: source.clone(),
+            attempts: 0,
+            retry_at: now,
+        }));
+        self.retry_containers();
     }
 
     /// Logs, counts and reports each outcome. A failure is retried with

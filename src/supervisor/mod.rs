@@ -186,6 +186,8 @@ enum Event {
     NamespacesChanged,
     /// The worker of a namespace whose container heal was given up on ended.
     NamespaceFree(u64),
+    /// A namespace learnt after a heal holds mounts of a connection it replaced.
+    LateCopies(fuse_supervisor_engine::heal::namespaces::LateCopies),
     /// A liveness check (`/healthz`): answered at once.
     Ping(Pong),
     /// How a re-staging through a CSI driver went, or which targets CSI
@@ -324,6 +326,7 @@ impl<E: Executor> Supervisor<E> {
                 Ok(Event::Restager(news)) => self.on_restager(news),
                 Ok(Event::NamespacesChanged) => self.retry_refused(),
                 Ok(Event::NamespaceFree(namespace)) => self.retry_given_up(namespace),
+                Ok(Event::LateCopies(late)) => self.heal_late_copies(late),
                 Ok(Event::WatchFailed(err)) => {
                     error!(err = %chain(&err), "mount-table watcher stopped");
                     return;

@@ -87,7 +87,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<(), SupervisorError> 
         daemon_events.send(Event::Daemon(event)).is_ok()
     })?;
     // Like the discovery thread, it reads this process's /proc.
-    let (namespaces, _namespace_keeper) = keep_namespaces(config, connector.as_ref(), &heal_activity);
+    let (namespaces, _namespace_keeper) = keep_namespaces(config, connector.as_ref(), &heal_activity, &events);
     let restager = start_restager(config, &events)?;
     ns::join_mount_namespace(&config.mount_namespace)
         .map_err(|source| SupervisorError::Namespace { path: config.mount_namespace.clone(), source })?;
@@ -208,8 +208,13 @@ fn keep_namespaces(
     config: &Config,
     connector: Option<&ProcessConnector>,
     heal_activity: &Arc<HealActivity>,
+    events: &Sender<Event>,
 ) -> (Arc<Namespaces>, Option<NamespaceKeeper>) {
     let namespaces = Namespaces::new(Path::new("/proc"));
+    let late = events.clone();
+    namespaces.when_late_copies(Box::new(move |copies| {
+        let _ = late.send(Event::LateCopies(copies));
+    }));
     if config.container_namespaces == ContainerNamespaces::Walk {
         info!("containers' mount namespaces are walked for at each death and heal");
         return (namespaces, None);

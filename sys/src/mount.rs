@@ -352,6 +352,23 @@ pub fn mount_fusectl(target: &Path) -> io::Result<()> {
     Ok(rustix::mount::mount(FUSECTL, target, FUSECTL, rustix::mount::MountFlags::empty(), None)?)
 }
 
+/// `fsopen("fusectl")`, `fsconfig(CREATE)`, `fsmount()`: the FUSE control
+/// filesystem, attached nowhere. It has one instance for the whole node,
+/// listing every connection whatever namespace made it, so this reads the
+/// same directories as a mount of it elsewhere, where there is none or it
+/// cannot be reached. Needs `CAP_SYS_ADMIN` in the initial user namespace.
+pub fn detached_fusectl() -> io::Result<OwnedFd> {
+    let context = rustix::mount::fsopen(c"fusectl", FsOpenFlags::FSOPEN_CLOEXEC)?;
+    rustix::mount::fsconfig_create(&context)?;
+    Ok(rustix::mount::fsmount(&context, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::MOUNT_ATTR_RDONLY)?)
+}
+
+/// Whether `fd` is on the FUSE control filesystem (its `statfs` magic).
+pub fn is_fusectl(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    const FUSE_CTL_SUPER_MAGIC: i64 = 0x6573_5543;
+    Ok(rustix::fs::fstatfs(fd)?.f_type as i64 == FUSE_CTL_SUPER_MAGIC)
+}
+
 /// `fsopen("tmpfs")`, `fsconfig(CREATE)`, `fsmount()`: a new private tmpfs
 /// attached nowhere. It disappears when the fd is closed unless it was
 /// attached with [`move_mount`] first.

@@ -30,6 +30,11 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
+/// The inode of `name` in `dir` (`fstatat`, not following a symlink).
+pub fn inode_at(dir: BorrowedFd<'_>, name: &str) -> io::Result<u64> {
+    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?.st_ino)
+}
+
 /// `open(path, O_RDONLY|O_NOFOLLOW|O_CLOEXEC)`: a real open, which a FUSE
 /// filesystem answers (a dead one with `ENOTCONN`), refusing a symlink in
 /// the last component. The kubelet opens a volume so before it walks a

@@ -5,30 +5,25 @@
 //! anonymous minor once the old superblock is gone, so an entry whose heal
 //! never came would make the next connection with that number look isolated
 //! already, and its containers would never be searched. Each entry also
-//! keeps the inode of the connection's `fusectl` directory
-//! (`/sys/fs/fuse/connections/<dev>`), which the kernel numbers afresh for
-//! every connection and removes with its superblock: an entry whose
-//! directory is gone or is another one is of an earlier connection.
+//! keeps the inode of the connection's `fusectl` directory (see
+//! [`super::connections`]): an entry whose directory is gone or is another
+//! one is of an earlier connection.
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
 
+use super::connections::FuseConnections;
 use super::containers::ForeignMount;
 use crate::model::table::Dev;
 
-/// Where the kernel lists the live FUSE connections.
-pub const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
-
 #[derive(Debug)]
 pub struct Isolations {
-    connections: PathBuf,
+    connections: FuseConnections,
     by_dev: BTreeMap<Dev, Isolation>,
 }
 
 #[derive(Debug)]
 struct Isolation {
     /// The inode of the connection's directory when it was isolated; None
-    /// where `fusectl` is not mounted (then the number alone tells).
+    /// where `fusectl` cannot be read (then the number alone tells).
     connection: Option<u64>,
     /// Every mount found, isolated or not: all are replaced at the heal.
     mounts: Vec<ForeignMount>,
@@ -41,16 +36,15 @@ struct Isolation {
 }
 
 impl Isolations {
-    /// `connections` is [`FUSE_CONNECTIONS`] but in tests.
-    pub fn new(connections: &Path) -> Self {
-        Isolations { connections: connections.to_path_buf(), by_dev: BTreeMap::new() }
+    pub fn new(connections: FuseConnections) -> Self {
+        Isolations { connections, by_dev: BTreeMap::new() }
     }
 
     /// Whether the connection now numbered `dev` was isolated already. Drops
     /// the entries of connections that are gone, this number's included.
     pub fn contains(&mut self, dev: Dev) -> bool {
         let connections = &self.connections;
-        self.by_dev.retain(|dev, isolation| isolation.connection == connection_inode(connections, *dev));
+        self.by_dev.retain(|dev, isolation| isolation.connection == connections.inode_of(*dev));
         self.by_dev.contains_key(&dev)
     }
 
@@ -58,7 +52,7 @@ impl Isolations {
     /// a search of the namespaces known at `searched_at` (added to those
     /// found before, if any), and which of them are still `unisolated`.
     pub fn insert(&mut self, dev: Dev, mounts: Vec<ForeignMount>, unisolated: Vec<ForeignMount>, searched_at: u64) {
-        let connection = connection_inode(&self.connections, dev);
+        let connection = self.connections.inode_of(dev);
         match self.by_dev.get_mut(&dev).filter(|isolation| isolation.connection == connection) {
             Some(isolation) => {
                 let new = mounts.into_iter().filter(|mount| !isolation.mounts.contains(mount)).collect::<Vec<_>>();
@@ -70,6 +64,12 @@ impl Isolations {
                 self.by_dev.insert(dev, Isolation { connection, mounts, unisolated, searched_at });
             }
         }
+    }
+
+    /// The inode of the `fusectl` directory of the connection numbered
+    /// `dev` now.
+    pub fn connection_inode(&self, dev: Dev) -> Option<u64> {
+        self.connections.inode_of(dev)
     }
 
     /// Takes the mounts of connection `dev` that could not be isolated, to
@@ -93,18 +93,8 @@ impl Isolations {
     /// that now has that number.
     pub fn remove(&mut self, dev: Dev) -> Option<(u64, Vec<ForeignMount>)> {
         let isolation = self.by_dev.remove(&dev)?;
-        (isolation.connection == connection_inode(&self.connections, dev))
-            .then_some((isolation.searched_at, isolation.mounts))
+        (isolation.connection == self.connections.inode_of(dev)).then_some((isolation.searched_at, isolation.mounts))
     }
-}
-
-/// The inode of the `fusectl` directory of the connection numbered `dev`,
-/// named by the kernel's internal device number (major in the top 12 bits):
-/// with the number, what names one connection. None where `fusectl` is not
-/// mounted at `connections`, or the connection is gone.
-pub fn connection_inode(connections: &Path, dev: Dev) -> Option<u64> {
-    let number = (u64::from(dev.major) << 20) | u64::from(dev.minor);
-    std::fs::metadata(connections.join(number.to_string())).ok().map(|metadata| metadata.ino())
 }
 
 #[cfg(test)]
@@ -117,7 +107,7 @@ mod tests {
         let dir = connections.path().join("57");
         std::fs::create_dir(&dir).unwrap();
         let dev = Dev { major: 0, minor: 57 };
-        let mut isolations = Isolations::new(connections.path());
+        let mut isolations = Isolations::new(FuseConnections::at(connections.path()));
         assert!(!isolations.contains(dev));
         isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev), "the same connection is isolated already");
@@ -138,21 +128,12 @@ mod tests {
 
     #[test]
     fn without_fusectl_the_number_alone_tells() {
-        let connections = tempfile::tempdir().unwrap();
-        let mut isolations = Isolations::new(&connections.path().join("not-mounted"));
+        let mut isolations = Isolations::new(FuseConnections::unavailable());
         let dev = Dev { major: 0, minor: 3 };
         isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev));
         assert_eq!(isolations.searched(dev), Some((1, BTreeSet::new())));
         assert_eq!(isolations.remove(dev), Some((1, Vec::new())));
         assert!(!isolations.contains(dev));
-    }
-
-    #[test]
-    fn the_directory_is_named_by_the_kernels_device_number() {
-        let connections = tempfile::tempdir().unwrap();
-        std::fs::create_dir(connections.path().join(((8u64 << 20) | 1).to_string())).unwrap();
-        assert!(connection_inode(connections.path(), Dev { major: 8, minor: 1 }).is_some());
-        assert!(connection_inode(connections.path(), Dev { major: 0, minor: 1 }).is_none());
     }
 }

@@ -8,6 +8,7 @@
 //! root, for everything under it) and checked to be, at that moment, the
 //! mount the plan recorded.
 use std::collections::BTreeSet;
+use std::ops::Bound;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -25,12 +26,13 @@ use crate::heal::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount};
 use crate::plan::{HealBatch, TargetHeal};
 
+pub use connections::connection_inode;
 /// How a container's copy of a target follows the host's (the container
 /// heal's outcome names it).
 pub use fuse_supervisor_sys::mount::Propagation;
-pub use isolations::connection_inode;
 
 pub mod carry;
+pub mod connections;
 pub mod containers;
 mod dead_source;
 pub mod fuse_calls;
@@ -252,6 +254,12 @@ struct SlidIn {
 
 /// The mount ID of a target's new top, which a slide put under its stale
 /// layer.
+/// The generations of namespaces learnt after `generation` (all of them
+/// when None).
+fn after(generation: Option<u64>) -> (Bound<u64>, Bound<u64>) {
+    (generation.map_or(Bound::Unbounded, Bound::Excluded), Bound::Unbounded)
+}
+
 fn new_top_id(target: &TargetHeal, new_top: std::os::fd::BorrowedFd<'_>) -> Result<u32, HealError> {
     resolve::mount_id_of(new_top).map_err(|source| HealError::Resolve { path: target.path.clone(), source })
 }
@@ -513,7 +521,9 @@ impl MountExecutor {
             mount_beneath,
             watched,
             watched_inode,
-            isolated: isolations::Isolations::new(Path::new(isolations::FUSE_CONNECTIONS)),
+            isolated: isolations::Isolations::new(connections::FuseConnections::open(Path::new(
+                connections::FUSE_CONNECTIONS,
+            ))),
             namespaces: namespaces::Namespaces::new(Path::new("/proc")),
             pinned: LetGoOnDrop::default(),
             workers: containers::NamespaceWorkers::new(priority, containers::DEFAULT_DEADLINE),
@@ -691,7 +701,7 @@ impl Executor for MountExecutor {
         }
         let searching = std::time::Instant::now();
         let mut found = match query
-            .map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), learnt_after))
+            .map(|learnt_after| self.namespaces.holding(&skip, &BTreeSet::from([dev]), after(learnt_after)))
         {
             None => namespaces::Holding::default(),
             Some(Ok(found)) => {
@@ -735,16 +745,27 @@ impl Executor for MountExecutor {
         live: Option<&SourceHandles>,
     ) -> Vec<ContainerOutcome> {
         let pinned = std::mem::take(&mut self.pinned);
-        let generation = self.namespaces.generation();
         let mut isolated = Vec::new();
         // The oldest search among the dead connections'.
         let mut searched_at: Option<u64> = None;
-        for (at, mounts) in dead.iter().filter_map(|dev| self.isolated.remove(*dev)) {
-            searched_at = Some(searched_at.map_or(at, |oldest| oldest.min(at)));
-            isolated.extend(mounts);
+        // Those whose number is surely theirs still (isolated under it, or
+        // pinned), with their `fusectl` directory.
+        let mut identified = Vec::new();
+        for dev in dead {
+            let removed = self.isolated.remove(*dev);
+            if removed.is_some() || !pinned.0.is_empty() {
+                identified.extend(self.isolated.connection_inode(*dev).map(|inode| (*dev, inode)));
+            }
+            if let Some((at, mounts)) = removed {
+                searched_at = Some(searched_at.map_or(at, |oldest| oldest.min(at)));
+                isolated.extend(mounts);
+            }
         }
         let mut outcomes =
             if isolated.is_empty() { Vec::new() } else { self.replace_in_containers(source, live, &isolated) };
+        // A namespace learnt from now on is checked for copies of these as
+        // it is learnt; those learnt up to now are searched below.
+        let generation = self.namespaces.replaced(&identified, &source.mount_point);
         // Then the namespaces that got a copy of a dead mount during the
         // outage and were not isolated (a process that unshared its own
         // meanwhile; runc refuses to start a container on a dead volume):
@@ -765,7 +786,7 @@ impl Executor for MountExecutor {
         let mut skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
         skip.insert(self.watched_inode);
         let searched = std::time::Instant::now();
-        let found = self.namespaces.holding(&skip, dead, learnt_after);
+        let found = self.namespaces.holding(&skip, dead, (after(learnt_after).0, Bound::Included(generation)));
         match found {
             Ok(found) => {
                 let took_us = searched.elapsed().as_micros() as u64;

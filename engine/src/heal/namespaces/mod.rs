@@ -28,12 +28,23 @@
 //! not grow with it. A namespace a read left something out of is named in
 //! one warning while it is known.
 //!
+//! A namespace learnt after a heal can still hold a copy of a connection
+//! the heal replaced (made during the outage, its exec handled late, or no
+//! exec made in it at all): every heal that replaced a dead connection
+//! leaves it watched ([`Namespaces::replaced`]) and has `/proc` walked once
+//! more for namespaces no exec made known; a namespace learnt from then on
+//! that holds a mount of a watched connection is handed to the loop
+//! ([`LateCopies`]) to heal. A connection is told by its device number and
+//! its `fusectl` directory, which lives as long as any mount of it, so a
+//! number given to a new connection is never taken for the dead one.
+//!
 //! Until the first walk is done, and where the connector cannot be had
 //! (`--container-namespaces walk`, or a pod without hostPID), a query walks
 //! `/proc` as it is asked.
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::io;
+use std::ops::RangeBounds;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -47,6 +58,7 @@ use fuse_supervisor_sys::{fds, ns};
 use tracing::{debug, info, warn};
 
 use super::carry::NestedSlot;
+use super::connections::{FUSE_CONNECTIONS, FuseConnections};
 use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, dead_tops, open_namespace_of};
 use super::nested_copies::NestedCopies;
 use super::priority::{HealActivity, HealPriority};
@@ -127,6 +139,39 @@ pub struct Namespaces {
     /// Where the mounts nested in watched volumes are copied ahead, once a
     /// heal executor is there to use them.
     copier: OnceLock<Copier>,
+    /// The live FUSE connections, which tell a replaced connection from a
+    /// later one given its number.
+    connections: FuseConnections,
+    /// Who heals the copies of replaced connections in namespaces learnt
+    /// after their heal.
+    late_copies: OnceLock<LateCopiesSink>,
+}
+
+struct LateCopiesSink(LateCopiesNotify);
+
+impl std::fmt::Debug for LateCopiesSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LateCopiesSink")
+    }
+}
+
+/// Mounts of a dead connection that a heal replaced, found in a namespace
+/// learnt after it: to heal from `source`'s current mount.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LateCopies {
+    pub source: PathBuf,
+    pub mounts: Vec<ForeignMount>,
+}
+
+pub type LateCopiesNotify = Box<dyn Fn(LateCopies) + Send + Sync>;
+
+/// A dead connection a heal replaced, watched for until it ends.
+#[derive(Debug)]
+struct Replaced {
+    /// The inode of its `fusectl` directory.
+    connection: u64,
+    /// The source whose mount replaced it.
+    source: PathBuf,
 }
 
 #[derive(Debug)]
@@ -148,6 +193,10 @@ struct Known {
     /// The namespaces over a table cap that a warning named: each is named
     /// once while it is known.
     warned: HashSet<u64>,
+    /// The dead connections heals replaced, by number, while they last:
+    /// under this lock, so that a namespace is either learnt before a
+    /// heal's search reads the known ones or checked as it is learnt.
+    replaced: BTreeMap<Dev, Replaced>,
 }
 
 #[derive(Debug)]
@@ -182,7 +231,38 @@ impl Namespaces {
             known: Mutex::default(),
             keeper: OnceLock::new(),
             copier: OnceLock::new(),
+            connections: FuseConnections::open(Path::new(FUSE_CONNECTIONS)),
+            late_copies: OnceLock::new(),
         })
+    }
+
+    /// `notify` hears of each namespace learnt after a heal that holds
+    /// mounts of a connection the heal replaced (see [`Namespaces::replaced`]).
+    pub fn when_late_copies(&self, notify: LateCopiesNotify) {
+        let _ = self.late_copies.set(LateCopiesSink(notify));
+    }
+
+    /// A heal replaced the mounts of the dead connections `dead` (each
+    /// with the inode of its `fusectl` directory, taken while its number
+    /// was surely its own) with `source`'s: from now until a connection
+    /// ends, a namespace learnt that holds a mount of it is handed to the
+    /// loop, and `/proc` is walked once more for namespaces no exec made
+    /// known. Returns the generation of the namespaces known now: a search
+    /// of those learnt up to it, and the checks of those learnt after, see
+    /// each namespace once.
+    pub fn replaced(&self, dead: &[(Dev, u64)], source: &Path) -> u64 {
+        let mut known = self.known();
+        let connections = &self.connections;
+        known.replaced.retain(|dev, replaced| connections.inode_of(*dev) == Some(replaced.connection));
+        for (dev, connection) in dead {
+            known.replaced.insert(*dev, Replaced { connection: *connection, source: source.to_path_buf() });
+        }
+        let generation = known.generation;
+        drop(known);
+        if !dead.is_empty() {
+            self.look_for_unknown();
+        }
+        generation
     }
 
     /// Copies ahead, into `copies` and on `workers`, the mounts nested in
@@ -253,14 +333,14 @@ impl Namespaces {
     }
 
     /// Every mount of a connection in `dead` in the known namespaces but
-    /// `skip`'s (inodes), each read again now through its anchor; with
-    /// `learnt_after`, only in those learnt after that generation. Walks
-    /// `/proc` instead while the set is not kept.
+    /// `skip`'s (inodes), each read again now through its anchor; only in
+    /// those learnt at one of `generations`. Walks `/proc` instead while
+    /// the set is not kept.
     pub fn holding(
         &self,
         skip: &BTreeSet<u64>,
         dead: &BTreeSet<Dev>,
-        learnt_after: Option<u64>,
+        generations: impl RangeBounds<u64>,
     ) -> Result<Holding, ContainerHealError> {
         let candidates: Vec<(u64, ProcessId)> = {
             let known = self.known();
@@ -275,9 +355,7 @@ impl Namespaces {
                 .by_inode
                 .iter()
                 .filter(|(inode, learnt)| {
-                    !skip.contains(inode)
-                        && learnt.may_hold(dead)
-                        && learnt_after.is_none_or(|after| learnt.generation > after)
+                    !skip.contains(inode) && learnt.may_hold(dead) && generations.contains(&learnt.generation)
                 })
                 .map(|(inode, learnt)| (*inode, learnt.read.anchor))
                 .collect()
@@ -444,7 +522,25 @@ impl Namespaces {
         self.copy_ahead([&read]);
         let mut known = self.known();
         known.warn_once_if_over_caps(&read);
+        let late = known.replaced_held_by(&read, &self.connections);
+        let holder = (!late.is_empty()).then(|| read.clone());
         known.learn(read);
+        drop(known);
+        if let Some(read) = holder {
+            self.hand_over_late(&read, late);
+        }
+    }
+
+    /// Hands `read`'s mounts of the replaced connections `late` (by the
+    /// source that replaced them) to the loop.
+    fn hand_over_late(&self, read: &NamespaceRead, late: BTreeMap<PathBuf, BTreeSet<Dev>>) {
+        let Some(LateCopiesSink(notify)) = self.late_copies.get() else { return };
+        for (source, connections) in late {
+            let mounts = read.foreign_mounts(&connections);
+            if !mounts.is_empty() {
+                notify(LateCopies { source, mounts });
+            }
+        }
     }
 
     /// Learns every namespace afresh by a walk of `/proc`.
@@ -463,6 +559,8 @@ impl Namespaces {
             walked.into_iter().filter(|read| watcher.watch(read.anchor).is_ok()).collect();
         let known = self.known();
         let old_anchors: Vec<u32> = known.anchors.keys().copied().collect();
+        let before: HashSet<(u64, u32)> =
+            known.by_inode.iter().map(|(namespace, learnt)| (*namespace, learnt.read.anchor.pid)).collect();
         let still: HashSet<(u64, u32)> = watched.iter().map(|read| (read.namespace, read.anchor.pid)).collect();
         let gone: Vec<u64> = known
             .by_inode
@@ -478,8 +576,15 @@ impl Namespaces {
         let mut known = self.known();
         known.by_inode.clear();
         known.anchors.clear();
+        let mut late = Vec::new();
         for read in watched {
             known.warn_once_if_over_caps(&read);
+            if !before.contains(&(read.namespace, read.anchor.pid)) {
+                let held = known.replaced_held_by(&read, &self.connections);
+                if !held.is_empty() {
+                    late.push((read.clone(), held));
+                }
+            }
             known.learn(read);
         }
         let Known { warned, by_inode, .. } = &mut *known;
@@ -495,6 +600,9 @@ impl Namespaces {
             .count();
         let namespaces = known.by_inode.len();
         drop(known);
+        for (read, held) in late {
+            self.hand_over_late(&read, held);
+        }
         let took_us = started.elapsed().as_micros() as u64;
         info!(reason, namespaces, holding, took_us, "mount namespaces walked");
     }
@@ -541,6 +649,28 @@ impl Known {
         self.anchors.insert(read.anchor.pid, read.namespace);
         self.by_inode
             .insert(read.namespace, Learnt { read, generation: self.generation, healed_onto: BTreeSet::new() });
+    }
+
+    /// The replaced connections `read` holds mounts of that are still the
+    /// connections replaced (their `fusectl` directory the one recorded),
+    /// by the source that replaced them.
+    fn replaced_held_by(
+        &self,
+        read: &NamespaceRead,
+        connections: &FuseConnections,
+    ) -> BTreeMap<PathBuf, BTreeSet<Dev>> {
+        let mut held: BTreeMap<PathBuf, BTreeSet<Dev>> = BTreeMap::new();
+        if self.replaced.is_empty() {
+            return held;
+        }
+        let devs: BTreeSet<Dev> = read.fuse_mounts.iter().map(|mount| mount.dev).collect();
+        for dev in devs {
+            let Some(replaced) = self.replaced.get(&dev) else { continue };
+            if connections.inode_of(dev) == Some(replaced.connection) {
+                held.entry(replaced.source.clone()).or_default().insert(dev);
+            }
+        }
+        held
     }
 
     /// Names `read`'s namespace in a warning if the read left something

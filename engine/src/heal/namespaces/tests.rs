@@ -59,11 +59,18 @@ fn private_volume(minor: u32) -> String {
 
 /// Known as a walk leaves them: every namespace of `proc`.
 fn kept(proc: &FakeProc) -> Namespaces {
+    kept_with(proc, FuseConnections::unavailable())
+}
+
+/// [`kept`], with the live FUSE connections listed in `connections`.
+fn kept_with(proc: &FakeProc, connections: FuseConnections) -> Namespaces {
     let namespaces = Namespaces {
         proc_root: proc.path().to_path_buf(),
         known: Mutex::default(),
         keeper: OnceLock::new(),
         copier: OnceLock::new(),
+        connections,
+        late_copies: OnceLock::new(),
     };
     let walked = walk(proc.path(), &BTreeSet::new(), || {}).unwrap();
     let mut known = namespaces.known();
@@ -90,7 +97,7 @@ fn a_query_reads_again_only_namespaces_that_can_hold_a_connections_mount() {
     // there a mount of the dead connection arrived by propagation.
     proc.rewrite(30, &private_volume(50));
     proc.rewrite(20, &format!("{slave}40 30 0:50 / /data/v rw master:9 - fuse.bindfs bindfs rw\n"));
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert!(!found.walked);
     assert_eq!(found.read, 2);
     let mut seen: Vec<(u64, u32, &str)> = found
@@ -107,7 +114,7 @@ fn a_query_reads_again_only_namespaces_that_can_hold_a_connections_mount() {
     assert!(!found.mounts.iter().any(|foreign| foreign.namespace == inode(&plain)));
 
     // Skipped namespaces are not read.
-    let found = namespaces.holding(&BTreeSet::from([inode(&with_volume)]), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::from([inode(&with_volume)]), &BTreeSet::from([DEAD]), ..).unwrap();
     assert_eq!(found.read, 1);
 }
 
@@ -117,7 +124,7 @@ fn only_namespaces_learnt_after_a_generation_are_read_for_it() {
     proc.process(10, None, 100, &private_volume(50));
     let namespaces = kept(&proc);
     let searched_at = namespaces.generation();
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), Some(searched_at)).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), searched_at + 1..).unwrap();
     assert_eq!((found.read, found.mounts.len()), (0, 0), "nothing learnt since");
 
     // A process unshared a copy of the dead mount and exec'd: learnt.
@@ -125,10 +132,53 @@ fn only_namespaces_learnt_after_a_generation_are_read_for_it() {
     let read = read_namespace(proc.path(), 40, None).unwrap().expect("readable");
     namespaces.known().learn(read);
     assert!(namespaces.generation() > searched_at);
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), Some(searched_at)).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), searched_at + 1..).unwrap();
     assert_eq!(found.read, 1);
     assert_eq!(found.mounts.len(), 1);
     assert_eq!(found.mounts[0].pid, 40);
+}
+
+/// The kernel's name for connection `dev`'s `fusectl` directory.
+fn connection_dir(connections: &Path, dev: Dev) -> PathBuf {
+    connections.join(((u64::from(dev.major) << 20) | u64::from(dev.minor)).to_string())
+}
+
+#[test]
+fn a_namespace_learnt_after_a_heal_hands_over_its_copies_of_the_connection_replaced() {
+    let proc = FakeProc::new();
+    let fusectl = tempfile::tempdir().unwrap();
+    let dead_dir = connection_dir(fusectl.path(), DEAD);
+    fs::create_dir(&dead_dir).unwrap();
+    let namespaces = kept_with(&proc, FuseConnections::at(fusectl.path()));
+    let (send, handed) = mpsc::channel();
+    namespaces.when_late_copies(Box::new(move |late| send.send(late).unwrap()));
+    let source = Path::new("/var/lib/fuse/source");
+    let generation = namespaces.replaced(&[(DEAD, inode(&dead_dir))], source);
+    assert_eq!(generation, namespaces.generation());
+
+    // A copy of the dead connection's mount, learnt now: handed over.
+    proc.process(40, None, 400, &private_volume(50));
+    namespaces.learn_new(read_namespace(proc.path(), 40, None).unwrap().unwrap());
+    let late = handed.try_recv().expect("the late copy handed over");
+    assert_eq!(late.source, source);
+    assert_eq!(late.mounts.len(), 1);
+    assert_eq!((late.mounts[0].pid, late.mounts[0].mount.mount_point.as_path()), (40, Path::new("/volume")));
+    // Learnt after the generation the heal's search reads up to.
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..=generation).unwrap();
+    assert_eq!(found.read, 0, "the search and the late check see a namespace once");
+
+    // Another connection's mount: nothing.
+    proc.process(50, None, 500, &private_volume(51));
+    namespaces.learn_new(read_namespace(proc.path(), 50, None).unwrap().unwrap());
+    assert!(handed.try_recv().is_err());
+
+    // The dead connection ended and a new one got its number: its mounts
+    // are that one's, never replaced.
+    fs::rename(&dead_dir, fusectl.path().join("old")).unwrap();
+    fs::create_dir(&dead_dir).unwrap();
+    proc.process(60, None, 600, &private_volume(50));
+    namespaces.learn_new(read_namespace(proc.path(), 60, None).unwrap().unwrap());
+    assert!(handed.try_recv().is_err(), "a later connection with the number taken for the dead one");
 }
 
 #[test]
@@ -151,7 +201,7 @@ fn a_namespace_is_forgotten_when_its_anchor_exits_or_is_found_gone() {
     // Gone before its exit was handled: found gone by the query, which
     // forgets it and finds nothing there.
     proc.exits(20);
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert!(found.mounts.is_empty());
     assert!(namespaces.is_empty());
 }
@@ -165,7 +215,7 @@ fn a_pid_taken_by_another_process_does_not_read_as_the_anchor() {
     // (a hard link keeps the same inode, so this is a new namespace file).
     proc.exits(10);
     proc.process(10, None, 900, &private_volume(50));
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert!(found.mounts.is_empty(), "{:?}", found.mounts);
     assert!(namespaces.is_empty());
 }
@@ -175,7 +225,7 @@ fn until_kept_a_query_walks() {
     let proc = FakeProc::new();
     proc.process(10, None, 100, &private_volume(50));
     let namespaces = Namespaces::new(proc.path());
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert!(found.walked);
     assert_eq!(found.mounts.len(), 1);
 }
@@ -193,14 +243,14 @@ fn a_namespace_holding_other_connections_is_read_only_once_healed_onto_this_one(
     let proc = FakeProc::new();
     let other = proc.process(10, None, 100, &private_volume(60));
     let namespaces = kept(&proc);
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert_eq!(found.read, 0, "it holds 0:60 only, and receives nothing");
 
     // A container heal replaced its mount with one of 0:50 (the table
     // says so now, but it was not read since).
     proc.rewrite(10, &private_volume(50));
     namespaces.healed_onto(inode(&other), DEAD);
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert_eq!((found.read, found.mounts.len()), (1, 1));
     // Read again: what it holds is known from its table from now on.
     assert!(namespaces.known().by_inode[&inode(&other)].healed_onto.is_empty());
@@ -227,7 +277,7 @@ fn a_reused_namespace_inode_is_learnt_afresh() {
     assert!(namespaces.is_known(reused));
     assert_eq!(namespaces.known().anchors.get(&20), Some(&reused));
     assert!(!namespaces.known().anchors.contains_key(&10), "the old anchor stands for nothing");
-    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
     assert_eq!(found.mounts.iter().map(|foreign| foreign.pid).collect::<Vec<_>>(), [20]);
 }
 
@@ -250,7 +300,7 @@ fn a_namespace_whose_first_process_vanished_is_read_through_the_next() {
     proc.process(4000, Some(&container), 500, &dead_line);
     proc.process(9000, Some(&container), 100, &dead_line);
     let walked = Namespaces::new(proc.path());
-    let found = walked.holding(&BTreeSet::from([inode(&own)]), &BTreeSet::from([DEAD]), None).unwrap();
+    let found = walked.holding(&BTreeSet::from([inode(&own)]), &BTreeSet::from([DEAD]), ..).unwrap();
     assert!(found.walked);
     assert_eq!(found.mounts.len(), 1, "{:?}", found.mounts);
     let foreign = &found.mounts[0];
@@ -262,7 +312,7 @@ fn a_namespace_whose_first_process_vanished_is_read_through_the_next() {
 #[test]
 fn the_walk_skips_the_own_namespace_and_finds_nothing_without_dead_connections() {
     let own = BTreeSet::from([inode(Path::new("/proc/self/ns/mnt"))]);
-    let found = Namespaces::new(Path::new("/proc")).holding(&own, &BTreeSet::new(), None).unwrap();
+    let found = Namespaces::new(Path::new("/proc")).holding(&own, &BTreeSet::new(), ..).unwrap();
     assert!(found.walked && found.mounts.is_empty());
-    assert!(Namespaces::new(Path::new("/nonexistent")).holding(&own, &BTreeSet::new(), None).is_err());
+    assert!(Namespaces::new(Path::new("/nonexistent")).holding(&own, &BTreeSet::new(), ..).is_err());
 }
