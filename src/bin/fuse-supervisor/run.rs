@@ -142,7 +142,8 @@ pub(crate) struct DaemonArgs {
     #[arg(long, env = "FUSE_SUPERVISOR_ABORT_DEAD_CONNECTIONS")]
     pub(crate) abort_dead_connections: bool,
     /// Where the FUSE control filesystem (fusectl) is mounted in the
-    /// watched namespace.
+    /// watched namespace; where it is not, connections are told apart
+    /// through a private instance, but orphans cannot be aborted.
     #[arg(long, default_value = "/sys/fs/fuse/connections", env = "FUSE_SUPERVISOR_FUSE_CONNECTIONS_DIR")]
     pub(crate) fuse_connections_dir: PathBuf,
     /// Once a dead daemon's connection is held by nobody, detach its own

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use fuse_supervisor_engine::errors::chain;
-use fuse_supervisor_engine::heal::connection_inode;
+use fuse_supervisor_engine::heal::connections::FuseConnections;
 use fuse_supervisor_engine::heal::priority::{HealActivity, HealPriority};
 use fuse_supervisor_engine::model::table::Dev;
 use fuse_supervisor_engine::plan::flapping::FlappingPolicy;
@@ -218,6 +218,9 @@ pub struct Daemons {
     /// connection made anywhere (a pod's own FUSE daemon), and a discovery
     /// that ran after that would take its holders for this one's.
     identities: BTreeMap<Dev, Option<u64>>,
+    /// Where those directories are read: `fuse_connections`, or a private
+    /// `fusectl` where none is mounted there.
+    connections: FuseConnections,
     want_exec: Arc<AtomicBool>,
     last_exec_discovery: Option<Instant>,
     orphans: BTreeMap<Dev, Orphan>,
@@ -298,6 +301,7 @@ impl Daemons {
             holders,
             known: BTreeMap::new(),
             identities: BTreeMap::new(),
+            connections: FuseConnections::open(&options.fuse_connections),
             want_exec,
             last_exec_discovery: None,
             orphans: BTreeMap::new(),
@@ -357,7 +361,7 @@ impl Daemons {
             gone.retain(|dev| !kept.contains(dev));
         }
         for (_, dev) in &new {
-            self.identities.insert(*dev, connection_inode(&self.options.fuse_connections, *dev));
+            self.identities.insert(*dev, self.connections.inode_of(*dev));
         }
         for dev in gone {
             self.known.remove(&dev);
@@ -534,11 +538,11 @@ impl Daemons {
     /// both when first seen and after the `/proc` scan was there all along
     /// (a number is not given again while its connection lives), so the
     /// holders the scan found are its own. Where either look found no
-    /// `fusectl` directory (not mounted, then or now), the number alone
-    /// tells.
+    /// `fusectl` directory (none readable, or gone by then), the number
+    /// alone tells.
     fn same_connection(&self, dev: Dev) -> bool {
         let Some(Some(seen)) = self.identities.get(&dev) else { return true };
-        connection_inode(&self.options.fuse_connections, dev).is_none_or(|now| now == *seen)
+        self.connections.inode_of(dev).is_none_or(|now| now == *seen)
     }
 
     /// Stops watching `processes` as holders of `dev`.
