@@ -12,7 +12,8 @@ use super::mounter::Mounter;
 use crate::model::table::Dev;
 
 /// Rounds of [`Mounter::expire_dead_source`] before a dead source that is
-/// looked at between its two steps each time is detached lazily instead.
+/// looked at between its two steps, or busy, each time is detached lazily
+/// instead.
 const EXPIRY_TRIES: usize = 3;
 
 /// How an unmount of a dead source by expiry went.
@@ -26,7 +27,9 @@ enum Expiry {
     Gone,
     /// Looked at between the two steps (which clears the mark): try again.
     Used,
-    /// Open, or with mounts on it: it cannot be unmounted but lazily.
+    /// Open, or with mounts on it, or looked up at that instant (a path
+    /// walk through it holds it for a moment: a fresh mount nobody had
+    /// opened was found so under load): tried again, then detached lazily.
     Busy,
 }
 
@@ -45,8 +48,7 @@ pub(super) fn detach(mounter: &Mounter, source: &Path, dead: Dev) -> Result<bool
         match mounter.expire_dead_source(source, unique)? {
             Expiry::Unmounted => return Ok(true),
             Expiry::Covered | Expiry::Gone => return Ok(false),
-            Expiry::Used => continue,
-            Expiry::Busy => break,
+            Expiry::Used | Expiry::Busy => continue,
         }
     }
     // In use, looked at between the steps every time, or a kernel before
