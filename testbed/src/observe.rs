@@ -97,7 +97,13 @@ pub fn layers_at(sandbox: &Sandbox, path: &Path) -> usize {
 pub fn http_get(addr: SocketAddr, path: &str) -> io::Result<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    // In one write, so in one segment, as the kubelet's and Prometheus's
+    // clients send theirs: `write!` on the stream writes each piece of the
+    // format alone, and a head that arrives in pieces holds a place in the
+    // server's table of slow heads (where 64 slow clients from the same
+    // address pushed one out, once, on a loaded machine).
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes())?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     let malformed = || io::Error::new(io::ErrorKind::InvalidData, format!("not an HTTP response: {response:?}"));
