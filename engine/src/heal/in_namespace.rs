@@ -183,6 +183,15 @@ pub fn heal_in_namespaces(
     })?;
     // Read while this thread's /proc is the agent's.
     let users = carry::ContainerUsers::of(heal.pid);
+    let pid = heal.pid;
+    let target_path = &heal.target.mount_point;
+    // The dead mount first: one the tenant changed or covered is refused
+    // before anything is cloned. A clone let go unused is unmounted, and
+    // each unmount waits for an expedited RCU grace period: a tenant's 200
+    // covered binds cost 200 of them per attempt, which on two loaded CPUs
+    // held the namespace's worker for 15 s.
+    enter(namespaces.target.as_fd(), pid)?;
+    let stale = open_recorded(pid, &heal.target, heal.target_unique_id)?;
     enter(namespaces.source.as_fd(), source_pid)?;
     let step = |step, pid, path: &Path| {
         let path = path.to_path_buf();
@@ -205,11 +214,7 @@ pub fn heal_in_namespaces(
         }
     };
     let clone = mount::clone_mount(from).map_err(step("clone the live mount", source_pid, &from_path(heal)))?;
-
-    let pid = heal.pid;
-    let target_path = &heal.target.mount_point;
     enter(namespaces.target.as_fd(), pid)?;
-    let stale = open_recorded(pid, &heal.target, heal.target_unique_id)?;
     // The dead mount's attributes, read from its mount (never its dead
     // filesystem), go onto the clone with its propagation while it is
     // detached: no process ever sees the replacement with the source's
