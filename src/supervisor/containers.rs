@@ -112,7 +112,10 @@ impl<E: Executor> Supervisor<E> {
     /// learnt after that heal holds, from their source's current mount: a
     /// retry due now, so a source down again waits as a retry does.
     pub(super) fn heal_late_copies(&mut self, late: LateCopies) {
-        let LateCopies { source, mounts } = late;
+        let LateCopies { source, mut mounts } = late;
+        // A namespace learnt again (its anchor exited) may hand over mounts
+        // whose heal already waits here (refused, given up, backing off).
+        mounts.retain(|foreign| !self.container_heal_waits(foreign));
         let Some(first) = mounts.first() else { return };
         info!(namespace = first.namespace, pid = first.pid, mounts = mounts.len(), source = %source.display(), "a namespace learnt after a heal holds mounts of the connection it replaced");
         let now = Instant::now();
@@ -123,6 +126,19 @@ impl<E: Executor> Supervisor<E> {
             retry_at: now,
         }));
         self.retry_containers();
+    }
+
+    /// Whether a heal of `foreign` (the same mount of the same namespace)
+    /// waits for its retry, for a change of its namespace, or for its worker.
+    fn container_heal_waits(&self, foreign: &ForeignMount) -> bool {
+        let same = |retry: &ContainerRetry| {
+            retry.foreign.namespace == foreign.namespace && retry.foreign.mount.mount_id == foreign.mount.mount_id
+        };
+        self.container_retries.iter().chain(&self.refusals.waiting).any(same)
+            || self
+                .given_up
+                .get(&foreign.namespace)
+                .is_some_and(|given_up| given_up.contains_key(&foreign.mount.mount_id))
     }
 
     /// Logs, counts and reports each outcome. A failure is retried with

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::supervisor::daemons::DaemonWatch;
 use fuse_supervisor_engine::heal::containers::{ContainerHealError, ForeignHealed, ForeignMount};
+use fuse_supervisor_engine::heal::namespaces::LateCopies;
 use fuse_supervisor_engine::heal::priority::HealPriority;
 use fuse_supervisor_engine::heal::probe::{ProbeOutcome, SourceHandles};
 use fuse_supervisor_engine::heal::{
@@ -91,7 +92,7 @@ struct RecordingExecutor {
     table: SetTable,
     after_heal: Option<String>,
     fail: Option<PathBuf>,
-    /// What the next heal in containers returns.
+    /// What the next heal or retry in containers returns.
     containers: Vec<ContainerOutcome>,
 }
 
@@ -147,7 +148,7 @@ impl Executor for RecordingExecutor {
     fn retry_containers(&mut self, mounts: &[ForeignMount], _source: &FuseMount) -> Vec<ContainerOutcome> {
         let mounts = mounts.iter().map(|foreign| (foreign.namespace, foreign.pid)).collect();
         lock(&self.calls).push(Call::RetryContainers { mounts });
-        Vec::new()
+        std::mem::take(&mut self.containers)
     }
 }
 
@@ -585,4 +586,30 @@ fn a_container_heal_given_up_on_is_tried_again_once_its_worker_ends() {
     assert_eq!(retries(&harness), [Call::RetryContainers { mounts: vec![(1, 4242)] }]);
     harness.supervisor.retry_given_up(1);
     assert_eq!(retries(&harness).len(), 1, "tried again twice for one given-up heal");
+}
+
+/// Copies of a replaced connection in a namespace learnt after the heal
+/// are healed at once from their source's current mount; handed over
+/// again while their heal waits (a namespace learnt anew), they are not
+/// healed twice.
+#[test]
+fn late_copies_are_healed_from_their_source_once() {
+    let mut harness = Harness::new(None, None);
+    let (_, healed) = harness.replaced_and_healed();
+    harness.table.set(healed);
+    harness.supervisor.rescan();
+    let retries = |harness: &Harness| {
+        harness.calls().into_iter().filter(|call| matches!(call, Call::RetryContainers { .. })).collect::<Vec<_>>()
+    };
+    let late = LateCopies { source: harness.path(GLOBAL), mounts: vec![foreign(4242, 1)] };
+    // Its worker is late: the heal waits for it.
+    let given_up = ContainerHealError::Deadline { pid: 4242, namespace: 1, deadline_ms: 1000 };
+    harness.supervisor.executor.containers = vec![(foreign(4242, 1), Err(given_up))];
+    harness.supervisor.heal_late_copies(late.clone());
+    assert_eq!(retries(&harness), [Call::RetryContainers { mounts: vec![(1, 4242)] }]);
+
+    harness.supervisor.heal_late_copies(late);
+    assert_eq!(retries(&harness).len(), 1, "a copy whose heal waits for its worker was healed again");
+    harness.supervisor.retry_given_up(1);
+    assert_eq!(retries(&harness).len(), 2, "and is tried again once that worker ends");
 }
