@@ -267,8 +267,15 @@ fn a_tenant_covering_its_many_dead_binds_writes_a_line_per_change_not_per_mount(
     check(&node, node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, second)));
     let healed = |line: &str| line.contains("\"container healed\"") && line.contains("/copies/7\"");
     check(&node, node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, healed)));
+    // On two loaded CPUs the heal after the uncover can still miss the 10 s
+    // deadline (its one detach waited that long for an expedited RCU grace
+    // period behind every other test's unmounts): one line for the
+    // namespace too, and its late worker's replacement is reported once
+    // it ends.
+    let given_up = |line: &str| line.contains("\"container heal given up");
     let per_mount = lines(&node, |line| line.contains("\"level\":\"WARN\"") && line.contains("/copies/"));
-    assert_eq!(per_mount.len(), lines(&node, refused).len(), "a WARN line per mount: {per_mount:#?}");
+    let per_namespace = lines(&node, |line| refused(line) || given_up(line)).len();
+    assert_eq!(per_mount.len(), per_namespace, "a WARN line per mount: {per_mount:#?}");
     let refused_total = check(
         &node,
         node.supervisor().and_then(|s| s.metric(r#"fuse_supervisor_container_heals_total{result="refused"}"#)),

@@ -36,6 +36,9 @@ pub(super) struct ContainerRetry {
     source: PathBuf,
     attempts: u32,
     pub(super) retry_at: Instant,
+    /// Tried again after a heal given up on: its worker, left behind, may
+    /// have replaced the mount since.
+    after_given_up: bool,
 }
 
 /// Container heals the tenant refused (it changed or covered its mount),
@@ -101,9 +104,20 @@ impl<E: Executor> Supervisor<E> {
                 continue;
             };
             let mounts: Vec<ForeignMount> = retries.iter().map(|retry| retry.foreign.clone()).collect();
-            let attempts: Vec<_> = retries.into_iter().map(|retry| (retry.foreign, retry.attempts)).collect();
+            let late: Vec<&ForeignMount> =
+                retries.iter().filter(|retry| retry.after_given_up).map(|retry| &retry.foreign).collect();
             let started = Instant::now();
-            let outcomes = self.executor.retry_containers(&mounts, &top);
+            let mut outcomes = self.executor.retry_containers(&mounts, &top);
+            // Found live after a heal given up on: that heal's worker ended
+            // late, having replaced it (an isolated mount receives nothing
+            // by propagation). Counted as the replacement it was, which the
+            // give-up left unreported.
+            for (foreign, outcome) in &mut outcomes {
+                if matches!(outcome, Ok(ForeignHealed::AlreadyLive)) && late.contains(&&*foreign) {
+                    *outcome = Ok(ForeignHealed::Replaced { not_carried: Vec::new() });
+                }
+            }
+            let attempts: Vec<_> = retries.into_iter().map(|retry| (retry.foreign, retry.attempts)).collect();
             self.container_outcomes(outcomes, &source, started, None, &attempts);
         }
     }
@@ -124,6 +138,7 @@ impl<E: Executor> Supervisor<E> {
             source: source.clone(),
             attempts: 0,
             retry_at: now,
+            after_given_up: false,
         }));
         self.retry_containers();
     }
@@ -220,6 +235,7 @@ impl<E: Executor> Supervisor<E> {
                             source: source.to_path_buf(),
                             attempts: failed_before + 1,
                             retry_at: now,
+                            after_given_up: false,
                         };
                         self.given_up.entry(namespace).or_default().insert(foreign.mount.mount_id, retry);
                     } else {
@@ -229,6 +245,7 @@ impl<E: Executor> Supervisor<E> {
                             source: source.to_path_buf(),
                             attempts,
                             retry_at: now + retry_delay(attempts),
+                            after_given_up: false,
                         };
                         let backs_off = if why == Failure::Refused { self.wait_for_change(retry) } else { Some(retry) };
                         failures.backs_off |= backs_off.is_some();
@@ -322,7 +339,11 @@ impl<E: Executor> Supervisor<E> {
     pub(super) fn retry_given_up(&mut self, namespace: u64) {
         let Some(due) = self.given_up.remove(&namespace) else { return };
         let now = Instant::now();
-        self.container_retries.extend(due.into_values().map(|retry| ContainerRetry { retry_at: now, ..retry }));
+        self.container_retries.extend(due.into_values().map(|retry| ContainerRetry {
+            retry_at: now,
+            after_given_up: true,
+            ..retry
+        }));
         self.retry_containers();
     }
 

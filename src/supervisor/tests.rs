@@ -582,8 +582,13 @@ fn a_container_heal_given_up_on_is_tried_again_once_its_worker_ends() {
 
     harness.supervisor.retry_given_up(2);
     assert!(retries(&harness).is_empty(), "tried again for another namespace's worker");
+    // The worker left behind replaced the mount before it ended: found
+    // live, and counted as the replacement it was.
+    harness.supervisor.executor.containers = vec![(foreign(4242, 1), Ok(ForeignHealed::AlreadyLive))];
     harness.supervisor.retry_given_up(1);
     assert_eq!(retries(&harness), [Call::RetryContainers { mounts: vec![(1, 4242)] }]);
+    let replaced = harness.reports().iter().filter(|line| *line == "container replaced").count();
+    assert_eq!(replaced, 1, "{:?}", harness.reports());
     harness.supervisor.retry_given_up(1);
     assert_eq!(retries(&harness).len(), 1, "tried again twice for one given-up heal");
 }
