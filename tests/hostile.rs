@@ -276,9 +276,25 @@ fn a_tenant_covering_its_many_dead_binds_writes_a_line_per_change_not_per_mount(
     let per_mount = lines(&node, |line| line.contains("\"level\":\"WARN\"") && line.contains("/copies/"));
     let per_namespace = lines(&node, |line| refused(line) || given_up(line)).len();
     assert_eq!(per_mount.len(), per_namespace, "a WARN line per mount: {per_mount:#?}");
-    let refused_total = check(
-        &node,
-        node.supervisor().and_then(|s| s.metric(r#"fuse_supervisor_container_heals_total{result="refused"}"#)),
-    );
-    assert_eq!(refused_total, Some((2 * BINDS - 1) as f64));
+    // Every mount counted at each attempt: all at the first, all but the
+    // healed one at each after. The heal of the uncovered bind is itself a
+    // mount change in the namespace, and when its event comes after the
+    // attempt it woke one more (the namespace-change watch does not tell
+    // the agent's own changes from the tenant's).
+    // The log is read by a thread of the test world and the metric over
+    // HTTP: each is taken until they agree on the attempts made.
+    let refused_total = || {
+        let total =
+            node.supervisor().and_then(|s| s.metric(r#"fuse_supervisor_container_heals_total{result="refused"}"#));
+        check(&node, total)
+    };
+    let counted = |attempts: usize| Some((BINDS + attempts.saturating_sub(1) * (BINDS - 1)) as f64);
+    let agreed = scenario::wait_for("the refusals logged and counted alike", TIMEOUT, || {
+        refused_total() == counted(lines(&node, refused).len())
+    });
+    let refusals = lines(&node, refused).len();
+    if let Err(err) = agreed {
+        panic!("{err:?}: {refusals} lines, {:?} counted\n{}", refused_total(), node.describe());
+    }
+    assert!((2..=3).contains(&refusals), "{refusals} attempts refused");
 }
