@@ -11,6 +11,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use fuse_supervisor_sys::{mount, resolve};
 use tracing::{debug, warn};
@@ -28,7 +29,17 @@ pub struct FuseConnections {
     dir: Option<OwnedFd>,
 }
 
+/// The process's one [`FuseConnections`]: every instance of `fusectl`
+/// lists the same connections, so one descriptor serves every user.
+static SHARED: OnceLock<Arc<FuseConnections>> = OnceLock::new();
+
 impl FuseConnections {
+    /// The process's instance, opened at the first call (see
+    /// [`FuseConnections::open`]; `mounted` of later calls is not looked at).
+    pub fn shared(mounted: &Path) -> Arc<FuseConnections> {
+        Arc::clone(SHARED.get_or_init(|| Arc::new(FuseConnections::open(mounted))))
+    }
+
     /// `fusectl` where it is mounted at `mounted`, else a private instance.
     pub fn open(mounted: &Path) -> Self {
         let at_path = resolve::open_dir(mounted).ok().filter(|dir| mount::is_fusectl(dir.as_fd()).unwrap_or(false));

@@ -9,6 +9,7 @@
 //! [`super::connections`]): an entry whose directory is gone or is another
 //! one is of an earlier connection.
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use super::connections::FuseConnections;
 use super::containers::ForeignMount;
@@ -16,7 +17,7 @@ use crate::model::table::Dev;
 
 #[derive(Debug)]
 pub struct Isolations {
-    connections: FuseConnections,
+    connections: Arc<FuseConnections>,
     by_dev: BTreeMap<Dev, Isolation>,
 }
 
@@ -36,7 +37,7 @@ struct Isolation {
 }
 
 impl Isolations {
-    pub fn new(connections: FuseConnections) -> Self {
+    pub fn new(connections: Arc<FuseConnections>) -> Self {
         Isolations { connections, by_dev: BTreeMap::new() }
     }
 
@@ -107,7 +108,7 @@ mod tests {
         let dir = connections.path().join("57");
         std::fs::create_dir(&dir).unwrap();
         let dev = Dev { major: 0, minor: 57 };
-        let mut isolations = Isolations::new(FuseConnections::at(connections.path()));
+        let mut isolations = Isolations::new(Arc::new(FuseConnections::at(connections.path())));
         assert!(!isolations.contains(dev));
         isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev), "the same connection is isolated already");
@@ -128,7 +129,7 @@ mod tests {
 
     #[test]
     fn without_fusectl_the_number_alone_tells() {
-        let mut isolations = Isolations::new(FuseConnections::unavailable());
+        let mut isolations = Isolations::new(Arc::new(FuseConnections::unavailable()));
         let dev = Dev { major: 0, minor: 3 };
         isolations.insert(dev, Vec::new(), Vec::new(), 1);
         assert!(isolations.contains(dev));

@@ -521,7 +521,7 @@ impl MountExecutor {
             mount_beneath,
             watched,
             watched_inode,
-            isolated: isolations::Isolations::new(connections::FuseConnections::open(Path::new(
+            isolated: isolations::Isolations::new(connections::FuseConnections::shared(Path::new(
                 connections::FUSE_CONNECTIONS,
             ))),
             namespaces: namespaces::Namespaces::new(Path::new("/proc")),

@@ -220,7 +220,7 @@ pub struct Daemons {
     identities: BTreeMap<Dev, Option<u64>>,
     /// Where those directories are read: `fuse_connections`, or a private
     /// `fusectl` where none is mounted there.
-    connections: FuseConnections,
+    connections: Arc<FuseConnections>,
     want_exec: Arc<AtomicBool>,
     last_exec_discovery: Option<Instant>,
     orphans: BTreeMap<Dev, Orphan>,
@@ -301,7 +301,7 @@ impl Daemons {
             holders,
             known: BTreeMap::new(),
             identities: BTreeMap::new(),
-            connections: FuseConnections::open(&options.fuse_connections),
+            connections: FuseConnections::shared(&options.fuse_connections),
             want_exec,
             last_exec_discovery: None,
             orphans: BTreeMap::new(),

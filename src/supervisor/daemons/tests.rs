@@ -33,7 +33,7 @@ fn daemons() -> (Daemons, Receiver<Vec<(PathBuf, Dev)>>) {
         holders: Arc::default(),
         known: BTreeMap::new(),
         identities: BTreeMap::new(),
-        connections: FuseConnections::unavailable(),
+        connections: Arc::new(FuseConnections::unavailable()),
         want_exec: Arc::default(),
         last_exec_discovery: None,
         orphans: BTreeMap::new(),
@@ -99,7 +99,7 @@ fn a_death_stands_when_its_number_went_to_another_connection() {
     fs::create_dir(&dir).unwrap();
     let dev = Dev { major: 0, minor: 52 };
     let (mut fresh, queue) = daemons();
-    fresh.connections = FuseConnections::at(connections.path());
+    fresh.connections = Arc::new(FuseConnections::at(connections.path()));
     let (mut daemons, _queue) = served_with((fresh, queue), dev);
     assert_eq!(daemons.exited(10).0.len(), 1);
     // The connection goes, and a pod's own daemon gets its number before
@@ -124,7 +124,7 @@ fn a_connection_first_seen_without_fusectl_is_known_by_its_number() {
     let connections = tempfile::tempdir().unwrap();
     let dev = Dev { major: 0, minor: 52 };
     let (mut fresh, queue) = daemons();
-    fresh.connections = FuseConnections::at(connections.path());
+    fresh.connections = Arc::new(FuseConnections::at(connections.path()));
     let (mut daemons, _queue) = served_with((fresh, queue), dev);
     // fusectl mounted since (its directory now there): no identity to
     // compare, so a holder found after the exit is the connection's.

@@ -141,7 +141,7 @@ pub struct Namespaces {
     copier: OnceLock<Copier>,
     /// The live FUSE connections, which tell a replaced connection from a
     /// later one given its number.
-    connections: FuseConnections,
+    connections: Arc<FuseConnections>,
     /// Who heals the copies of replaced connections in namespaces learnt
     /// after their heal.
     late_copies: OnceLock<LateCopiesSink>,
@@ -231,7 +231,7 @@ impl Namespaces {
             known: Mutex::default(),
             keeper: OnceLock::new(),
             copier: OnceLock::new(),
-            connections: FuseConnections::open(Path::new(FUSE_CONNECTIONS)),
+            connections: FuseConnections::shared(Path::new(FUSE_CONNECTIONS)),
             late_copies: OnceLock::new(),
         })
     }

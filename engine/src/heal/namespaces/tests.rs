@@ -64,6 +64,7 @@ fn kept(proc: &FakeProc) -> Namespaces {
 
 /// [`kept`], with the live FUSE connections listed in `connections`.
 fn kept_with(proc: &FakeProc, connections: FuseConnections) -> Namespaces {
+    let connections = Arc::new(connections);
     let namespaces = Namespaces {
         proc_root: proc.path().to_path_buf(),
         known: Mutex::default(),
