@@ -13,7 +13,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fuse_supervisor_engine::heal::connection_inode;
+use fuse_supervisor_engine::heal::connections::FuseConnections;
 use fuse_supervisor_engine::model::table::{Dev, Snapshot};
 use fuse_supervisor_sys::mount::Propagation;
 use fuse_supervisor_sys::pidfd::PidFd;
@@ -619,11 +619,12 @@ fn a_freed_connection_number_goes_to_the_next_connection_with_another_fusectl_di
         // number first: a few tries.
         for _ in 0..20 {
             let (device, old) = connect(&first)?;
-            let old_inode = connection_inode(&fusectl, old).ok_or_else(|| std::io::Error::other("no fusectl entry"))?;
+            let old_inode =
+                FuseConnections::at(&fusectl).inode_of(old).ok_or_else(|| std::io::Error::other("no fusectl entry"))?;
             mount::unmount(&first)?;
             drop(device);
             let (device, new) = connect(&second)?;
-            let new_inode = connection_inode(&fusectl, new);
+            let new_inode = FuseConnections::at(&fusectl).inode_of(new);
             mount::unmount(&second)?;
             drop(device);
             if new == old {

@@ -9,7 +9,6 @@
 //! the agent's own container, or on a host that never mounted it) a private
 //! instance attached nowhere reads the same directories.
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -18,6 +17,7 @@ use tracing::{debug, warn};
 
 use crate::errors::chain;
 use crate::model::table::Dev;
+use crate::watch::processes::fuse_server::MountDevice;
 
 /// Where hosts mount the FUSE control filesystem.
 pub const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
@@ -80,34 +80,25 @@ impl FuseConnections {
     }
 }
 
-/// The name of connection `dev`'s directory: the kernel's internal device
-/// number (major in the top 12 bits).
-fn directory_name(dev: Dev) -> String {
-    ((u64::from(dev.major) << 20) | u64::from(dev.minor)).to_string()
-}
-
-/// The inode of the `fusectl` directory of the connection numbered `dev`,
-/// with `fusectl` mounted at `connections`. None where it is not, or the
-/// connection is gone.
-pub fn connection_inode(connections: &Path, dev: Dev) -> Option<u64> {
-    std::fs::metadata(connections.join(directory_name(dev))).ok().map(|metadata| metadata.ino())
+/// The name of connection `dev`'s directory: its number as the kernel
+/// writes it ([`MountDevice::connection`]).
+pub(crate) fn directory_name(dev: Dev) -> String {
+    MountDevice { major: dev.major, minor: dev.minor }.connection().to_string()
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt;
+
     use super::*;
 
     #[test]
     fn the_directory_is_named_by_the_kernels_device_number() {
         let connections = tempfile::tempdir().unwrap();
-        std::fs::create_dir(connections.path().join(((8u64 << 20) | 1).to_string())).unwrap();
-        assert!(connection_inode(connections.path(), Dev { major: 8, minor: 1 }).is_some());
-        assert!(connection_inode(connections.path(), Dev { major: 0, minor: 1 }).is_none());
+        let dir = connections.path().join(((8u64 << 20) | 1).to_string());
+        std::fs::create_dir(&dir).unwrap();
         let opened = FuseConnections::at(connections.path());
-        assert_eq!(
-            opened.inode_of(Dev { major: 8, minor: 1 }),
-            connection_inode(connections.path(), Dev { major: 8, minor: 1 })
-        );
+        assert_eq!(opened.inode_of(Dev { major: 8, minor: 1 }), Some(std::fs::metadata(&dir).unwrap().ino()));
         assert_eq!(opened.inode_of(Dev { major: 0, minor: 1 }), None);
         assert_eq!(FuseConnections::unavailable().inode_of(Dev { major: 8, minor: 1 }), None);
     }

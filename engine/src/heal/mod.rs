@@ -26,7 +26,6 @@ use crate::heal::probe::SourceHandles;
 use crate::model::table::{Dev, FuseMount};
 use crate::plan::{HealBatch, TargetHeal};
 
-pub use connections::connection_inode;
 /// How a container's copy of a target follows the host's (the container
 /// heal's outcome names it).
 pub use fuse_supervisor_sys::mount::Propagation;
@@ -252,14 +251,14 @@ struct SlidIn {
     stale_unique_id: Option<u64>,
 }
 
-/// The mount ID of a target's new top, which a slide put under its stale
-/// layer.
 /// The generations of namespaces learnt after `generation` (all of them
 /// when None).
 fn after(generation: Option<u64>) -> (Bound<u64>, Bound<u64>) {
     (generation.map_or(Bound::Unbounded, Bound::Excluded), Bound::Unbounded)
 }
 
+/// The mount ID of a target's new top, which a slide put under its stale
+/// layer.
 fn new_top_id(target: &TargetHeal, new_top: std::os::fd::BorrowedFd<'_>) -> Result<u32, HealError> {
     resolve::mount_id_of(new_top).map_err(|source| HealError::Resolve { path: target.path.clone(), source })
 }

@@ -139,16 +139,11 @@ fn only_namespaces_learnt_after_a_generation_are_read_for_it() {
     assert_eq!(found.mounts[0].pid, 40);
 }
 
-/// The kernel's name for connection `dev`'s `fusectl` directory.
-fn connection_dir(connections: &Path, dev: Dev) -> PathBuf {
-    connections.join(((u64::from(dev.major) << 20) | u64::from(dev.minor)).to_string())
-}
-
 #[test]
 fn a_namespace_learnt_after_a_heal_hands_over_its_copies_of_the_connection_replaced() {
     let proc = FakeProc::new();
     let fusectl = tempfile::tempdir().unwrap();
-    let dead_dir = connection_dir(fusectl.path(), DEAD);
+    let dead_dir = fusectl.path().join(crate::heal::connections::directory_name(DEAD));
     fs::create_dir(&dead_dir).unwrap();
     let namespaces = kept_with(&proc, FuseConnections::at(fusectl.path()));
     let (send, handed) = mpsc::channel();
