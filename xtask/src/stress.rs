@@ -6,13 +6,19 @@
 //! A flake that shows once in twenty runs on a loaded CI machine shows here
 //! in minutes: the hogs take the CPUs the tests' daemons, agent and readers
 //! would otherwise have to themselves, so every wait of a test is stretched.
+//!
+//! The kernel's own reports of a stalled CPU (workqueue lockups, RCU
+//! stalls, hung tasks) are read from `/dev/kmsg` after each target's run and
+//! printed with it: a failure in a run the kernel stalled is marked so, as
+//! the machine's until shown otherwise.
 
 use std::collections::BTreeMap;
 use std::env;
 use std::ffi::OsString;
 use std::fs;
 use std::hint::black_box;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Seek, SeekFrom};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -86,6 +92,7 @@ pub fn stress(args: StressArgs) -> ExitCode {
         hogs.children.len(),
         logs.display()
     );
+    let mut kernel = KernelLog::open();
     let mut tally = Tally::default();
     for run in 1..=args.runs {
         for target in &targets {
@@ -98,7 +105,8 @@ pub fn stress(args: StressArgs) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let failed = tally.add(run, &target.name, &outcome);
+            let stalls = kernel.as_mut().map(KernelLog::stalls_since_last).unwrap_or_default();
+            let failed = tally.add(run, &target.name, &outcome, !stalls.is_empty());
             eprintln!(
                 "run {run}/{}: {} {} passed, {} failed in {:.1} s",
                 args.runs,
@@ -107,6 +115,9 @@ pub fn stress(args: StressArgs) -> ExitCode {
                 failed.len(),
                 started.elapsed().as_secs_f64()
             );
+            for stall in &stalls {
+                eprintln!("  the kernel reported during this run: {stall}");
+            }
             for failure in failed {
                 eprintln!(
                     "\n======== FAILED: run {run}, target {}, test {} ({}) ========\n{}\n======== end of run {run} {} {} ========\n",
@@ -255,42 +266,118 @@ fn parse_outcome(output: &str, succeeded: bool) -> Outcome {
     outcome
 }
 
-/// Runs and failures per test, over every run.
+/// Runs and failures of one test, over every run.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct TestTally {
+    runs: u32,
+    /// The runs it failed in; `*` marks one the kernel reported a stall in.
+    failed_in: Vec<String>,
+}
+
+/// Every test's tally.
 #[derive(Default)]
 struct Tally {
-    /// (target, test) → (runs, failures, the runs that failed).
-    tests: BTreeMap<(String, String), (u32, u32, Vec<u32>)>,
+    tests: BTreeMap<(String, String), TestTally>,
 }
 
 impl Tally {
-    /// Counts `outcome` and returns its failures.
-    fn add<'a>(&mut self, run: u32, target: &str, outcome: &'a Outcome) -> &'a [Failure] {
+    /// Counts `outcome` and returns its failures; `kernel_stalled` says the
+    /// kernel reported a stall while it ran.
+    fn add<'a>(&mut self, run: u32, target: &str, outcome: &'a Outcome, kernel_stalled: bool) -> &'a [Failure] {
         for test in &outcome.passed {
-            self.tests.entry((target.to_owned(), test.clone())).or_default().0 += 1;
+            self.tests.entry((target.to_owned(), test.clone())).or_default().runs += 1;
         }
         for failure in &outcome.failed {
             let entry = self.tests.entry((target.to_owned(), failure.test.clone())).or_default();
-            entry.0 += 1;
-            entry.1 += 1;
-            entry.2.push(run);
+            entry.runs += 1;
+            entry.failed_in.push(if kernel_stalled { format!("{run}*") } else { run.to_string() });
         }
         &outcome.failed
     }
 
-    fn failures(&self) -> u32 {
-        self.tests.values().map(|(_, failures, _)| failures).sum()
+    fn failures(&self) -> usize {
+        self.tests.values().map(|test| test.failed_in.len()).sum()
     }
 
     fn print_summary(&self, runs: u32) {
-        println!("\n| target | test | failures/runs | failed in runs |");
+        println!("\n| target | test | failures/runs | failed in runs (* the kernel reported a stall) |");
         println!("|---|---|---|---|");
-        for ((target, test), (ran, failures, failed_runs)) in &self.tests {
-            let failed_runs: Vec<String> = failed_runs.iter().map(u32::to_string).collect();
-            println!("| {target} | {test} | {failures}/{ran} | {} |", failed_runs.join(", "));
+        for ((target, test), tally) in &self.tests {
+            println!(
+                "| {target} | {test} | {}/{} | {} |",
+                tally.failed_in.len(),
+                tally.runs,
+                tally.failed_in.join(", ")
+            );
         }
         let tests = self.tests.len();
         println!("\n{} failure(s) in {runs} run(s) of {tests} test(s)", self.failures());
     }
+}
+
+/// The kernel's log from the moment the stress started, for the reports of
+/// a CPU held so long that every wait of a test is stretched past its
+/// deadline: a lockup, an RCU stall, a task blocked for minutes.
+struct KernelLog {
+    kmsg: fs::File,
+}
+
+/// Words of the kernel's stall reports (kernel/workqueue.c,
+/// kernel/rcu/tree_stall.h, kernel/watchdog.c, kernel/hung_task.c).
+const STALL_REPORTS: &[&str] =
+    &["workqueue lockup", "rcu: INFO:", "kthread starved", "soft lockup", "hard LOCKUP", "blocked for more than"];
+
+impl KernelLog {
+    /// Opened at its end: only what the kernel says from now on. None
+    /// (said once) when `/dev/kmsg` cannot be read.
+    fn open() -> Option<Self> {
+        let opened = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(O_NONBLOCK)
+            .open("/dev/kmsg")
+            .and_then(|mut kmsg| kmsg.seek(SeekFrom::End(0)).map(|_| kmsg));
+        match opened {
+            Ok(kmsg) => Some(KernelLog { kmsg }),
+            Err(err) => {
+                eprintln!("xtask stress: cannot read /dev/kmsg ({err}); the kernel's stall reports are not shown");
+                None
+            }
+        }
+    }
+
+    /// The stall reports the kernel logged since the last call.
+    fn stalls_since_last(&mut self) -> Vec<String> {
+        let mut stalls = Vec::new();
+        // One record a read; a record longer than this is cut by the kernel.
+        let mut record = [0u8; 8192];
+        loop {
+            match self.kmsg.read(&mut record) {
+                Ok(0) => break,
+                Ok(len) => stalls.extend(stall_report(&String::from_utf8_lossy(&record[..len]))),
+                // Records overwritten before they were read: go on with the next.
+                Err(err) if err.kind() == ErrorKind::BrokenPipe => {}
+                Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        stalls
+    }
+}
+
+/// `O_NONBLOCK` (the standard library does not name it): reading
+/// `/dev/kmsg` past its last record fails with `EAGAIN` instead of waiting.
+const O_NONBLOCK: i32 = 0o4000;
+
+/// The message of a `/dev/kmsg` record (`PRIORITY,SEQUENCE,MICROSECONDS,FLAGS;MESSAGE`)
+/// with its time since boot, if it reports a stall.
+fn stall_report(record: &str) -> Option<String> {
+    let (prefix, message) = record.split_once(';')?;
+    let message = message.lines().next()?.trim_end();
+    if !STALL_REPORTS.iter().any(|words| message.contains(words)) {
+        return None;
+    }
+    let micros: u64 = prefix.split(',').nth(2)?.parse().ok()?;
+    Some(format!("[{:.1} s since boot] {message}", micros as f64 / 1e6))
 }
 
 /// The busy-looping processes: this program again (`xtask hog`), killed
@@ -398,6 +485,27 @@ mod tests {
                 Failure { test: "c::d".into(), output: "boom\n".into() },
             ]
         );
+    }
+
+    #[test]
+    fn stall_reports_are_taken_from_the_kernels_records_and_marked_in_the_tally() {
+        let lockup =
+            "4,812345,31650886400,-;BUG: workqueue lockup - pool cpus=0 node=0 flags=0x0 nice=0 stuck for 49s!\n";
+        assert_eq!(
+            stall_report(lockup).as_deref(),
+            Some("[31650.9 s since boot] BUG: workqueue lockup - pool cpus=0 node=0 flags=0x0 nice=0 stuck for 49s!")
+        );
+        let continuation = "6,812346,31650887125,-;Showing busy workqueues and worker pools:\n SUBSYSTEM=x\n";
+        assert_eq!(stall_report(continuation), None);
+        assert_eq!(stall_report("not a record"), None);
+
+        let outcome = parse_outcome("test a ... FAILED\n\n---- a stdout ----\nslow\n", false);
+        let mut tally = Tally::default();
+        tally.add(1, "t", &outcome, false);
+        tally.add(2, "t", &outcome, true);
+        let test = &tally.tests[&("t".to_owned(), "a".to_owned())];
+        assert_eq!(test, &TestTally { runs: 2, failed_in: vec!["1".into(), "2*".into()] });
+        assert_eq!(tally.failures(), 2);
     }
 
     #[test]
