@@ -29,12 +29,19 @@
 //!   group receives what other listeners' subscriptions produce too, even
 //!   without its own listen being accepted.
 //! - When the socket's receive buffer is full the kernel drops the event
-//!   and the next `recv` fails once with `ENOBUFS`: events were lost.
+//!   and the next `recv` fails once with `ENOBUFS`: events were lost. Once
+//!   per congestion: the socket stays congested, every later event dropped
+//!   without another `ENOBUFS`, until a `recv` finds the queue empty. The
+//!   `ENOBUFS` comes first, with the queue still full, so a loss is only
+//!   reported ([`ReadOutcome::Lost`]) once the queue was read to its end:
+//!   whatever was dropped before is covered by that report, whatever is
+//!   dropped after raises `ENOBUFS` again.
 //!
 //! Messages are in native byte order, laid out as `nlmsghdr` (16 bytes),
 //! `cn_msg` (20 bytes), then the payload (`proc_input` or `proc_event`).
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
@@ -182,7 +189,9 @@ pub enum ReadOutcome {
     /// More datagrams are queued; read again (the poll says so too).
     More,
     /// The kernel dropped events because the receive buffer was full
-    /// (`ENOBUFS`); the events returned are still valid.
+    /// (`ENOBUFS`), and the queue has been read to its end since: a drop
+    /// from now on is told by another `ENOBUFS`. The events returned are
+    /// still valid.
     Lost,
 }
 
@@ -197,6 +206,8 @@ pub struct ProcConnector {
     filters: bool,
     /// Whether the wanted filter was installed.
     filtered: bool,
+    /// `ENOBUFS` was read and the queue not yet seen empty.
+    loss_pending: AtomicBool,
 }
 
 impl ProcConnector {
@@ -215,7 +226,13 @@ impl ProcConnector {
         // Port 0: the kernel picks a free port id.
         rustix::net::bind(&socket, &SocketAddrNetlink::new(0, CN_IDX_PROC))
             .map_err(|errno| SubscribeError::Bind(errno.into()))?;
-        let mut connector = ProcConnector { socket, subscribed: false, filters: false, filtered: false };
+        let mut connector = ProcConnector {
+            socket,
+            subscribed: false,
+            filters: false,
+            filtered: false,
+            loss_pending: AtomicBool::new(false),
+        };
 
         let nonce = ack_nonce();
         let probe_ack = nonce;
@@ -259,18 +276,26 @@ impl ProcConnector {
 
     /// Reads the queued datagrams (up to a batch) without blocking and
     /// appends their events to `events`. Datagrams not from the kernel are
-    /// ignored. `ENOBUFS` ends the batch with [`ReadOutcome::Lost`].
+    /// ignored. After an `ENOBUFS`, the batch that reaches the end of the
+    /// queue ends with [`ReadOutcome::Lost`] (see the module's notes: a
+    /// loss reported earlier would miss the events dropped while the
+    /// queue is still full).
     pub fn read_events(&self, events: &mut Vec<TimedEvent>) -> io::Result<ReadOutcome> {
         let mut buffer = [0u8; 4096];
-        for _ in 0..DATAGRAMS_PER_READ {
+        let mut read = 0;
+        while read < DATAGRAMS_PER_READ {
             match rustix::net::recvfrom(&self.socket, &mut buffer[..], RecvFlags::empty()) {
                 Ok((_, length, sender)) => {
+                    read += 1;
                     if from_kernel(sender) {
                         decode_datagram(&buffer[..length.min(buffer.len())], events);
                     }
                 }
-                Err(rustix::io::Errno::AGAIN) => return Ok(ReadOutcome::Drained),
-                Err(rustix::io::Errno::NOBUFS) => return Ok(ReadOutcome::Lost),
+                Err(rustix::io::Errno::AGAIN) => {
+                    let lost = self.loss_pending.swap(false, Ordering::Relaxed);
+                    return Ok(if lost { ReadOutcome::Lost } else { ReadOutcome::Drained });
+                }
+                Err(rustix::io::Errno::NOBUFS) => self.loss_pending.store(true, Ordering::Relaxed),
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(errno) => return Err(errno.into()),
             }

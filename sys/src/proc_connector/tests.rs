@@ -120,3 +120,39 @@ fn without_a_filter_forks_and_execs_come_too() {
     assert!(seen.iter().any(|event| matches!(event, ProcEvent::Fork { child_tgid, .. } if *child_tgid == pid)));
     assert!(seen.contains(&ProcEvent::Exec { pid, tgid: pid }), "{seen:?}");
 }
+
+/// Every read up to the end of the queue; whether one of them said Lost.
+fn read_to_the_end(connector: &ProcConnector) -> bool {
+    let mut batch = Vec::new();
+    loop {
+        batch.clear();
+        match connector.read_events(&mut batch).unwrap() {
+            ReadOutcome::More => {}
+            ReadOutcome::Lost => return true,
+            ReadOutcome::Drained => return false,
+        }
+    }
+}
+
+/// Exits of short processes: more than a minimal receive buffer holds.
+fn burst() {
+    for _ in 0..200 {
+        std::process::Command::new("true").status().unwrap();
+    }
+}
+
+/// The kernel says `ENOBUFS` once per congestion and drops silently until
+/// the queue has been read empty: a loss reported at the `ENOBUFS` itself,
+/// with the queue still full, would have missed the second burst here.
+#[test]
+fn a_loss_is_reported_again_for_every_overflow_after_the_queue_was_read() {
+    let exits_only = EventTypes { exit: true, ..EventTypes::default() };
+    let options = Options { receive_buffer: Some(1), ..options(Some(exits_only)) };
+    let connector = ProcConnector::subscribe(options).unwrap();
+    burst();
+    let mut batch = Vec::new();
+    let first = connector.read_events(&mut batch).unwrap();
+    assert_eq!(first, ReadOutcome::Lost, "the first overflow, its queue read to the end in the same batch");
+    burst();
+    assert!(read_to_the_end(&connector), "the second overflow is reported too");
+}
