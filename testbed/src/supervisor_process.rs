@@ -307,10 +307,76 @@ impl SupervisorProcess {
 
 impl Drop for SupervisorProcess {
     /// On a failing test (a panic unwinding through its owner), prints the
-    /// log: libtest keeps it with the test's output.
+    /// log, then where each of its threads and its children's is in the
+    /// kernel: libtest keeps both with the test's output. A heal that
+    /// waited past a test's deadline shows there what it waited for.
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("supervisor log (pid {}):\n{}", self.pid(), self.log().join("\n"));
+            eprintln!("supervisor threads at the failure:\n{}", threads_in_the_kernel(Path::new("/proc"), self.pid()));
         }
+    }
+}
+
+/// Each thread of `pid` and of its children: name, state and kernel stack
+/// (`/proc/<pid>/task/<tid>/stack`, root only). Best effort: a thread gone
+/// meanwhile, or a stack that cannot be read, is said so in its place.
+fn threads_in_the_kernel(proc_root: &Path, pid: u32) -> String {
+    let mut out = String::new();
+    let mut processes = vec![pid];
+    let mut index = 0;
+    while let Some(&process) = processes.get(index) {
+        index += 1;
+        let tasks = proc_root.join(process.to_string()).join("task");
+        let Ok(entries) = std::fs::read_dir(&tasks) else {
+            out.push_str(&format!("  process {process}: gone\n"));
+            continue;
+        };
+        let mut tids: Vec<u32> = entries
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok()))
+            .collect();
+        tids.sort_unstable();
+        for tid in tids {
+            let task = tasks.join(tid.to_string());
+            let read = |name: &str| std::fs::read_to_string(task.join(name)).unwrap_or_default();
+            let stat = read("stat");
+            // The state follows the parenthesised name, which may hold spaces.
+            let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').next()).unwrap_or("?");
+            let stack = std::fs::read_to_string(task.join("stack"))
+                .map(|stack| {
+                    stack.lines().map(|frame| frame.split(' ').nth(1).unwrap_or(frame)).collect::<Vec<_>>().join(" < ")
+                })
+                .unwrap_or_else(|err| format!("(stack unreadable: {err})"));
+            out.push_str(&format!("  {process}/{tid} {} {state}: {stack}\n", read("comm").trim_end()));
+            // A child is listed by the thread that made it.
+            processes.extend(read("children").split_whitespace().filter_map(|child| child.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_thread_and_child_is_described_with_its_kernel_stack() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let stat = format!("/proc/{}/stat", child.id());
+        let asleep = || std::fs::read_to_string(&stat).is_ok_and(|stat| stat.contains("(sleep) S "));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !asleep() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let described = threads_in_the_kernel(Path::new("/proc"), std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let own = std::process::id();
+        assert!(described.contains(&format!("  {own}/{own} ")), "{described}");
+        let sleeping = format!("  {}/{} sleep S: ", child.id(), child.id());
+        let line = described.lines().find(|line| line.starts_with(&sleeping)).unwrap_or_else(|| panic!("{described}"));
+        // Root reads kernel stacks: a sleep waits in a nanosleep.
+        assert!(line.contains("nanosleep"), "{line}");
     }
 }
