@@ -211,6 +211,9 @@ struct Supervisor<E: Executor> {
     /// When the loop last woke for a table change: the heal latency of a
     /// target found dead on an unchanged source starts here.
     woke_at: Instant,
+    /// When the deadlines were last handled ([`Self::on_deadline`]): one
+    /// that passed since, while other events kept the loop busy, is due.
+    deadlines_handled_at: Instant,
     /// When the last table read began.
     scan_started: Instant,
     /// Whether a read since the last scan took in a change no scan has seen.
@@ -372,9 +375,11 @@ impl<E: Executor> Supervisor<E> {
         }
     }
 
-    /// The earliest retry or probe deadline still ahead; none while idle.
+    /// The earliest retry or probe deadline not handled yet (it may have
+    /// passed while other events were handled: then it is due at once);
+    /// none while idle.
     fn next_deadline(&self) -> Option<Instant> {
-        let now = Instant::now();
+        let handled = self.deadlines_handled_at;
         let retries = self.records.values().filter_map(|record| match record.state {
             TargetState::Failed { retry_at, .. } => Some(retry_at),
             _ => None,
@@ -394,7 +399,7 @@ impl<E: Executor> Supervisor<E> {
             .chain(holds)
             .chain(self.degraded_deadline())
             .chain(container_retries)
-            .filter(|at| *at > now)
+            .filter(|at| *at > handled)
             .min()
     }
 
@@ -405,6 +410,7 @@ impl<E: Executor> Supervisor<E> {
     }
 
     fn on_deadline(&mut self) {
+        self.deadlines_handled_at = Instant::now();
         self.on_degraded_deadline();
         self.retry_containers();
         let prober = &self.prober;

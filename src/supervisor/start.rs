@@ -364,6 +364,7 @@ impl<E: Executor> Supervisor<E> {
             executor,
             events,
             woke_at: Instant::now(),
+            deadlines_handled_at: Instant::now(),
             scan_started: Instant::now(),
             unscanned: false,
             read_since_trim: false,

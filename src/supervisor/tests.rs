@@ -350,8 +350,8 @@ fn a_new_mount_taken_in_by_a_read_outside_a_scan_is_scanned() {
     assert_eq!(harness.calls().len(), 1);
 }
 
-#[test]
-fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal() {
+/// A heal of the three targets in which POD_B's stack failed.
+fn healed_but_pod_b() -> Harness {
     let mut harness = Harness::new(None, Some(POD_B));
     harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
     harness.supervisor.rescan();
@@ -363,6 +363,12 @@ fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal(
     harness.table.set(replaced);
     harness.supervisor.rescan();
     harness.source_answers();
+    harness
+}
+
+#[test]
+fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal() {
+    let harness = healed_but_pod_b();
 
     let (pod_a, pod_b) = (harness.path(POD_A), harness.path(POD_B));
     let reports = harness.reports();
@@ -372,6 +378,22 @@ fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal(
     assert!(harness.supervisor.in_back_off(&pod_b));
     // Still in the work set: its mapping stays until it is healed.
     assert!(harness.supervisor.journal.get(&pod_b).is_some());
+}
+
+/// A retry that falls due while the loop is busy with other events is
+/// still due once they are handled: the loop used to look only at
+/// deadlines still ahead, wait for the next event with none, and leave the
+/// target broken (a subPath's back-off ended just before a daemon's news
+/// came in, in a stress run of tests/heal.rs).
+#[test]
+fn a_retry_due_while_other_events_were_handled_wakes_the_loop_at_once() {
+    let mut harness = healed_but_pod_b();
+    let retry_at = harness.supervisor.next_deadline().expect("the failed target's retry");
+
+    std::thread::sleep(retry_at.saturating_duration_since(std::time::Instant::now()));
+    assert_eq!(harness.supervisor.next_deadline(), Some(retry_at), "passed, and due at once");
+    harness.supervisor.on_deadline();
+    assert!(harness.supervisor.next_deadline().is_none_or(|at| at > retry_at), "handled once");
 }
 
 /// A new source that cannot even be opened for its probe (out of
