@@ -337,6 +337,9 @@ fn threads_in_the_kernel(proc_root: &Path, pid: u32) -> String {
             .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok()))
             .collect();
         tids.sort_unstable();
+        if tids.is_empty() {
+            out.push_str(&format!("  process {process}: exited, not reaped\n"));
+        }
         for tid in tids {
             let task = tasks.join(tid.to_string());
             let read = |name: &str| std::fs::read_to_string(task.join(name)).unwrap_or_default();
