@@ -500,7 +500,12 @@ pub fn top_dev(sandbox: &Sandbox, path: &Path) -> Option<Dev> {
 /// The state letter of process `pid` (`R`, `S`, `T` for stopped…), from
 /// `/proc/<pid>/stat`.
 pub fn process_state(pid: u32) -> Option<char> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    state_in_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The state letter in the text of a `stat` file (a process's or a
+/// thread's): it follows the parenthesised name, which may hold spaces.
+pub(crate) fn state_in_stat(stat: &str) -> Option<char> {
     stat.rsplit_once(") ")?.1.chars().next()
 }
 

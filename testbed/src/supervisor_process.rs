@@ -343,9 +343,7 @@ fn threads_in_the_kernel(proc_root: &Path, pid: u32) -> String {
         for tid in tids {
             let task = tasks.join(tid.to_string());
             let read = |name: &str| std::fs::read_to_string(task.join(name)).unwrap_or_default();
-            let stat = read("stat");
-            // The state follows the parenthesised name, which may hold spaces.
-            let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').next()).unwrap_or("?");
+            let state = super::node::state_in_stat(&read("stat")).unwrap_or('?');
             let stack = std::fs::read_to_string(task.join("stack"))
                 .map(|stack| {
                     stack.lines().map(|frame| frame.split(' ').nth(1).unwrap_or(frame)).collect::<Vec<_>>().join(" < ")
