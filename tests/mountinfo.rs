@@ -536,8 +536,11 @@ fn priority_event_reports_a_change_and_read_consumes_it() {
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().join("target");
     std::fs::create_dir(&target).unwrap();
-    let script =
-        format!("echo ready; read _; mount -t tmpfs pollpri-test '{}' && echo mounted; read _", target.display());
+    let script = format!(
+        "echo ready; read _; mount -t tmpfs pollpri-test '{0}' && echo mounted; read _; \
+         mount -t tmpfs pollpri-again '{0}' && echo mounted; read _",
+        target.display()
+    );
     let child = Command::new(system::program("unshare"))
         .args(["-m", "--propagation", "private", "sh", "-c", &script])
         .stdin(Stdio::piped())
@@ -573,5 +576,16 @@ fn priority_event_reports_a_change_and_read_consumes_it() {
     assert_eq!(table.len(), before + 1);
     let mounted = table.iter().find(|m| m.source.raw() == b"pollpri-test").expect("new mount listed");
     assert_eq!(mounted.mount_point.to_path(), target.as_path());
+    reader.read().unwrap();
+    assert!(!reader.last_read_took_in_change(), "nothing changed since");
+
+    // A change made after a check and before the read: the read says so.
+    assert!(!reader.changed_since_read().unwrap());
+    writeln!(stdin, "mount").unwrap();
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "mounted");
+    reader.read().unwrap();
+    assert!(reader.last_read_took_in_change(), "the mount made after the check is a change");
     drop(shell);
 }

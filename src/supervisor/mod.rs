@@ -21,7 +21,7 @@ use fuse_supervisor_engine::heal::{Executor, Prepared};
 use fuse_supervisor_engine::health::{Health, Pong};
 use fuse_supervisor_engine::kube::Answer;
 use fuse_supervisor_engine::kube::Kubelet;
-use fuse_supervisor_engine::model::source::TableSource;
+use fuse_supervisor_engine::model::source::{TableRead, TableSource};
 use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter, TargetState};
 use fuse_supervisor_engine::model::table::{Classified, Layout};
 use fuse_supervisor_engine::plan::flapping::Flapping;
@@ -443,15 +443,18 @@ impl<E: Executor> Supervisor<E> {
         self.table_reads += 1;
         self.read_since_trim = true;
         self.scan_started = Instant::now();
-        // A read outside a scan (a daemon's death) may take in a change
-        // whose report is still on its way: it must not look already seen.
-        self.unscanned |= self.reader.changed_since_read().unwrap_or(true);
-        let snapshot = self.reader.snapshot();
+        let read = self.reader.snapshot();
         for _ in 0..self.reader.take_lost_resyncs() {
             self.reporters.report(&Report::Resynced { watch: "mounts", reason: "overflow" });
         }
-        match snapshot {
-            Ok(snapshot) => {
+        match read {
+            Ok(TableRead { snapshot, changed }) => {
+                // A read outside a scan (a daemon's death) may take in a
+                // change whose report is still on its way: it must not look
+                // already seen. Told by the read itself: a change made
+                // between a check and the read was missed when it was told
+                // by the check (the other daemon's new mount, at its death).
+                self.unscanned |= changed;
                 let (classified, changed) = scan::classify(snapshot, &self.layout, &mut self.journal);
                 self.state_dirty |= changed;
                 debug!(took_us = self.scan_started.elapsed().as_micros() as u64, "table read");

@@ -19,8 +19,7 @@ use tracing::{debug, info};
 
 use fuse_supervisor_engine::model::incremental::{IncrementalTable, KernelMounts};
 use fuse_supervisor_engine::model::mountinfo::take_change_flag;
-use fuse_supervisor_engine::model::source::{TableError, TableSource};
-use fuse_supervisor_engine::model::table::Snapshot;
+use fuse_supervisor_engine::model::source::{TableError, TableRead, TableSource};
 use fuse_supervisor_engine::watch::mount_table::{MountEvent, MountEventFeed, Rearm, WatchError};
 
 /// What tells a [`KeptTable`] that the namespace changed, and how much.
@@ -119,10 +118,9 @@ impl KeptTable {
 }
 
 impl TableSource for KeptTable {
-    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
+    fn snapshot(&mut self) -> Result<TableRead, TableError> {
         self.update()?;
-        self.dirty = false;
-        Ok(self.table.snapshot())
+        Ok(TableRead { snapshot: self.table.snapshot(), changed: std::mem::take(&mut self.dirty) })
     }
 
     fn changed_since_read(&mut self) -> io::Result<bool> {
@@ -187,7 +185,7 @@ pub enum SettleError {
 }
 
 impl TableSource for SharedTable {
-    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
+    fn snapshot(&mut self) -> Result<TableRead, TableError> {
         self.lock().snapshot()
     }
 

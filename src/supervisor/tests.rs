@@ -19,7 +19,7 @@ use fuse_supervisor_engine::heal::{
     ContainerOutcome, Executor, HealError, Healed, Prepared, Propagation, TargetOutcome,
 };
 use fuse_supervisor_engine::kube::{ContainerStatus, Kubelet, KubeletConfig, KubeletTls, Pod, PodList};
-use fuse_supervisor_engine::model::source::{TableError, TableSource};
+use fuse_supervisor_engine::model::source::{TableError, TableRead, TableSource};
 use fuse_supervisor_engine::model::state::TargetState;
 use fuse_supervisor_engine::model::table::{Dev, FuseMount, Snapshot};
 use fuse_supervisor_engine::plan::layout::SourceLayouts;
@@ -41,11 +41,18 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Clone, Default)]
 struct SetTable {
     text: Arc<Mutex<String>>,
+    /// Set by the next read just before it reads: a change made after
+    /// whatever the loop checked before the read.
+    before_next_read: Arc<Mutex<Option<String>>>,
 }
 
 impl SetTable {
     fn set(&self, table: String) {
         *lock(&self.text) = table;
+    }
+
+    fn set_just_before_next_read(&self, table: String) {
+        *lock(&self.before_next_read) = Some(table);
     }
 }
 
@@ -56,9 +63,14 @@ struct SetTableReader {
 }
 
 impl TableSource for SetTableReader {
-    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
-        self.buffer = lock(&self.table.text).clone().into_bytes();
-        Ok(Snapshot::parse(&self.buffer)?)
+    fn snapshot(&mut self) -> Result<TableRead, TableError> {
+        if let Some(table) = lock(&self.table.before_next_read).take() {
+            self.table.set(table);
+        }
+        let read = lock(&self.table.text).clone().into_bytes();
+        let changed = read != self.buffer;
+        self.buffer = read;
+        Ok(TableRead { snapshot: Snapshot::parse(&self.buffer)?, changed })
     }
 
     fn changed_since_read(&mut self) -> io::Result<bool> {
@@ -336,18 +348,32 @@ fn a_replaced_source_is_planned_probed_healed_and_reported() {
 /// anyway once the event is handled, and its heal is prepared.
 #[test]
 fn a_new_mount_taken_in_by_a_read_outside_a_scan_is_scanned() {
+    read_outside_a_scan_takes_in(SetTable::set);
+}
+
+/// The same when the new mount lands after whatever the loop checked
+/// before its read and before the read itself: the read's own account says
+/// it took a change in (under load, a daemon's death read the other
+/// daemon's new mount so, and it was healed only 30 s later).
+#[test]
+fn a_new_mount_made_just_before_a_read_outside_a_scan_is_scanned() {
+    read_outside_a_scan_takes_in(SetTable::set_just_before_next_read);
+}
+
+/// The new global mount, set by `make`, is taken in by a read outside a
+/// scan: the next scan plans its heal, and one scan is enough.
+fn read_outside_a_scan_takes_in(make: fn(&SetTable, String)) {
     let mut harness = Harness::new(None, None);
     harness.table.set(harness.table(&node(50, 7, Some((10, 50, 7)))));
     harness.supervisor.rescan();
     let (replaced, _) = harness.replaced_and_healed();
-    harness.table.set(replaced);
+    make(&harness.table, replaced);
     assert!(harness.supervisor.read_table().is_some());
     assert!(harness.calls().is_empty(), "a read alone plans nothing");
     harness.supervisor.scan_unscanned();
     assert!(matches!(harness.calls().as_slice(), [Call::Prepare { .. }]), "{:?}", harness.calls());
-    // Scanned: nothing is left for the next event to scan.
     harness.supervisor.scan_unscanned();
-    assert_eq!(harness.calls().len(), 1);
+    assert_eq!(harness.calls().len(), 1, "scanned: nothing is left for the next event to scan");
 }
 
 /// A heal of the three targets in which POD_B's stack failed.

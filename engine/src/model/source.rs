@@ -24,10 +24,20 @@ pub enum TableError {
     Events(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
+/// A snapshot and whether it took in a change since the one before it.
+#[derive(Debug)]
+pub struct TableRead {
+    pub snapshot: Snapshot,
+    /// Told by the read itself: a change made after a caller's
+    /// [`TableSource::changed_since_read`] and before its snapshot is in it,
+    /// and a caller that reads outside a scan must scan it.
+    pub changed: bool,
+}
+
 /// The loop's seam to the mount table.
 pub trait TableSource {
     /// The FUSE mounts as they are now.
-    fn snapshot(&mut self) -> Result<Snapshot, TableError>;
+    fn snapshot(&mut self) -> Result<TableRead, TableError>;
     /// Whether a snapshot now could differ from the last one, without
     /// making one (true when unsure).
     fn changed_since_read(&mut self) -> io::Result<bool>;
@@ -69,16 +79,17 @@ impl TextTable {
 }
 
 impl TableSource for TextTable {
-    fn snapshot(&mut self) -> Result<Snapshot, TableError> {
-        let table = self.reader.read().map_err(TableError::Read)?;
-        let (snapshot, malformed) = Snapshot::parse_lenient(table);
+    fn snapshot(&mut self) -> Result<TableRead, TableError> {
+        self.reader.read().map_err(TableError::Read)?;
+        let changed = self.reader.last_read_took_in_change();
+        let (snapshot, malformed) = Snapshot::parse_lenient(self.reader.buffer());
         if malformed != self.malformed {
             for err in &malformed {
                 warn!(err = %chain(&err), "malformed mount table line left out; the other lines are used");
             }
             self.malformed = malformed;
         }
-        Ok(snapshot)
+        Ok(TableRead { snapshot, changed })
     }
 
     fn changed_since_read(&mut self) -> io::Result<bool> {
@@ -105,8 +116,9 @@ mod tests {
         file.write_all(b"91 90 0:46 / /g rw shared:2 - fuse.bindfs bindfs rw\n92 90 0:46 / /p\\9 rw - fuse.bindfs bindfs rw\n93 90 0:46 / /pods/a/mount rw shared:2 - fuse.bindfs bindfs rw\n").unwrap();
         let mut table = TextTable::new(MountInfoReader::open(file.path()).unwrap());
         let logs = CapturedLogs::default();
-        let snapshots = logs.capture(Level::WARN, || [table.snapshot().unwrap(), table.snapshot().unwrap()]);
-        for snapshot in snapshots {
+        let reads = logs.capture(Level::WARN, || [table.snapshot().unwrap(), table.snapshot().unwrap()]);
+        assert_eq!(reads.each_ref().map(|read| read.changed), [true, false], "the first read takes the table in");
+        for TableRead { snapshot, .. } in reads {
             let kept: Vec<u32> = snapshot.fuse_mounts.iter().map(|mount| mount.mount_id).collect();
             assert_eq!(kept, [91, 93]);
         }

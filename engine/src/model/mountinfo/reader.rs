@@ -29,8 +29,11 @@ pub struct MountInfoReader {
     last_read_count: usize,
     /// Length of the last read, to size a released buffer anew.
     last_len: usize,
-    /// The table changed since the last read (a consumed notification said so).
+    /// The table changed since the last read (a consumed notification said
+    /// so); true before the first.
     changed: bool,
+    /// The last read took in a change the one before it had not seen.
+    took_in_change: bool,
 }
 
 /// A buffer up to this size is kept between reads; a larger one (a table
@@ -43,7 +46,14 @@ impl MountInfoReader {
     }
 
     pub fn from_file(file: File) -> Self {
-        MountInfoReader { file, buffer: Vec::new(), last_read_count: 0, last_len: 0, changed: false }
+        MountInfoReader {
+            file,
+            buffer: Vec::new(),
+            last_read_count: 0,
+            last_len: 0,
+            changed: true,
+            took_in_change: false,
+        }
     }
 
     /// Reads from offset 0 to EOF; then, if the file reports POLLPRI again
@@ -54,8 +64,8 @@ impl MountInfoReader {
     pub fn read(&mut self) -> io::Result<&[u8]> {
         // A change before this read is in the text this read gets; drop its
         // notification so that it does not cause a needless reread.
-        priority_pending(self.file.as_fd())?;
-        self.changed = false;
+        let pending = priority_pending(self.file.as_fd())?;
+        self.took_in_change = std::mem::take(&mut self.changed) | pending;
         self.last_read_count = 0;
         loop {
             self.read_once()?;
@@ -63,7 +73,15 @@ impl MountInfoReader {
             if self.last_read_count > MAX_REREADS || !priority_pending(self.file.as_fd())? {
                 return Ok(&self.buffer);
             }
+            self.took_in_change = true;
         }
+    }
+
+    /// Whether the last `read` took in a change since the one before it:
+    /// told with the read itself, so a change made after a caller's
+    /// [`Self::changed_since_read`] and before its read is not missed.
+    pub fn last_read_took_in_change(&self) -> bool {
+        self.took_in_change
     }
 
     /// Whether the table changed since the last `read` finished, without
