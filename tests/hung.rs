@@ -4,7 +4,7 @@
 //! a subPath's directory waits on it). Each is bounded by
 //! `--probe-timeout`: the loop stays responsive (`/healthz`, `status`),
 //! another source crashes and heals meanwhile, and the hung one heals once
-//! it answers or is replaced. Real daemons in private mount namespaces;
+//! it answers or is replaced, even while it stays stuck. Real daemons in private mount namespaces;
 //! needs root, /dev/fuse and bindfs.
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -140,6 +140,24 @@ fn a_new_daemon_that_holds_lookups_holds_up_nothing_else() {
     let line: serde_json::Value = serde_json::from_str(&healed).expect("a JSON log line");
     let waited = Duration::from_micros(line["fields"]["source_wait_us"].as_u64().expect("source_wait_us"));
     assert!(waited >= Duration::from_secs(1), "the held lookups are the source's wait: {healed}");
+}
+
+/// The new daemon never answers, and a restart script gives up on it: its
+/// mount is detached lazily and another daemon mounts, the stuck one left
+/// running. The probe waiting on the stuck daemon is left to it, and the
+/// newest mount is probed and healed from at once, not when the stuck
+/// daemon ends.
+#[test]
+fn a_daemon_stuck_for_good_and_replaced_holds_up_not_its_successor() {
+    let mut world = TwoSources::new(Daemon::DemoFs);
+    let from = world.check(world.node.supervisor()).log_len();
+    world.node.source.restart_unanswered(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
+    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    // Declared after the node: killed first, which ends the waiting probe.
+    let _stuck = world.node.source.replace_leaving_the_daemon(&world.node.sandbox).expect("replace");
+    world.check(world.node.converge(TIMEOUT));
+    world.stays_responsive();
 }
 
 /// `statfs` of the mount at `path`, on a thread of its own: an error if it

@@ -8,7 +8,7 @@ use tracing::{debug, error, info, info_span, warn};
 
 use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::Executor;
-use fuse_supervisor_engine::heal::probe::{ProbeOutcome, ProbeReport, open_mount_root};
+use fuse_supervisor_engine::heal::probe::{MAX_SUPERSEDED_PER_PATH, ProbeOutcome, ProbeReport, open_mount_root};
 use fuse_supervisor_engine::model::mountinfo::is_fuse_type;
 use fuse_supervisor_engine::model::table::{Classified, Dev, Role};
 use fuse_supervisor_engine::plan::{self, Assessment, HealBatch};
@@ -29,8 +29,7 @@ impl<E: Executor> Supervisor<E> {
             // Started when the watcher announced the mount: its answer heals this batch.
             return true;
         }
-        if self.prober.in_flight(source) {
-            debug!(source = %source.display(), "not probing: a probe of an earlier mount is in flight");
+        if !self.make_way_for_probe(source) {
             return false;
         }
         let subdirs = batch
@@ -51,6 +50,33 @@ impl<E: Executor> Supervisor<E> {
                 false
             }
         }
+    }
+
+    /// Whether a probe of `source`'s newest mount may start: none is in
+    /// flight, or the one of an earlier mount, whose daemon has not
+    /// answered, is left to it. A daemon stuck for good (stopped, or in
+    /// the kernel) whose mount a restart script replaced held its
+    /// successor's probe, and so its heal, for as long as it was stuck.
+    fn make_way_for_probe(&mut self, source: &Path) -> bool {
+        if !self.prober.in_flight(source) {
+            return true;
+        }
+        if !self.prober.supersede(source) {
+            warn!(
+                source = %source.display(),
+                waiting = MAX_SUPERSEDED_PER_PATH,
+                "not probing the newest mount: probes of as many earlier mounts wait on their daemons"
+            );
+            return false;
+        }
+        info!(source = %source.display(), "a probe of an earlier mount is left waiting on its daemon; probing the newest");
+        // What waited for the earlier probe is the earlier mount's.
+        self.sources.update(source, |record| {
+            record.probed = None;
+            record.overdue_reported = false;
+            record.probing_unheld = None;
+        });
+        true
     }
 
     /// Probes the mount `mount_id` at `source` if it is still the one there,
@@ -98,7 +124,7 @@ impl<E: Executor> Supervisor<E> {
             let source = mount.mount_point;
             if !is_fuse_type(&mount.fs_type)
                 || self.layout.role(&source) != Role::Source
-                || self.prober.in_flight(&source)
+                || self.prober.in_flight_on(&source, mount.mount_id)
             {
                 continue;
             }
@@ -113,7 +139,10 @@ impl<E: Executor> Supervisor<E> {
                     }
                 }
             }
-            if stranded && self.launch_probe(&source, mount.mount_id, subdirs) == Ok(true) {
+            if stranded
+                && self.make_way_for_probe(&source)
+                && self.launch_probe(&source, mount.mount_id, subdirs) == Ok(true)
+            {
                 // The heal's latency runs from this wake-up, not from the scan.
                 let woke_at = self.woke_at;
                 self.sources.update(&source, |record| record.seen = Some((dev, woke_at)));
@@ -180,7 +209,9 @@ impl<E: Executor> Supervisor<E> {
     /// The answer of a probe of a target on a connection no mapping records
     /// (`probe_unknown_targets`); `report.source` is the target.
     pub(super) fn on_target_probe(&mut self, report: ProbeReport) {
-        self.prober.finished(&report.source);
+        if !self.prober.finished(&report.source, report.mount_id) {
+            return;
+        }
         match report.outcome {
             // ENOTCONN: what every access to a FUSE mount with a dead daemon returns.
             ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
@@ -198,8 +229,15 @@ impl<E: Executor> Supervisor<E> {
     }
 
     pub(super) fn on_probe(&mut self, report: ProbeReport) {
+        if !self.prober.finished(&report.source, report.mount_id) {
+            debug!(source = %report.source.display(), mount_id = report.mount_id, "an earlier mount's probe answered");
+            // The newest mount's probe may have waited for this one to end.
+            if !self.prober.in_flight(&report.source) {
+                self.rescan();
+            }
+            return;
+        }
         if let Some(dev) = self.sources.update(&report.source, |record| record.probing_unheld.take()) {
-            self.prober.finished(&report.source);
             match report.outcome {
                 ProbeOutcome::Failed(err) if err.kind() == io::ErrorKind::NotConnected => {
                     self.died_unseen(&report.source, dev);
@@ -214,7 +252,6 @@ impl<E: Executor> Supervisor<E> {
             return;
         }
         debug!(source = %report.source.display(), live = matches!(report.outcome, ProbeOutcome::Live(_)), "probed");
-        self.prober.finished(&report.source);
         let planned = self.sources.update(&report.source, |record| {
             record.overdue_reported = false;
             record.probed.take()

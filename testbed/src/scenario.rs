@@ -23,6 +23,7 @@ use super::{Sandbox, SandboxChild};
 
 mod daemonized;
 mod holding;
+pub use holding::LeftDaemon;
 
 use holding::Holding;
 

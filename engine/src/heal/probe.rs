@@ -3,7 +3,9 @@
 //! Any access to a FUSE path can hang for as long as its daemon is stopped,
 //! so the loop only ever hands a probe an fd and goes on; the worker reports
 //! back on the loop's channel. A probe stuck in a stopped daemon is never
-//! duplicated: one probe per source is in flight at a time. The probe's
+//! duplicated: one probe per mount is in flight at a time, and a path's
+//! newer mount is probed beside the few of its earlier ones whose daemons
+//! never answered ([`Prober::supersede`]). The probe's
 //! calls themselves are made by the FUSE call helper ([`fuse_calls`]), so a
 //! daemon that holds one holds no thread of the agent's and not its exit.
 use std::collections::{BTreeMap, HashMap};
@@ -65,8 +67,19 @@ pub struct Prober {
     priority: HealPriority,
     /// When each probe started, and the mount it probes.
     in_flight: HashMap<PathBuf, (Instant, u32)>,
+    /// Probes of mounts that a newer mount at their path replaced, left
+    /// waiting on their daemons: their reports are dropped. The probe's
+    /// descriptor holds its mount, so the kernel cannot give its ID to
+    /// another mount while the probe waits.
+    superseded: Vec<(PathBuf, u32)>,
     spare: Option<SpareThread>,
 }
+
+/// How many probes of earlier mounts may wait at one path on daemons that
+/// do not answer (stopped for good, or stuck in the kernel): each holds a
+/// thread here and one in the FUSE call helper until its daemon answers or
+/// dies. Beyond it, the path's newest mount waits for one of them.
+pub const MAX_SUPERSEDED_PER_PATH: usize = 4;
 
 type ProbeJob = Box<dyn FnOnce() + Send>;
 
@@ -97,7 +110,7 @@ impl SpareThread {
 
 impl Prober {
     pub fn new(timeout: Duration, priority: HealPriority) -> Self {
-        Prober { timeout, priority, in_flight: HashMap::new(), spare: None }
+        Prober { timeout, priority, in_flight: HashMap::new(), superseded: Vec::new(), spare: None }
     }
 
     /// Starts a spare probe thread unless one is waiting: for the loop to
@@ -163,9 +176,39 @@ impl Prober {
         self.in_flight.get(source).map(|(started, _)| *started + wait)
     }
 
-    /// Called when a report arrives.
-    pub fn finished(&mut self, source: &Path) {
-        self.in_flight.remove(source);
+    /// Leaves the probe in flight at `path` to its daemon, which has not
+    /// answered while a newer mount took its mount's place, so that the
+    /// newer one can be probed: its report will be dropped. False (and
+    /// nothing changed) when [`MAX_SUPERSEDED_PER_PATH`] such probes wait
+    /// at `path` already.
+    pub fn supersede(&mut self, path: &Path) -> bool {
+        if self.superseded.iter().filter(|(waiting, _)| waiting == path).count() >= MAX_SUPERSEDED_PER_PATH {
+            return false;
+        }
+        if let Some((_, mount_id)) = self.in_flight.remove(path) {
+            self.superseded.push((path.to_path_buf(), mount_id));
+        }
+        true
+    }
+
+    /// Called when a report of the probe of `mount_id` at `path` arrives:
+    /// whether it is the answer of the path's probe in flight (not of one
+    /// [`Self::supersede`] left to its daemon).
+    pub fn finished(&mut self, path: &Path, mount_id: u32) -> bool {
+        if let Some(at) = self.superseded.iter().position(|(waiting, id)| waiting == path && *id == mount_id) {
+            self.superseded.swap_remove(at);
+            return false;
+        }
+        let current = self.in_flight.get(path).is_some_and(|(_, probed)| *probed == mount_id);
+        if current {
+            self.in_flight.remove(path);
+        }
+        current
+    }
+
+    /// How many superseded probes still wait on their daemons.
+    pub fn superseded(&self) -> usize {
+        self.superseded.len()
     }
 
     /// Sources whose probe has been waiting longer than the timeout: their
@@ -210,8 +253,38 @@ mod tests {
     use super::*;
 
     fn start_probe(prober: &mut Prober, dir: &Path, report: &Sender<ProbeReport>) {
+        start_probe_of(prober, dir, 1, report);
+    }
+
+    fn start_probe_of(prober: &mut Prober, dir: &Path, mount_id: u32, report: &Sender<ProbeReport>) {
         let root = fuse_supervisor_sys::resolve::open_path(dir).unwrap();
-        prober.start(dir, 1, root, Vec::new(), report.clone(), |report| report).unwrap();
+        prober.start(dir, mount_id, root, Vec::new(), report.clone(), |report| report).unwrap();
+    }
+
+    #[test]
+    fn a_superseded_probe_is_left_to_its_daemon_and_its_answer_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (report, reports) = mpsc::channel();
+        let mut prober = Prober::new(Duration::from_secs(2), HealPriority::OFF);
+        let newest = MAX_SUPERSEDED_PER_PATH as u32 + 1;
+        start_probe_of(&mut prober, dir.path(), 1, &report);
+        for mount_id in 2..=newest {
+            assert!(prober.supersede(dir.path()));
+            start_probe_of(&mut prober, dir.path(), mount_id, &report);
+            assert!(prober.in_flight_on(dir.path(), mount_id));
+        }
+        assert!(!prober.supersede(dir.path()), "as many as may wait at the path are waiting");
+        assert!(prober.in_flight_on(dir.path(), newest), "a refusal leaves the probe in flight");
+        let mut answered = Vec::new();
+        for _ in 1..=newest {
+            let answer = reports.recv_timeout(Duration::from_secs(10)).unwrap();
+            answered.push((answer.mount_id, prober.finished(dir.path(), answer.mount_id)));
+        }
+        answered.sort();
+        let expected: Vec<(u32, bool)> = (1..=newest).map(|mount_id| (mount_id, mount_id == newest)).collect();
+        assert_eq!(answered, expected, "only the newest mount's answer is the path's");
+        assert_eq!(prober.superseded(), 0);
+        assert!(!prober.in_flight(dir.path()));
     }
 
     #[test]
@@ -226,7 +299,7 @@ mod tests {
         let answer = reports.recv_timeout(Duration::from_secs(10)).unwrap();
         assert!(matches!(answer.outcome, ProbeOutcome::Live(_)), "{answer:?}");
 
-        prober.finished(dir.path());
+        assert!(prober.finished(dir.path(), answer.mount_id));
         start_probe(&mut prober, dir.path(), &report);
         let answer = reports.recv_timeout(Duration::from_secs(10)).unwrap();
         assert!(matches!(answer.outcome, ProbeOutcome::Live(_)), "{answer:?}");

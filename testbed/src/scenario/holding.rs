@@ -4,7 +4,7 @@ use std::io;
 
 use fuse_supervisor_sys::process::Signal;
 
-use super::{Daemon, FuseSource, Restart, Sandbox, ScenarioError};
+use super::{Daemon, FuseSource, Restart, Sandbox, SandboxChild, ScenarioError};
 
 /// What a demofs holds unanswered until `SIGUSR1`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +70,23 @@ impl FuseSource {
         Ok(())
     }
 
+    /// Replaces the daemon as a restart script that gives up on a stuck
+    /// one does: its mount is detached lazily (`umount -l`) and a new
+    /// daemon mounts, while the old one is left running. A daemon that
+    /// answers nothing (stopped for good, stuck in the kernel) keeps every
+    /// request to its old mount waiting; it is killed when the returned
+    /// guard is dropped (declare the guard after the node, so that it is
+    /// killed before the processes waiting on it are reaped).
+    pub fn replace_leaving_the_daemon(&mut self, sandbox: &Sandbox) -> Result<LeftDaemon, ScenarioError> {
+        let left = self.process.take().ok_or_else(|| ScenarioError::Io {
+            step: "replace the daemon".into(),
+            source: io::Error::other("no daemon running"),
+        })?;
+        let left = LeftDaemon(left);
+        self.restart(sandbox, Restart::UnmountThenMount)?;
+        Ok(left)
+    }
+
     /// Kills a daemon that may still hold lookups: its device closes, the
     /// kernel aborts the connection and every held caller gets an error.
     /// For cleanup before the processes that may be such callers (the
@@ -77,5 +94,17 @@ impl FuseSource {
     /// otherwise wait for the daemon forever.
     pub fn end_held_lookups(&mut self) -> Result<(), ScenarioError> {
         if self.holds_lookups { self.crash() } else { Ok(()) }
+    }
+}
+
+/// A daemon left running by [`FuseSource::replace_leaving_the_daemon`],
+/// killed on drop.
+pub struct LeftDaemon(SandboxChild);
+
+impl Drop for LeftDaemon {
+    fn drop(&mut self) {
+        if let Err(err) = self.0.kill() {
+            eprintln!("cannot kill the left daemon {}: {err}", self.0.pid());
+        }
     }
 }
