@@ -19,9 +19,14 @@
 //!   the probes come from the node's address, which every host-network pod
 //!   shares); replacing the oldest leaves an attacker only its own slots.
 //!   A probe sends its head in one segment, mostly read whole at its
-//!   connection's first poll (it then takes no room at all), else at its
-//!   first wake-up, so pushing it out takes [`HEADS_PENDING`] new
-//!   connections in that moment, a flood rather than a slow attack;
+//!   connection's first poll (it then takes no room at all). A connection
+//!   that has sent nothing yet takes no room either for up to
+//!   [`ADMISSION_GRACE`] (at most [`SILENT_WAITING`] such at once): a probe
+//!   whose client was preempted between its connect and its write would
+//!   otherwise be the oldest head of its address after as many newer
+//!   connections of that address, and slow clients that come back
+//!   whenever closed make that many within a millisecond (one of 30
+//!   probes lost among 64 of them from the probes' address);
 //! - probes are answered in rounds, one ping of the supervisor loop (at
 //!   most [`LIVENESS_WAIT`]) answering every `/healthz` that waits, so a
 //!   flood of them costs the loop one ping per round, and a probe waits
@@ -89,6 +94,12 @@ pub const HEADS_PER_PEER: usize = 8;
 pub const PROBES_WAITING: usize = 256;
 /// Other answers (`/metrics`, errors) at once: a scraper or two.
 pub const OTHER_ANSWERS: usize = 4;
+/// How long a connection that has sent nothing yet waits for its first
+/// bytes before it takes a place among the heads being read.
+pub const ADMISSION_GRACE: Duration = Duration::from_millis(250);
+/// Connections waiting so at once; beyond, a silent one takes its place at
+/// once, as any other.
+pub const SILENT_WAITING: usize = 4 * HEADS_PENDING;
 /// Longest request head read (hyper's smallest read buffer); a probe's or
 /// scraper's is a few hundred bytes. Longer: 431.
 const MAX_HEAD: usize = 8 * 1024;
@@ -186,6 +197,8 @@ struct Server {
     /// One permit per answer other than a probe's, held until its
     /// connection closes.
     others: Arc<Semaphore>,
+    /// One permit per connection waiting for its first bytes.
+    silent: Arc<Semaphore>,
 }
 
 /// The connections whose head is still arriving, keyed by accept order,
@@ -240,6 +253,7 @@ impl Server {
             heads: Mutex::default(),
             probes: Mutex::default(),
             others: Arc::new(Semaphore::new(OTHER_ANSWERS)),
+            silent: Arc::new(Semaphore::new(SILENT_WAITING)),
         }
     }
 
@@ -268,6 +282,12 @@ impl Server {
     /// Serves one connection within its deadlines; takes a place among the
     /// heads being read if its head was not whole at the first poll.
     async fn connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, id: u64, accepted: Instant) {
+        if let Ok(_waiting) = Arc::clone(&self.silent).try_acquire_owned() {
+            // Bytes, an end or an error, or the grace over: then as any
+            // other. (A peek, as `readable` says ready at once for a new
+            // socket, and a read would take the bytes from hyper.)
+            let _ = tokio::time::timeout(ADMISSION_GRACE, stream.peek(&mut [0u8; 1])).await;
+        }
         let exchange = Arc::new(Exchange::default());
         let service = {
             let (server, exchange) = (Arc::clone(&self), Arc::clone(&exchange));
@@ -649,6 +669,28 @@ mod tests {
         assert!(own[1..].iter().all(waiting_now), "a newer head of that peer was closed");
         assert!(waiting_now(&other), "another peer's head was closed");
         assert_eq!(finish_head(other), 503, "not ready");
+    }
+
+    /// A probe whose head comes after its connect, behind newer heads of
+    /// its own address (the kubelet's, which host-network pods share): it
+    /// took no place before its bytes came, so none of them pushed it out.
+    #[test]
+    fn a_probe_silent_after_its_connect_is_not_pushed_out_by_newer_heads_of_its_address() {
+        let health = Arc::new(Health::new());
+        let (server, _metrics) = server(&health);
+        let addr = server.local_addr();
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket.bind(&SocketAddr::from(([127, 0, 0, 2], 0)).into()).unwrap();
+        socket.connect(&addr.into()).unwrap();
+        let mut probe: TcpStream = socket.into();
+        let newer: Vec<TcpStream> = (0..=HEADS_PER_PEER).map(|_| unfinished_head(addr, [127, 0, 0, 2])).collect();
+        assert!(closed(&newer[0]), "the oldest head of the peer over its share stayed");
+        assert!(waiting_now(&probe), "the silent probe was closed");
+        health.set_ready();
+        probe.write_all(b"GET /readyz HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+        let mut response = String::new();
+        probe.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200 "), "{response}");
     }
 
     #[test]
