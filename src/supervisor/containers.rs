@@ -127,15 +127,10 @@ impl<E: Executor> Supervisor<E> {
     /// retry due now, so a source down again waits as a retry does.
     pub(super) fn heal_late_copies(&mut self, late: LateCopies) {
         let LateCopies { source, mut mounts } = late;
-        // The watched namespace (this thread's) is the host heal's, never a
-        // container's: learnt again when its anchor exits (a daemon), it
-        // holds the host's targets still on the dead connection, and a
-        // replacement there raced the host heal of the same targets (two
-        // live layers, seen in CI after a restart). A namespace learnt
-        // again may also hand over mounts whose heal already waits here
-        // (refused, given up, backing off).
-        let watched = own_mount_namespace();
-        mounts.retain(|foreign| Some(foreign.namespace) != watched && !self.container_heal_waits(foreign));
+        // A namespace learnt again may hand over mounts whose heal already
+        // waits here (refused, given up, backing off). (The watched
+        // namespace's never come: see `Namespaces::heal_as_host`.)
+        mounts.retain(|foreign| !self.container_heal_waits(foreign));
         let Some(first) = mounts.first() else { return };
         info!(namespace = first.namespace, pid = first.pid, mounts = mounts.len(), source = %source.display(), "a namespace learnt after a heal holds mounts of the connection it replaced");
         let now = Instant::now();
@@ -459,12 +454,6 @@ fn why_failed(err: &ContainerHealError) -> Failure {
         }
         _ => Failure::Failed,
     }
-}
-
-/// The inode of the calling thread's mount namespace; None if `/proc`
-/// cannot say.
-pub(super) fn own_mount_namespace() -> Option<u64> {
-    std::fs::metadata("/proc/thread-self/ns/mnt").ok().map(|meta| std::os::unix::fs::MetadataExt::ino(&meta))
 }
 
 #[cfg(test)]

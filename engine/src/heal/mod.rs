@@ -476,7 +476,7 @@ pub struct MountExecutor {
     /// every target is flattened on the pool.
     mount_beneath: bool,
     /// The watched namespace, which container heals clone the source in,
-    /// and its inode, which the search for containers skips.
+    /// and its inode, which the namespaces are told is the host's.
     watched: Arc<OwnedFd>,
     watched_inode: u64,
     /// Mounts of dead connections in other namespaces, isolated when their
@@ -514,6 +514,8 @@ impl MountExecutor {
         if !mount_beneath {
             info!("this kernel cannot slide a mount beneath another (before 6.5): each stale layer is detached alone");
         }
+        let namespaces = namespaces::Namespaces::new(Path::new("/proc"));
+        namespaces.heal_as_host(watched_inode);
         Ok(MountExecutor {
             mounter,
             pool,
@@ -523,7 +525,7 @@ impl MountExecutor {
             isolated: isolations::Isolations::new(connections::FuseConnections::shared(Path::new(
                 connections::FUSE_CONNECTIONS,
             ))),
-            namespaces: namespaces::Namespaces::new(Path::new("/proc")),
+            namespaces,
             pinned: LetGoOnDrop::default(),
             workers: containers::NamespaceWorkers::new(priority, containers::DEFAULT_DEADLINE),
             nested_copies: Arc::default(),
@@ -534,6 +536,7 @@ impl MountExecutor {
     /// than by walks of `/proc`.
     /// They copy ahead the mounts nested in watched volumes.
     pub fn use_namespaces(&mut self, namespaces: Arc<namespaces::Namespaces>) {
+        namespaces.heal_as_host(self.watched_inode);
         namespaces.copy_nested_with(Arc::clone(&self.nested_copies), self.workers.clone());
         self.namespaces = namespaces;
     }
@@ -671,7 +674,7 @@ impl Executor for MountExecutor {
 
     fn isolate_containers(&mut self, dev: Dev) -> Option<Isolated> {
         let generation = self.namespaces.generation();
-        let mut skip = BTreeSet::from([self.watched_inode]);
+        let mut skip = BTreeSet::new();
         let searched = self.isolated.searched(dev);
         let searched_before = searched.is_some();
         // What the record says was searched once this is done: `generation`
@@ -782,8 +785,7 @@ impl Executor for MountExecutor {
         if learnt_after == Some(generation) {
             return outcomes;
         }
-        let mut skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
-        skip.insert(self.watched_inode);
+        let skip: BTreeSet<u64> = isolated.iter().map(|foreign| foreign.namespace).collect();
         let searched = std::time::Instant::now();
         let found = self.namespaces.holding(&skip, dead, (after(learnt_after).0, Bound::Included(generation)));
         match found {

@@ -145,6 +145,9 @@ pub struct Namespaces {
     /// Who heals the copies of replaced connections in namespaces learnt
     /// after their heal.
     late_copies: OnceLock<LateCopiesSink>,
+    /// The namespace whose targets the agent heals as the host's (its
+    /// inode): never a container's ([`Namespaces::heal_as_host`]).
+    host: OnceLock<u64>,
 }
 
 struct LateCopiesSink(LateCopiesNotify);
@@ -233,7 +236,24 @@ impl Namespaces {
             copier: OnceLock::new(),
             connections: FuseConnections::shared(Path::new(FUSE_CONNECTIONS)),
             late_copies: OnceLock::new(),
+            host: OnceLock::new(),
         })
+    }
+
+    /// The namespace `namespace` (an inode) is the one whose targets the
+    /// agent heals as the host's: no search finds it and its copies are
+    /// never handed over as late ones. It is learnt like any other (and
+    /// learnt again whenever its anchor, often a FUSE daemon, exits),
+    /// holding the host's targets still on a dead connection; healed as a
+    /// container's, their replacement raced the host heal of the same
+    /// targets (two live layers on two targets, seen in CI after a restart).
+    pub fn heal_as_host(&self, namespace: u64) {
+        let _ = self.host.set(namespace);
+    }
+
+    /// `skip` and the host's namespace.
+    fn and_host(&self, skip: &BTreeSet<u64>) -> BTreeSet<u64> {
+        skip.iter().chain(self.host.get()).copied().collect()
     }
 
     /// `notify` hears of each namespace learnt after a heal that holds
@@ -342,6 +362,7 @@ impl Namespaces {
         dead: &BTreeSet<Dev>,
         generations: impl RangeBounds<u64>,
     ) -> Result<Holding, ContainerHealError> {
+        let skip = &self.and_host(skip);
         let candidates: Vec<(u64, ProcessId)> = {
             let known = self.known();
             if !known.kept {
@@ -535,6 +556,9 @@ impl Namespaces {
     /// source that replaced them) to the loop.
     fn hand_over_late(&self, read: &NamespaceRead, late: BTreeMap<PathBuf, BTreeSet<Dev>>) {
         let Some(LateCopiesSink(notify)) = self.late_copies.get() else { return };
+        if self.host.get() == Some(&read.namespace) {
+            return;
+        }
         for (source, connections) in late {
             let mounts = read.foreign_mounts(&connections);
             if !mounts.is_empty() {

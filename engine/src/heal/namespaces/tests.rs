@@ -72,6 +72,7 @@ fn kept_with(proc: &FakeProc, connections: FuseConnections) -> Namespaces {
         copier: OnceLock::new(),
         connections,
         late_copies: OnceLock::new(),
+        host: OnceLock::new(),
     };
     let walked = walk(proc.path(), &BTreeSet::new(), || {}).unwrap();
     let mut known = namespaces.known();
@@ -175,6 +176,17 @@ fn a_namespace_learnt_after_a_heal_hands_over_its_copies_of_the_connection_repla
     proc.process(60, None, 600, &private_volume(50));
     namespaces.learn_new(read_namespace(proc.path(), 60, None).unwrap().unwrap());
     assert!(handed.try_recv().is_err(), "a later connection with the number taken for the dead one");
+
+    // The host's namespace, learnt (again) holding a copy of the dead
+    // connection: its targets are the host heal's, never handed over, and
+    // no search finds it.
+    let host = proc.process(70, None, 700, &private_volume(50));
+    namespaces.heal_as_host(inode(&host));
+    namespaces.replaced(&[(DEAD, inode(&dead_dir))], source);
+    namespaces.learn_new(read_namespace(proc.path(), 70, None).unwrap().unwrap());
+    assert!(handed.try_recv().is_err(), "the host's namespace handed over as a container's");
+    let found = namespaces.holding(&BTreeSet::new(), &BTreeSet::from([DEAD]), ..).unwrap();
+    assert!(found.mounts.iter().all(|mount| mount.pid != 70), "{found:?}");
 }
 
 #[test]
