@@ -4,8 +4,8 @@
 //! a subPath's directory waits on it). Each is bounded by
 //! `--probe-timeout`: the loop stays responsive (`/healthz`, `status`),
 //! another source crashes and heals meanwhile, and the hung one heals once
-//! it answers or is replaced, even while it stays stuck. Real daemons in private mount namespaces;
-//! needs root, /dev/fuse and bindfs.
+//! it answers or is replaced, even while it stays stuck. Real daemons in
+//! private mount namespaces; needs root, /dev/fuse and bindfs.
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
