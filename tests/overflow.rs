@@ -75,7 +75,9 @@ fn a_storm_overflowing_both_queues_misses_nothing_and_heals_after() {
     let state_dir = node.sandbox.outside_path(&node.state_dir);
     let expected = node.targets.clone();
     let recorded = || -> BTreeSet<PathBuf> {
-        Journal::load(&state_dir).map(|journal| journal.mappings().keys().cloned().collect()).unwrap_or_default()
+        Journal::load(&state_dir)
+            .map(|journal| journal.mappings().keys().map(Path::to_path_buf).collect())
+            .unwrap_or_default()
     };
     scenario::wait_for("the state file to hold exactly the storm's targets", TIMEOUT, || recorded() == expected)
         .unwrap_or_else(|err| {

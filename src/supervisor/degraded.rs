@@ -200,7 +200,7 @@ impl<E: Executor> Supervisor<E> {
             .mappings()
             .iter()
             .filter(|(_, mapping)| mapping.source == source && mapping.dev == dev)
-            .map(|(path, _)| path.clone())
+            .map(|(path, _)| path.to_path_buf())
             .collect();
         targets.sort_unstable_by(|a, b| path_order(a, b));
         targets
@@ -214,7 +214,7 @@ impl<E: Executor> Supervisor<E> {
         let since = wall_clock(at);
         let targets = self.targets_on(source, dev);
         for path in &targets {
-            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            let record = self.records.get_or_insert_with(path, || TargetRecord::new(TargetState::Healthy));
             // A target already broken, healing or failing is in an outage
             // that began earlier: it keeps its start.
             if !matches!(record.state, TargetState::Healthy | TargetState::Healed { .. }) {
@@ -448,8 +448,7 @@ impl<E: Executor> Supervisor<E> {
                 containers_of.insert((source.clone(), dead));
             }
             let result = self.executor.flatten_covered(&heal, held.fd);
-            let record =
-                self.records.entry(heal.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            let record = self.records.get_or_insert_with(&heal.path, || TargetRecord::new(TargetState::Healthy));
             let outage = record.broken_since.and_then(|since| since.elapsed().ok());
             let layers_removed = match result {
                 Ok(removed) => {

@@ -94,8 +94,7 @@ impl<E: Executor> Supervisor<E> {
             && outcomes.iter().all(|outcome| matches!(outcome.result, Err(HealError::Descriptors { .. })));
         for (target, outcome) in batch.targets.iter().zip(outcomes) {
             let _span = info_span!("target", target = %outcome.path.display(), pod = %target.pod_uid).entered();
-            let record =
-                self.records.entry(outcome.path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+            let record = self.records.get_or_insert_with(&outcome.path, || TargetRecord::new(TargetState::Healing));
             let event = TargetEvent {
                 target: &outcome.path,
                 pod_uid: &target.pod_uid,
@@ -163,8 +162,7 @@ impl<E: Executor> Supervisor<E> {
     /// A heal attempt of `target` failed with `error`: it is retried after
     /// its back-off, and the pod is told.
     pub(super) fn attempt_failed(&mut self, target: &Path, pod_uid: &str, source: &Path, error: String) {
-        let record =
-            self.records.entry(target.to_path_buf()).or_insert_with(|| TargetRecord::new(TargetState::Healing));
+        let record = self.records.get_or_insert_with(target, || TargetRecord::new(TargetState::Healing));
         record.attempts += 1;
         let delay = retry_delay(record.attempts);
         warn!(target = %target.display(), pod = %pod_uid, err = %error, attempts = record.attempts, retry_in_ms = delay.as_millis() as u64, "heal failed");

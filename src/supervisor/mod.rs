@@ -4,7 +4,7 @@
 //! The loop thread joins the watched mount namespace and does all mounting
 //! itself; nothing it does touches a FUSE filesystem (O_PATH opens and mount
 //! calls never reach the daemon). Probes, which do, run on worker threads.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use fuse_supervisor_engine::heal::{Executor, Prepared};
 use fuse_supervisor_engine::health::{Health, Pong};
 use fuse_supervisor_engine::kube::Answer;
 use fuse_supervisor_engine::kube::Kubelet;
+use fuse_supervisor_engine::model::path_map::PathMap;
 use fuse_supervisor_engine::model::source::{TableRead, TableSource};
 use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter, TargetState};
 use fuse_supervisor_engine::model::table::{Classified, Layout};
@@ -202,7 +203,7 @@ struct Supervisor<E: Executor> {
     /// A hash map, like the journal's: a heal looks up each of its targets
     /// several times, and an ordered map's component-by-component path
     /// comparisons were a fifth of the loop's CPU at 10,000 targets.
-    records: HashMap<PathBuf, TargetRecord>,
+    records: PathMap<TargetRecord>,
     /// The mount table of the watched namespace.
     reader: Box<dyn TableSource>,
     prober: Prober,

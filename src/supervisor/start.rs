@@ -1,6 +1,6 @@
 //! Start-up: the threads and watchers `run` wires together, and the
 //! loop's own construction.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use fuse_supervisor_engine::heal::{Executor, MountExecutor};
 use fuse_supervisor_engine::kube::Asker;
 use fuse_supervisor_engine::model::incremental::KernelMounts;
 use fuse_supervisor_engine::model::mountinfo::MountInfoReader;
+use fuse_supervisor_engine::model::path_map::PathMap;
 use fuse_supervisor_engine::model::source::{TableSource, TextTable};
 use fuse_supervisor_engine::model::state::{Journal, StateError, StateWriter};
 use fuse_supervisor_engine::model::table::Layout;
@@ -357,7 +358,7 @@ impl<E: Executor> Supervisor<E> {
         Supervisor {
             layout: Layout::new(&config.kubelet_root).with_pod_scope(config.pod_scope.as_deref()),
             journal: Journal::load_or_set_aside(&config.state_dir),
-            records: HashMap::new(),
+            records: PathMap::new(),
             reader,
             prober: Prober::new(config.probe_timeout, config.heal_priority),
             heal_window: HealWindow::new(config.heal_priority, heal_activity),

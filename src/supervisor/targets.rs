@@ -55,14 +55,13 @@ impl<E: Executor> Supervisor<E> {
     /// Every target a probe found dead: the plan heals them.
     pub(super) fn found_dead_targets(&self) -> BTreeSet<PathBuf> {
         let dead = self.records.iter().filter(|(_, record)| record.found_dead);
-        dead.map(|(path, _)| path.clone()).collect()
+        dead.map(|(path, _)| path.to_path_buf()).collect()
     }
 
     /// Changes the record of `target`, made healthy if there is none and
     /// dropped if `change` leaves it holding nothing.
     pub(super) fn update_record<T>(&mut self, target: &Path, change: impl FnOnce(&mut TargetRecord) -> T) -> T {
-        let record =
-            self.records.entry(target.to_path_buf()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+        let record = self.records.get_or_insert_with(target, || TargetRecord::new(TargetState::Healthy));
         let out = change(record);
         if record.holds_nothing() {
             self.records.remove(target);
@@ -206,7 +205,7 @@ impl<E: Executor> Supervisor<E> {
         let journal = &self.journal;
         let held = self.records.iter().filter(|(_, record)| record.held.is_some());
         let gone: Vec<PathBuf> =
-            held.filter(|(path, _)| journal.get(path).is_none()).map(|(path, _)| path.clone()).collect();
+            held.filter(|(path, _)| journal.get(path).is_none()).map(|(path, _)| path.to_path_buf()).collect();
         for path in gone {
             self.release_held(&path);
         }
@@ -333,7 +332,7 @@ impl<E: Executor> Supervisor<E> {
                 }
                 continue;
             }
-            let record = self.records.entry(path.clone()).or_insert_with(|| TargetRecord::new(TargetState::Healthy));
+            let record = self.records.get_or_insert_with(path, || TargetRecord::new(TargetState::Healthy));
             if let TargetState::Broken { since } = next
                 && record.broken_since.is_none()
             {

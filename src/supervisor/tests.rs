@@ -400,7 +400,7 @@ fn a_failed_target_is_reported_and_waits_out_its_back_off_while_the_others_heal(
     let reports = harness.reports();
     assert!(reports.contains(&format!("healed {} Stacked", pod_a.display())), "{reports:?}");
     assert!(reports.contains(&format!("failed {}", pod_b.display())), "{reports:?}");
-    assert!(matches!(harness.supervisor.records[&pod_b].state, TargetState::Failed { .. }));
+    assert!(matches!(harness.supervisor.records.get(&pod_b).unwrap().state, TargetState::Failed { .. }));
     assert!(harness.supervisor.in_back_off(&pod_b));
     // Still in the work set: its mapping stays until it is healed.
     assert!(harness.supervisor.journal.get(&pod_b).is_some());

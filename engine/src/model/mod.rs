@@ -7,6 +7,7 @@
 pub mod incremental;
 pub mod mountinfo;
 pub mod namespace_table;
+pub mod path_map;
 pub mod source;
 pub mod state;
 pub mod table;

@@ -11,6 +11,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::model::mountinfo::{self, ParseError};
+use crate::model::path_map::SortedPathMap;
 
 /// A `major:minor` device number; every FUSE connection has its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -269,7 +270,8 @@ pub struct Target {
 #[derive(Clone, Debug, Default)]
 pub struct Classified {
     pub sources: BTreeMap<PathBuf, Stack>,
-    pub targets: BTreeMap<PathBuf, Target>,
+    /// In path order, found by path without comparing paths.
+    pub targets: SortedPathMap<Target>,
     pub total_mounts: usize,
 }
 

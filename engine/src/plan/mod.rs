@@ -134,7 +134,8 @@ pub fn learn(classified: &Classified, layout: &Layout, journal: &mut Journal) ->
 /// bound from the dead staging mount its mapped peers are binds of. It is
 /// then healed with them.
 fn learn_from_mapped_peers(classified: &Classified, journal: &mut Journal) -> bool {
-    let unmapped: Vec<&PathBuf> = classified.targets.keys().filter(|path| journal.get(path).is_none()).collect();
+    let unmapped: Vec<(&PathBuf, &Target)> =
+        classified.targets.iter().filter(|(path, _)| journal.get(path).is_none()).collect();
     if unmapped.is_empty() {
         return false;
     }
@@ -150,8 +151,7 @@ fn learn_from_mapped_peers(classified: &Classified, journal: &mut Journal) -> bo
         mapped.entry((top.dev, top.peer_group)).or_insert_with(|| (mapping.clone(), source_root));
     }
     let mut changed = false;
-    for path in unmapped {
-        let target = &classified.targets[path];
+    for (path, target) in unmapped {
         let top = target.stack.top();
         let Some((peer, source_root)) = mapped.get(&(top.dev, top.peer_group)) else { continue };
         let Some(root_in_source) = root_within(source_root, &top.root) else { continue };

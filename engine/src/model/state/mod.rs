@@ -11,6 +11,7 @@ use time::OffsetDateTime;
 use tracing::warn;
 
 use crate::errors::chain;
+use crate::model::path_map::PathMap;
 use crate::model::table::{Dev, TargetKind, path_order};
 
 mod writer;
@@ -107,11 +108,11 @@ struct StateFileRef<'a> {
 /// The mappings, written in path order so that the file reads and diffs
 /// well ([`path_order`]: the loop serializes every save, and comparing
 /// components costs several times more).
-struct SortedTargets<'a>(&'a HashMap<PathBuf, Mapping>);
+struct SortedTargets<'a>(&'a PathMap<Mapping>);
 
 impl Serialize for SortedTargets<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut sorted: Vec<(&PathBuf, &Mapping)> = self.0.iter().collect();
+        let mut sorted: Vec<(&Path, &Mapping)> = self.0.iter().collect();
         sorted.sort_unstable_by(|a, b| path_order(a.0, b.0));
         serializer.collect_map(sorted)
     }
@@ -153,13 +154,13 @@ impl StateError {
 
 /// The mapping of every known target, persisted under `--state-dir`.
 ///
-/// A hash map: every scan looks up every target, and at 10,000 targets
-/// the component-by-component path comparisons of an ordered map were a third
-/// of a rescan's CPU.
+/// A hash map on the paths' bytes ([`PathMap`]): every scan looks up every
+/// target, and at 10,000 targets the component-by-component path
+/// comparisons of an ordered map were a third of a rescan's CPU.
 #[derive(Debug)]
 pub struct Journal {
     path: PathBuf,
-    mappings: HashMap<PathBuf, Mapping>,
+    mappings: PathMap<Mapping>,
     sources: BTreeMap<PathBuf, SourceRecord>,
 }
 
@@ -170,7 +171,7 @@ impl Journal {
         match fs::read(&path) {
             Ok(bytes) => Journal::parse(&bytes, &path),
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                Ok(Journal { path, mappings: HashMap::new(), sources: BTreeMap::new() })
+                Ok(Journal { path, mappings: PathMap::new(), sources: BTreeMap::new() })
             }
             Err(source) => Err(StateError::Read { path, source }),
         }
@@ -184,7 +185,7 @@ impl Journal {
         if file.version != STATE_VERSION {
             return Err(StateError::Version { path: path.to_path_buf(), found: file.version });
         }
-        Ok(Journal { path: path.to_path_buf(), mappings: file.targets, sources: file.sources })
+        Ok(Journal { path: path.to_path_buf(), mappings: file.targets.into_iter().collect(), sources: file.sources })
     }
 
     /// Loads the state file for `run`. One that cannot be used (unreadable,
@@ -219,12 +220,12 @@ impl Journal {
                 "state file cannot be used, nor renamed aside; starting from the mount table and the layouts"
             ),
         }
-        Journal { path, mappings: HashMap::new(), sources: BTreeMap::new() }
+        Journal { path, mappings: PathMap::new(), sources: BTreeMap::new() }
     }
 
     /// A journal that never touches disk (offline `status`).
     pub fn in_memory() -> Self {
-        Journal { path: PathBuf::new(), mappings: HashMap::new(), sources: BTreeMap::new() }
+        Journal { path: PathBuf::new(), mappings: PathMap::new(), sources: BTreeMap::new() }
     }
 
     pub fn get(&self, target: &Path) -> Option<&Mapping> {
@@ -232,7 +233,7 @@ impl Journal {
     }
 
     /// Every mapping, in no particular order.
-    pub fn mappings(&self) -> &HashMap<PathBuf, Mapping> {
+    pub fn mappings(&self) -> &PathMap<Mapping> {
         &self.mappings
     }
 
