@@ -59,14 +59,20 @@ impl<E: Executor> Supervisor<E> {
     /// successor's probe, and so its heal, for as long as it was stuck.
     fn make_way_for_probe(&mut self, source: &Path) -> bool {
         if !self.prober.in_flight(source) {
+            if self.sources.get(source).is_some_and(|record| record.waiting_said) {
+                self.sources.update(source, |record| record.waiting_said = false);
+            }
             return true;
         }
         if !self.prober.supersede(source) {
-            warn!(
-                source = %source.display(),
-                waiting = MAX_SUPERSEDED_PER_PATH,
-                "not probing the newest mount: probes of as many earlier mounts wait on their daemons"
-            );
+            // Every scan asks again until one of them ends: said once.
+            if !self.sources.update(source, |record| std::mem::replace(&mut record.waiting_said, true)) {
+                warn!(
+                    source = %source.display(),
+                    waiting = MAX_SUPERSEDED_PER_PATH,
+                    "not probing the newest mount: probes of as many earlier mounts wait on their daemons"
+                );
+            }
             return false;
         }
         info!(source = %source.display(), "a probe of an earlier mount is left waiting on its daemon; probing the newest");
@@ -75,6 +81,7 @@ impl<E: Executor> Supervisor<E> {
             record.probed = None;
             record.overdue_reported = false;
             record.probing_unheld = None;
+            record.waiting_said = false;
         });
         true
     }

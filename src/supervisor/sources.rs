@@ -26,6 +26,9 @@ pub(super) struct SourceRecord {
     /// A probe runs of its connection, which no process was found holding:
     /// ENOTCONN says its daemon died before it was found.
     pub(super) probing_unheld: Option<Dev>,
+    /// The newest mount waits for one of the probes of earlier mounts left
+    /// to their daemons to end, and that was said (once, not every scan).
+    pub(super) waiting_said: bool,
 }
 
 /// A planned heal waiting for its source's probe.
@@ -38,7 +41,11 @@ pub(super) struct Probed {
 
 impl SourceRecord {
     fn is_empty(&self) -> bool {
-        self.seen.is_none() && self.probed.is_none() && !self.overdue_reported && self.probing_unheld.is_none()
+        self.seen.is_none()
+            && self.probed.is_none()
+            && !self.overdue_reported
+            && self.probing_unheld.is_none()
+            && !self.waiting_said
     }
 }
 
