@@ -160,6 +160,44 @@ fn a_daemon_stuck_for_good_and_replaced_holds_up_not_its_successor() {
     world.stays_responsive();
 }
 
+/// A restart script gives up on one stuck daemon after another: the probes
+/// of four of them are left waiting, and the newest mount waits for one to
+/// end. That is said once, however many scans plan its heal again (each
+/// change of the other source does), and the heal follows as soon as a
+/// stuck daemon ends.
+#[test]
+fn past_four_stuck_daemons_the_newest_mount_waits_and_says_so_once() {
+    let mut world = TwoSources::new(Daemon::DemoFs);
+    let from = world.check(world.node.supervisor()).log_len();
+    world.node.source.restart_unanswered(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
+    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    let left_waiting = |line: &str| line.contains("\"a probe of an earlier mount is left waiting on its daemon");
+    // Each mount replaced only once its probe runs: a mount replaced before
+    // is never probed, and leaves no probe waiting.
+    let probing = |line: &str| line.contains("\"probing source\"");
+    // Declared after the node: killed first, which ends the waiting probes.
+    let mut stuck = Vec::new();
+    for replaced in 1..=4 {
+        stuck.push(world.node.source.replace_with_an_unanswering_one(&world.node.sandbox).expect("replace"));
+        world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, replaced + 1, probing)));
+    }
+    stuck.push(world.node.source.replace_with_an_unanswering_one(&world.node.sandbox).expect("replace"));
+    let waits = |line: &str| line.contains("\"not probing the newest mount");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, waits)));
+    world.stays_responsive();
+    world.stays_responsive();
+    let log = world.check(world.node.supervisor()).log().split_off(from);
+    assert_eq!(log.iter().filter(|line| waits(line)).count(), 1, "said more than once:\n{}", log.join("\n"));
+    assert_eq!(log.iter().filter(|line| left_waiting(line)).count(), 4, "{}", log.join("\n"));
+    // One stuck daemon ends, and its probe with it: the newest mount is
+    // probed at the scan its end brings, and healed once its daemon
+    // answers.
+    drop(stuck.remove(0));
+    world.node.source.answer().expect("the newest daemon answers");
+    world.check(world.node.converge(TIMEOUT));
+}
+
 /// `statfs` of the mount at `path`, on a thread of its own: an error if it
 /// fails or does not answer within a few seconds (the thread is left to
 /// the daemon's end then).

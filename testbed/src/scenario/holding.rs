@@ -78,13 +78,26 @@ impl FuseSource {
     /// guard is dropped (declare the guard after the node, so that it is
     /// killed before the processes waiting on it are reaped).
     pub fn replace_leaving_the_daemon(&mut self, sandbox: &Sandbox) -> Result<LeftDaemon, ScenarioError> {
+        let left = self.take_daemon()?;
+        self.restart(sandbox, Restart::UnmountThenMount)?;
+        Ok(left)
+    }
+
+    /// Like [`FuseSource::replace_leaving_the_daemon`], but the new daemon
+    /// answers nothing either (as [`FuseSource::restart_unanswered`]): a
+    /// restart script giving up on one stuck daemon after another.
+    pub fn replace_with_an_unanswering_one(&mut self, sandbox: &Sandbox) -> Result<LeftDaemon, ScenarioError> {
+        let left = self.take_daemon()?;
+        self.restart_unanswered(sandbox, Restart::UnmountThenMount)?;
+        Ok(left)
+    }
+
+    fn take_daemon(&mut self) -> Result<LeftDaemon, ScenarioError> {
         let left = self.process.take().ok_or_else(|| ScenarioError::Io {
             step: "replace the daemon".into(),
             source: io::Error::other("no daemon running"),
         })?;
-        let left = LeftDaemon(left);
-        self.restart(sandbox, Restart::UnmountThenMount)?;
-        Ok(left)
+        Ok(LeftDaemon(left))
     }
 
     /// Kills a daemon that may still hold lookups: its device closes, the
