@@ -52,6 +52,13 @@ impl TwoSources {
         self.check(self.node.supervisor().and_then(|s| s.wait_for_log(TIMEOUT, healed)))
     }
 
+    /// Waits until the supervisor says, after log line `from`, that the
+    /// node's source does not answer its probe.
+    fn wait_until_overdue(&self, from: usize) {
+        let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
+        self.check(self.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    }
+
     fn check<T>(&self, result: Result<T, ScenarioError>) -> T {
         result.unwrap_or_else(|err| panic!("{err:?}\n{}", self.node.describe()))
     }
@@ -100,8 +107,7 @@ fn a_new_daemon_stopped_before_its_first_answer_holds_up_nothing_else() {
     world.node.source.stop().expect("stop the new daemon");
     let stopped_at = Instant::now();
     drop(frozen);
-    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
-    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    world.wait_until_overdue(from);
     assert!(stopped_at.elapsed() >= Duration::from_secs(1), "reported before --probe-timeout");
     world.stays_responsive();
     assert!(
@@ -123,8 +129,7 @@ fn a_new_daemon_that_holds_lookups_holds_up_nothing_else() {
     let from = world.check(world.node.supervisor()).log_len();
     let restarted_at = Instant::now();
     world.node.source.restart_holding_lookups(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
-    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
-    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    world.wait_until_overdue(from);
     let held_for = restarted_at.elapsed();
     assert!(held_for >= Duration::from_secs(1), "reported before --probe-timeout");
     // The daemon is not stopped: its root answers.
@@ -152,8 +157,7 @@ fn a_daemon_stuck_for_good_and_replaced_holds_up_not_its_successor() {
     let mut world = TwoSources::new(Daemon::DemoFs);
     let from = world.check(world.node.supervisor()).log_len();
     world.node.source.restart_unanswered(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
-    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
-    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    world.wait_until_overdue(from);
     // Declared after the node: killed first, which ends the waiting probe.
     let _stuck = world.node.source.replace_leaving_the_daemon(&world.node.sandbox).expect("replace");
     world.check(world.node.converge(TIMEOUT));
@@ -170,8 +174,7 @@ fn past_four_stuck_daemons_the_newest_mount_waits_and_says_so_once() {
     let mut world = TwoSources::new(Daemon::DemoFs);
     let from = world.check(world.node.supervisor()).log_len();
     world.node.source.restart_unanswered(&world.node.sandbox, Restart::UnmountThenMount).expect("restart");
-    let overdue = |line: &str| line.contains("\"source does not answer; its heal waits until it does\"");
-    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 1, overdue)));
+    world.wait_until_overdue(from);
     let left_waiting = |line: &str| line.contains("\"a probe of an earlier mount is left waiting on its daemon");
     // Each mount replaced only once its probe runs: a mount replaced before
     // is never probed, and leaves no probe waiting.

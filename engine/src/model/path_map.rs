@@ -90,7 +90,8 @@ impl<V> PathMap<V> {
         self.map.keys().map(Path::new)
     }
 
-    pub fn values(&self) -> hash_map::Values<'_, OsString, V> {
+    /// Every value, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
         self.map.values()
     }
 
