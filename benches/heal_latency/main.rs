@@ -439,13 +439,18 @@ impl TableWatch {
                     }
                     state.wakes += 1;
                     if let Some(armed) = state.armed.as_mut() {
+                        let noticing = armed.seen.appeared.is_none();
                         armed.observe(woke);
                         // Until the new mount appears, every wake is looked
                         // at at once: that instant anchors every measure.
-                        // After it, looks are spaced out.
+                        // After it, looks are spaced out, the first by the
+                        // longest pause (it looked at no target).
                         if armed.seen.appeared.is_some() {
                             let cost = woke.0.elapsed();
-                            let gap = (cost * (100 - duty_percent) / duty_percent).min(LONGEST_PAUSE);
+                            let gap = match noticing {
+                                true => LONGEST_PAUSE,
+                                false => (cost * (100 - duty_percent) / duty_percent).min(LONGEST_PAUSE),
+                            };
                             armed.seen.longest_pause = armed.seen.longest_pause.max(gap);
                             pause = Some(gap);
                         }
