@@ -172,9 +172,20 @@ pub fn mount_kind(unique_id: u64, namespace: Namespace) -> io::Result<MountKind>
 /// asking no path: read from the kernel's mount, never from its
 /// filesystem, so a dead FUSE mount answers as well as a live one.
 pub fn mount_attributes(unique_id: u64, namespace: Namespace) -> io::Result<crate::mount::MountAttributes> {
+    mount_attributes_and_privacy(unique_id, namespace).map(|(attributes, _)| attributes)
+}
+
+/// [`mount_attributes`], and whether the mount is private (neither shared
+/// nor a slave), from the one answer.
+pub fn mount_attributes_and_privacy(
+    unique_id: u64,
+    namespace: Namespace,
+) -> io::Result<(crate::mount::MountAttributes, bool)> {
     let answer = query(namespace.request(unique_id, u64::from(STATMOUNT_MNT_BASIC)), KIND_BUFFER)?;
     let answer = Answer::new(&answer, STATMOUNT_MNT_BASIC)?;
-    Ok(crate::mount::MountAttributes::from_bits(answer.u64(offset_of!(statmount, mnt_attr))?))
+    let attributes = crate::mount::MountAttributes::from_bits(answer.u64(offset_of!(statmount, mnt_attr))?);
+    let propagation = answer.u64(offset_of!(statmount, mnt_propagation))?;
+    Ok((attributes, propagation & u64::from(MS_SHARED | MS_SLAVE) == 0))
 }
 
 /// An idmapped mount's mapping, as `/proc/<pid>/uid_map` and `gid_map`
@@ -465,6 +476,26 @@ mod tests {
 
     /// The kind of a mount is its full stat's, less the paths; an answer
     /// held to fewer bytes than its paths take is refused with EOVERFLOW.
+    /// A mount is private by the attributes' answer exactly when its full
+    /// stat shows neither a peer group nor a master; the attributes agree.
+    #[test]
+    fn privacy_agrees_with_the_full_stat() {
+        let mut ids = Vec::new();
+        crate::listmount::mount_ids_after(Namespace::Current, 0, &mut ids).expect("listmount");
+        let mut compared = 0;
+        for id in ids {
+            let (Ok(full), Ok((attributes, private))) =
+                (mount_stat(id, Namespace::Current), mount_attributes_and_privacy(id, Namespace::Current))
+            else {
+                continue;
+            };
+            assert_eq!(private, full.peer_group.is_none() && full.master.is_none(), "mount {id}");
+            assert_eq!(attributes, mount_attributes(id, Namespace::Current).expect("statmount"), "mount {id}");
+            compared += 1;
+        }
+        assert!(compared > 0, "no mount compared");
+    }
+
     #[test]
     fn a_kind_asks_no_path_and_a_small_buffer_overflows() {
         let unique = crate::fuse::top_mount_id(Path::new("/proc")).expect("statx of /proc");

@@ -51,16 +51,27 @@ pub fn attributes_of(
     unique_id: Option<u64>,
     proc: Option<BorrowedFd<'_>>,
 ) -> Result<MountAttributes, CarryError> {
+    attributes_and_privacy_of(fd, mount_id, unique_id, proc).map(|(attributes, _)| attributes)
+}
+
+/// [`attributes_of`], and whether the mount is private where `statmount`
+/// says so in the same answer (None where the table was read).
+pub fn attributes_and_privacy_of(
+    fd: BorrowedFd<'_>,
+    mount_id: u32,
+    unique_id: Option<u64>,
+    proc: Option<BorrowedFd<'_>>,
+) -> Result<(MountAttributes, Option<bool>), CarryError> {
     let unique = unique_id.map_or_else(|| resolve::unique_mount_id_of(fd), Ok);
-    let stated = unique.and_then(|unique| statmount::mount_attributes(unique, Namespace::Current));
+    let stated = unique.and_then(|unique| statmount::mount_attributes_and_privacy(unique, Namespace::Current));
     match stated {
-        Ok(attributes) => Ok(attributes),
+        Ok((attributes, private)) => Ok((attributes, Some(private))),
         Err(err) => {
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
                 info!(err = %chain(&err), "statmount cannot say a mount's attributes (before Linux 6.8?): they are read from the mount table, which costs a read of it per heal");
             }
-            attributes_from_table(mount_id, proc)
+            attributes_from_table(mount_id, proc).map(|attributes| (attributes, None))
         }
     }
 }

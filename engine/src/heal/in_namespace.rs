@@ -219,9 +219,13 @@ pub fn heal_in_namespaces(
     // filesystem), go onto the clone with its propagation while it is
     // detached: no process ever sees the replacement with the source's
     // (a readOnly volume stays read-only throughout).
-    let attributes =
-        carry::attributes_of(stale.as_fd(), heal.target.mount_id, heal.target_unique_id, Some(proc.as_fd()))
-            .map_err(|source| InNamespaceError::Attributes { pid, path: target_path.clone(), source })?;
+    let (attributes, private) = carry::attributes_and_privacy_of(
+        stale.as_fd(),
+        heal.target.mount_id,
+        heal.target_unique_id,
+        Some(proc.as_fd()),
+    )
+    .map_err(|source| InNamespaceError::Attributes { pid, path: target_path.clone(), source })?;
     let idmapped = carry::give_attributes(clone.as_fd(), attributes, clone_propagation).map_err(step(
         "give the clone the dead mount's attributes and propagation",
         pid,
@@ -261,8 +265,14 @@ pub fn heal_in_namespaces(
         }),
     }
     not_carried.extend(nested.missed);
-    let replaced =
-        mount::make_private(stale.as_fd()).and_then(|()| mount::move_mount_beneath(clone.as_fd(), stale.as_fd()));
+    // Made private when its daemon died (`containers::isolate`), unless
+    // found only now or the isolation failed: a call that takes the
+    // namespace lock for writing, saved where the kernel says it is.
+    let made_private = match private {
+        Some(true) => Ok(()),
+        _ => mount::make_private(stale.as_fd()),
+    };
+    let replaced = made_private.and_then(|()| mount::move_mount_beneath(clone.as_fd(), stale.as_fd()));
     match replaced {
         Ok(()) => {
             // Beneath the dead mount, out of sight: the nested mounts go onto
