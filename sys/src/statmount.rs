@@ -474,8 +474,6 @@ mod tests {
         assert!(compared > 0, "no mount compared");
     }
 
-    /// The kind of a mount is its full stat's, less the paths; an answer
-    /// held to fewer bytes than its paths take is refused with EOVERFLOW.
     /// A mount is private by the attributes' answer exactly when its full
     /// stat shows neither a peer group nor a master; the attributes agree.
     #[test]
@@ -496,6 +494,8 @@ mod tests {
         assert!(compared > 0, "no mount compared");
     }
 
+    /// The kind of a mount is its full stat's, less the paths; an answer
+    /// held to fewer bytes than its paths take is refused with EOVERFLOW.
     #[test]
     fn a_kind_asks_no_path_and_a_small_buffer_overflows() {
         let unique = crate::fuse::top_mount_id(Path::new("/proc")).expect("statx of /proc");
