@@ -447,6 +447,29 @@ fn sandbox_leaves_nothing_behind_even_when_the_test_panics() {
     }
 }
 
+/// Pids are reused: a sandbox directory an earlier process of this pid left
+/// behind (killed before its sandboxes dropped) is passed over, not an error.
+#[test]
+fn a_sandbox_passes_over_directories_left_by_an_earlier_process_of_its_pid() {
+    require_root();
+    let index = |root: &Path| -> u64 {
+        let name = root.file_name().unwrap().to_str().unwrap();
+        name.rsplit('-').next().unwrap().parse().unwrap()
+    };
+    let last = index(Sandbox::new().unwrap().root());
+    // The tests beside this one may take some of these names first.
+    let left_behind: Vec<PathBuf> = (last + 1..=last + 50)
+        .map(|next| std::env::temp_dir().join(format!("fuse-supervisor-sandbox-{}-{next}", std::process::id())))
+        .filter(|dir| fs::create_dir(dir).is_ok())
+        .collect();
+    let created = Sandbox::new();
+    for dir in &left_behind {
+        fs::remove_dir(dir).unwrap();
+    }
+    let sandbox = created.expect("a sandbox beside directories left behind");
+    assert!(index(sandbox.root()) > last + 50, "{} reused a directory left behind", sandbox.root().display());
+}
+
 /// Files of the sandbox are reachable from the test thread through
 /// `outside_path`, and not at their plain path.
 #[test]

@@ -60,12 +60,7 @@ impl Sandbox {
     /// Creates the namespace and its layout under a new directory in the
     /// system temporary directory.
     pub fn new() -> Result<Self, TestbedError> {
-        let root = std::env::temp_dir().join(format!(
-            "fuse-supervisor-sandbox-{}-{}",
-            std::process::id(),
-            NEXT_SANDBOX.fetch_add(1, Ordering::Relaxed)
-        ));
-        fs::create_dir(&root).map_err(|source| TestbedError::CreateRoot { path: root.clone(), source })?;
+        let root = create_root()?;
         let (tasks, task_queue) = mpsc::channel::<Task>();
         let (ready, setup_result) = mpsc::channel();
         let setup_root = root.clone();
@@ -287,6 +282,27 @@ impl SandboxChild {
 impl std::fmt::Debug for SandboxChild {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SandboxChild").field("pid", &self.pid).finish()
+    }
+}
+
+/// A new directory for a sandbox, named by this process's pid. Pids are
+/// reused (`pid_max` is 32768 on many machines, and a test run starts tens of
+/// thousands of processes): a directory an earlier process of the same pid
+/// left behind, killed before its sandboxes were dropped, is passed over.
+fn create_root() -> Result<PathBuf, TestbedError> {
+    const ATTEMPTS: usize = 1000;
+    let mut attempt = 0;
+    loop {
+        let root = std::env::temp_dir().join(format!(
+            "fuse-supervisor-sandbox-{}-{}",
+            std::process::id(),
+            NEXT_SANDBOX.fetch_add(1, Ordering::Relaxed)
+        ));
+        match fs::create_dir(&root) {
+            Ok(()) => return Ok(root),
+            Err(source) if source.kind() == io::ErrorKind::AlreadyExists && attempt + 1 < ATTEMPTS => attempt += 1,
+            Err(source) => return Err(TestbedError::CreateRoot { path: root, source }),
+        }
     }
 }
 
