@@ -28,6 +28,16 @@ use fuse_supervisor_engine::watch::namespace_changes::NamespaceChanges;
 
 use super::{Event, Supervisor};
 
+/// Heals in containers done, not reported yet.
+#[must_use = "heals in containers are reported"]
+pub(super) struct ContainerHeals {
+    outcomes: Vec<ContainerOutcome>,
+    source: PathBuf,
+    took_us: u64,
+    /// From the first sight of the new mount, µs.
+    latency: Option<u64>,
+}
+
 /// A container heal that failed, waiting for its retry.
 #[derive(Debug)]
 pub(super) struct ContainerRetry {
@@ -68,14 +78,34 @@ impl<E: Executor> Supervisor<E> {
         top: &FuseMount,
         live: Option<&SourceHandles>,
     ) {
+        let healed = self.heal_containers_unreported(dead, source, top, live);
+        self.report_containers(healed);
+    }
+
+    /// [`Self::heal_containers`] without its reports, which
+    /// [`Self::report_containers`] makes: the host's can come first, as
+    /// the heals came, while the containers' readers wait for nothing.
+    pub(super) fn heal_containers_unreported(
+        &mut self,
+        dead: &BTreeSet<Dev>,
+        source: &Path,
+        top: &FuseMount,
+        live: Option<&SourceHandles>,
+    ) -> ContainerHeals {
         // Called with no dead connection too: the executor lets go of what
         // it kept for the search after the heal.
         let started = Instant::now();
         let outcomes = self.executor.heal_containers(dead, top, live);
+        let took_us = started.elapsed().as_micros() as u64;
         // From the first sight of the new mount to the last container of
         // the batch healed (they heal at once, and are reported together).
         let latency = self.source_seen_at(source, top.dev).map(|seen| seen.elapsed().as_micros() as u64);
-        self.container_outcomes(outcomes, source, started, latency, &[]);
+        ContainerHeals { outcomes, source: source.to_path_buf(), took_us, latency }
+    }
+
+    pub(super) fn report_containers(&mut self, healed: ContainerHeals) {
+        let ContainerHeals { outcomes, source, took_us, latency } = healed;
+        self.container_outcomes(outcomes, &source, took_us, latency, &[]);
     }
 
     /// Heals again the containers whose retry is due, from their source's
@@ -117,8 +147,9 @@ impl<E: Executor> Supervisor<E> {
                     *outcome = Ok(ForeignHealed::Replaced { not_carried: Vec::new() });
                 }
             }
+            let took_us = started.elapsed().as_micros() as u64;
             let attempts: Vec<_> = retries.into_iter().map(|retry| (retry.foreign, retry.attempts)).collect();
-            self.container_outcomes(outcomes, &source, started, None, &attempts);
+            self.container_outcomes(outcomes, &source, took_us, None, &attempts);
         }
     }
 
@@ -169,11 +200,10 @@ impl<E: Executor> Supervisor<E> {
         &mut self,
         outcomes: Vec<ContainerOutcome>,
         source: &Path,
-        started: Instant,
+        took_us: u64,
         latency: Option<u64>,
         attempts: &[(ForeignMount, u32)],
     ) {
-        let took_us = started.elapsed().as_micros() as u64;
         // One instant for the batch: its retries stay one batch, and one
         // line per namespace.
         let now = Instant::now();

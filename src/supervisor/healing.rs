@@ -92,6 +92,11 @@ impl<E: Executor> Supervisor<E> {
         // the containers' isolated dead mounts wait for the retry too.
         let put_off = !outcomes.is_empty()
             && outcomes.iter().all(|outcome| matches!(outcome.result, Err(HealError::Descriptors { .. })));
+        // The containers before the host's reports, which still come first:
+        // the containers' readers wait for these heals, nobody waits for a
+        // log line or an Event (reporting 100 heals took ~3 ms).
+        let containers = (!put_off)
+            .then(|| self.heal_containers_unreported(&dead, &batch.source.path, batch.source.top(), Some(handles)));
         // No span per target: each line below names its target and pod, and
         // making, entering and printing one per line took a fifth of the
         // loop's time reporting 1,000 heals (15 ms of them, 12 ms without).
@@ -156,8 +161,8 @@ impl<E: Executor> Supervisor<E> {
         if healed_any {
             self.count_source_heal(&batch.source.path, batch.source.top().dev);
         }
-        if !put_off {
-            self.heal_containers(&dead, &batch.source.path, batch.source.top(), Some(handles));
+        if let Some(containers) = containers {
+            self.report_containers(containers);
         }
     }
 

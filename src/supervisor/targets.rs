@@ -8,8 +8,8 @@ use tracing::{debug, error, info, warn};
 
 use fuse_supervisor_engine::errors::chain;
 use fuse_supervisor_engine::heal::{Executor, Healed};
-use fuse_supervisor_engine::model::state::TargetState;
-use fuse_supervisor_engine::model::table::{Classified, Dev, TargetKind};
+use fuse_supervisor_engine::model::state::{Mapping, TargetState};
+use fuse_supervisor_engine::model::table::{Classified, Dev, FuseMount, Target, TargetKind};
 use fuse_supervisor_engine::plan::locate::Located;
 use fuse_supervisor_engine::plan::scan;
 use fuse_supervisor_engine::plan::{self, Assessment, TargetHeal};
@@ -43,6 +43,17 @@ impl TargetRecord {
     pub(super) fn holds_nothing(&self) -> bool {
         matches!(self.state, TargetState::Healthy) && !self.found_dead && self.held.is_none()
     }
+}
+
+/// A target healed by the kernel's propagation of its source's new mount.
+struct Propagated<'a> {
+    path: &'a Path,
+    target: &'a Target,
+    mapping: Mapping,
+    /// The source's new mount.
+    top: FuseMount,
+    /// When that mount was first seen.
+    seen: Instant,
 }
 
 impl<E: Executor> Supervisor<E> {
@@ -122,53 +133,74 @@ impl<E: Executor> Supervisor<E> {
     /// such a target is never seen broken, only on its source's new
     /// connection with the recorded one still underneath.
     pub(super) fn report_propagated_heals(&mut self, classified: &Classified) {
-        let mut healed_sources = Vec::new();
+        let mut propagated = Vec::new();
         for (path, target) in &classified.targets {
-            let Some(mapping) = self.journal.get(path).cloned() else { continue };
+            let Some(mapping) = self.journal.get(path) else { continue };
             let Some(source) = classified.sources.get(&mapping.source) else { continue };
             let top = target.stack.top();
             if top.dev != mapping.dev
                 && top.dev == source.top().dev
                 && target.stack.layers.iter().any(|layer| layer.dev == mapping.dev)
             {
-                info!(
-                    target = %path.display(),
-                    pod = %target.pod_uid,
-                    source = %mapping.source.display(),
-                    stale_layers = target.stack.stale_layers().count(),
-                    "healed by propagation"
-                );
-                // With a handle held on the covered layer, the report
-                // follows its removal (flatten_covered).
-                if self.records.get(path).is_some_and(|record| record.held.is_some()) {
-                    continue;
-                }
-                // A heal cut short after its stacks (the supervisor killed)
-                // left private stale layers, which a flatten reaches
-                // without a handle; a daemon's mount over its stale source
-                // left shared ones, out of reach.
-                let removed = match self.executor.flatten_covered_unheld(&TargetHeal::of(path, target, &mapping)) {
-                    Ok(removed) => removed,
-                    Err(err) => {
-                        debug!(target = %path.display(), err = %chain(&err), "the covered stale layers are out of reach");
-                        0
-                    }
-                };
                 // This scan may be the first to see the source's new mount.
-                let latency =
-                    self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started).elapsed();
-                self.report_propagated(path, &target.pod_uid, &mapping.source, latency, removed);
-                healed_sources.push((mapping.source.clone(), mapping.dev, source.top().clone()));
+                let seen = self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started);
+                propagated.push(Propagated { path, target, mapping: mapping.clone(), top: source.top().clone(), seen });
             }
         }
+        // With a handle held on the covered layer, the report follows its
+        // removal (flatten_covered), and so does its containers' heal.
+        let (held, propagated): (Vec<_>, Vec<_>) = propagated
+            .into_iter()
+            .partition(|heal| self.records.get(heal.path).is_some_and(|record| record.held.is_some()));
+        let mut healed_sources: Vec<_> =
+            propagated.iter().map(|heal| (heal.mapping.source.clone(), heal.mapping.dev, heal.top.clone())).collect();
         healed_sources.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
         healed_sources.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
-        for (source, dead, top) in healed_sources {
-            self.count_source_heal(&source, top.dev);
+        // A heal cut short after its stacks (the supervisor killed) left
+        // private stale layers, which a flatten reaches without a handle; a
+        // daemon's mount over its stale source left shared ones, out of
+        // reach. Before the containers' isolation, as at any other time: a
+        // layer removed while their copies are still its slaves goes from
+        // theirs too.
+        let removed: Vec<usize> = propagated
+            .iter()
+            .map(|heal| {
+                let target = TargetHeal::of(heal.path, heal.target, &heal.mapping);
+                self.executor.flatten_covered_unheld(&target).unwrap_or_else(|err| {
+                    debug!(target = %heal.path.display(), err = %chain(&err), "the covered stale layers are out of reach");
+                    0
+                })
+            })
+            .collect();
+        // The host's heal ends here (its reports say when, not when made).
+        let flattened = Instant::now();
+        // The containers before the host's reports, which still come
+        // first: their readers wait for these heals, nobody for a report.
+        let mut containers = Vec::new();
+        for (source, dead, top) in &healed_sources {
             // Unless done at the death: the covered layers keep the dead
             // connection's device number from being reused meanwhile.
-            self.isolate_containers(dead);
-            self.heal_containers(&BTreeSet::from([dead]), &source, &top, None);
+            self.isolate_containers(*dead);
+            containers.push(self.heal_containers_unreported(&BTreeSet::from([*dead]), source, top, None));
+        }
+        for heal in held.iter().chain(&propagated) {
+            info!(
+                target = %heal.path.display(),
+                pod = %heal.target.pod_uid,
+                source = %heal.mapping.source.display(),
+                stale_layers = heal.target.stack.stale_layers().count(),
+                "healed by propagation"
+            );
+        }
+        for (heal, removed) in propagated.iter().zip(removed) {
+            let latency = flattened.saturating_duration_since(heal.seen);
+            self.report_propagated(heal.path, &heal.target.pod_uid, &heal.mapping.source, latency, removed);
+        }
+        for (source, _, top) in &healed_sources {
+            self.count_source_heal(source, top.dev);
+        }
+        for healed in containers {
+            self.report_containers(healed);
         }
     }
 

@@ -106,6 +106,9 @@ struct RecordingExecutor {
     fail: Option<PathBuf>,
     /// What the next heal or retry in containers returns.
     containers: Vec<ContainerOutcome>,
+    /// Where a heal in containers that returns something is marked, among
+    /// the loop's reports.
+    reports: Arc<RecordingReporter>,
 }
 
 impl Executor for RecordingExecutor {
@@ -154,6 +157,9 @@ impl Executor for RecordingExecutor {
         _source: &FuseMount,
         _live: Option<&fuse_supervisor_engine::heal::probe::SourceHandles>,
     ) -> Vec<ContainerOutcome> {
+        if !self.containers.is_empty() {
+            lock(&self.reports.lines).push(HEALED_IN_CONTAINERS.to_owned());
+        }
         std::mem::take(&mut self.containers)
     }
 
@@ -163,6 +169,9 @@ impl Executor for RecordingExecutor {
         std::mem::take(&mut self.containers)
     }
 }
+
+/// Marks the executor's heal in containers among the reports.
+const HEALED_IN_CONTAINERS: &str = "(the executor healed in containers)";
 
 /// What the loop reported, one line each.
 #[derive(Default)]
@@ -241,6 +250,7 @@ impl Harness {
             after_heal,
             fail: fail.map(|target| kubelet.path().join(target)),
             containers: Vec::new(),
+            reports: Arc::clone(&reports),
         };
         let reader = Box::new(SetTableReader { table: table.clone(), buffer: Vec::new() });
         let (events, inbox) = mpsc::channel();
@@ -595,16 +605,19 @@ fn container_heals_after_the_host_heal_are_reported_with_their_pod() {
     harness.supervisor.rescan();
     harness.source_answers();
     let reports = harness.reports();
-    let after_targets = reports.iter().skip_while(|line| !line.starts_with("healed ")).collect::<Vec<_>>();
+    let after_broken = reports.iter().skip_while(|line| line.starts_with("broken ")).collect::<Vec<_>>();
+    assert!(after_broken[1..4].iter().all(|line| line.starts_with("healed ")), "{reports:?}");
     assert_eq!(
-        after_targets[3..],
+        [after_broken[0]].into_iter().chain(after_broken[4..].iter().copied()).collect::<Vec<_>>(),
         [
+            HEALED_IN_CONTAINERS,
             "container replaced",
             "container stacked",
             "container replaced",
             r#"containers of default/reader {"app"} 1 1"#
         ],
-        "the targets' heals first, then each container's, then one report for the pod: {reports:?}"
+        "the containers healed before anything is reported (their readers wait, nobody waits for a report), \
+         then the targets' heals reported first, then each container's, then one report for the pod: {reports:?}"
     );
 }
 
