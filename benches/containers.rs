@@ -13,7 +13,8 @@
 //!   latest of the containers' first good reads, each stamped as its line
 //!   arrives (so late by up to one `--interval-ms`);
 //! - the host heal's `latency_us` (its slowest target) with the containers,
-//!   and in a second run with the same targets and as many containers
+//!   then from its end to the containers' batch beginning, and that batch
+//!   (`took_us`), which add up to the first figure; and in a second run with the same targets and as many containers
 //!   reading a tmpfs instead (the same load, nothing of the connection in
 //!   them): what healing the containers adds to the host heal;
 //! - the daemon's death → its mounts in containers isolated (the search
@@ -65,6 +66,8 @@ fn main() {
         println!("  new mount → last container healed        {}", summary(&with.containers_healed));
         println!("  new mount → last container reads again   {}", summary(&with.containers_read));
         println!("  host heal, with the containers           {}", summary(&with.host));
+        println!("    host heal → containers' heal begins    {}", summary(&with.between));
+        println!("    the containers' heal                   {}", summary(&with.containers_took));
         println!("  host heal, containers reading a tmpfs    {}", summary(&without.host));
         println!("  death → containers isolated              {}", summary(&with.isolated));
         println!("    of which the search                    {}", summary(&with.searched));
@@ -84,6 +87,10 @@ fn main() {
 struct Figures {
     host: Vec<u64>,
     containers_healed: Vec<u64>,
+    /// From the host heal's end to the containers' batch beginning.
+    between: Vec<u64>,
+    /// The containers' batch, all in parallel.
+    containers_took: Vec<u64>,
     containers_read: Vec<u64>,
     isolated: Vec<u64>,
     searched: Vec<u64>,
@@ -151,12 +158,13 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
         scenario::wait_for("every container healed", TIMEOUT, || logged("container healed") >= size * (cycle + 1))
             .expect("container heals");
         let container_heals = log_lines(&supervisor, "container healed");
-        let latest = container_heals[size * cycle..size * (cycle + 1)]
-            .iter()
-            .filter_map(|line| line["fields"]["latency_us"].as_u64())
-            .max()
-            .expect("latency_us");
-        figures.containers_healed.push(latest);
+        let container_batch = &container_heals[size * cycle..size * (cycle + 1)];
+        let latest = container_batch.iter().filter_map(|line| line["fields"]["latency_us"].as_u64()).max();
+        figures.containers_healed.push(latest.expect("latency_us"));
+        // One batch: every line has its latency and its duration.
+        let took = container_batch.iter().filter_map(|line| line["fields"]["took_us"].as_u64()).max();
+        figures.containers_took.extend(took);
+        figures.between.extend(latest.zip(took).map(|(latest, took)| (latest - took).saturating_sub(host)));
         let expected = source.expected_content();
         let mut last_read = seen;
         for container in &containers {
