@@ -151,22 +151,33 @@ pub struct ContainerUsers {
 }
 
 impl ContainerUsers {
-    /// Those of process `pid` (through this thread's `/proc`, so before it
-    /// enters another namespace); None where it is in this process's own
-    /// user namespace (no pod of its kind idmaps), or gone.
-    pub fn of(pid: u32) -> Option<ContainerUsers> {
+    /// Those of process `pid`, through `proc` (the agent's `/proc`, opened
+    /// before the thread joined another mount namespace, whose own `/proc`
+    /// may show another pid namespace); None where it is in this process's
+    /// own user namespace (no pod of its kind idmaps), or gone. Asked only
+    /// of a mount found idmapped: a lookup through `/proc` a container heal
+    /// otherwise saves.
+    pub fn of(proc: BorrowedFd<'_>, pid: u32) -> Option<ContainerUsers> {
+        use std::io::Read;
+        use std::os::unix::fs::MetadataExt;
         // This process's own user namespace never changes: read once.
         static OWN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-        let proc = Path::new("/proc");
-        let inode = |path: &Path| std::fs::metadata(path).map(|meta| std::os::unix::fs::MetadataExt::ino(&meta)).ok();
-        let theirs = proc.join(pid.to_string());
-        let own = *OWN.get_or_init(|| inode(&proc.join("self/ns/user")));
-        if inode(&theirs.join("ns/user"))? == own? {
+        let open = |path: &str| resolve::open_readable_in(proc, Path::new(path)).ok().map(std::fs::File::from);
+        let inode = |file: &std::fs::File| file.metadata().ok().map(|meta| meta.ino());
+        let own = *OWN.get_or_init(|| open("self/ns/user").as_ref().and_then(inode));
+        let theirs = open(&format!("{pid}/ns/user"))?;
+        if inode(&theirs)? == own? {
             return None;
         }
-        let namespace = std::fs::File::open(theirs.join("ns/user")).ok()?.into();
-        let map = |name: &str| std::fs::read(theirs.join(name)).ok().and_then(|text| Idmapping::parse_map(&text));
-        Some(ContainerUsers { namespace, mapping: Idmapping { uid: map("uid_map")?, gid: map("gid_map")? } })
+        let map = |name: &str| {
+            let mut text = Vec::new();
+            open(&format!("{pid}/{name}"))?.read_to_end(&mut text).ok()?;
+            Idmapping::parse_map(&text)
+        };
+        Some(ContainerUsers {
+            namespace: theirs.into(),
+            mapping: Idmapping { uid: map("uid_map")?, gid: map("gid_map")? },
+        })
     }
 }
 

@@ -181,8 +181,6 @@ pub fn heal_in_namespaces(
         path: PathBuf::from("/proc"),
         source,
     })?;
-    // Read while this thread's /proc is the agent's.
-    let users = carry::ContainerUsers::of(heal.pid);
     let pid = heal.pid;
     let target_path = &heal.target.mount_point;
     // The dead mount first: one the tenant changed or covered is refused
@@ -234,6 +232,7 @@ pub fn heal_in_namespaces(
     let mut not_carried = Vec::new();
     let dead_unique = heal.target_unique_id.map_or_else(|| resolve::unique_mount_id_of(stale.as_fd()), Ok);
     if idmapped {
+        let users = carry::ContainerUsers::of(proc.as_fd(), pid);
         let given = match &dead_unique {
             Ok(dead_unique) => carry::give_idmapping(clone.as_fd(), *dead_unique, users.as_ref()),
             Err(err) => Err(format!("it was idmapped, and its unique ID cannot be had to read its mapping ({err})")),
@@ -356,22 +355,26 @@ pub(crate) fn open_recorded(
     let path = &recorded.mount_point;
     let resolve_error = |source| InNamespaceError::Resolve { pid, path: path.clone(), source };
     let mut at = resolve::open_dir(Path::new("/")).map_err(resolve_error)?;
-    let mut at_mount = resolve::mount_id_of(at.as_fd()).map_err(resolve_error)?;
+    // Each component's mount and device from one statx.
+    let (mut at_mount, mut at_device) = resolve::mount_and_device_of(at.as_fd()).map_err(resolve_error)?;
     let mut walked = PathBuf::from("/");
     let mut components = path.strip_prefix("/").unwrap_or(path).components().peekable();
     while let Some(component) = components.next() {
         let next = resolve::open_beneath(at.as_fd(), Path::new(component.as_os_str())).map_err(resolve_error)?;
         walked.push(component);
-        let next_mount = resolve::mount_id_of(next.as_fd()).map_err(resolve_error)?;
+        let (next_mount, next_device) = resolve::mount_and_device_of(next.as_fd()).map_err(resolve_error)?;
         if components.peek().is_some()
             && next_mount != at_mount
             && let Some(fs_type) = stalling_fs_type(next.as_fd())
         {
             return Err(InNamespaceError::BelowStalling { pid, path: path.clone(), below: walked, fs_type });
         }
-        (at, at_mount) = (next, next_mount);
+        (at, at_mount, at_device) = (next, next_mount, next_device);
     }
-    let found_dev = Dev::from(resolve::device_of(at.as_fd()).map_err(resolve_error)?);
+    let found_dev = match at_device {
+        Some(device) => Dev::from(device),
+        None => Dev::from(resolve::device_of(at.as_fd()).map_err(resolve_error)?),
+    };
     // Where the kernel cannot tell (a FUSE inode marked bad answers statx
     // with EIO), the 32-bit ID and the device decide alone.
     let another =
