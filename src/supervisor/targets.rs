@@ -183,6 +183,7 @@ impl<E: Executor> Supervisor<E> {
             self.isolate_containers(*dead);
             containers.push(self.heal_containers_unreported(&BTreeSet::from([*dead]), source, top, None));
         }
+        let lowered = self.heal_window.lower_for_reports();
         for heal in held.iter().chain(&propagated) {
             info!(
                 target = %heal.path.display(),
@@ -202,6 +203,7 @@ impl<E: Executor> Supervisor<E> {
         for healed in containers {
             self.report_containers(healed);
         }
+        self.heal_window.raise_after_reports(lowered);
     }
 
     /// Counts a heal of `source`'s targets onto its connection `dev`, and

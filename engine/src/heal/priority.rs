@@ -8,7 +8,8 @@
 //! docs/reliability.md, "Heal latency"). The threads that do nothing but
 //! heal run real-time for good: the flatten helpers, the probes, and the watcher's wake-up of the loop.
 //! The loop itself is raised only from the moment a heal is due until it is
-//! done ([`HealWindow`]), or while one is expected (a daemon's death was
+//! done ([`HealWindow`]; lowered while it reports a heal, which nobody
+//! waits for), or while one is expected (a daemon's death was
 //! seen, for at most the 30 s its stale layers are held): between heals it
 //! scans tables of any size, and a storm of mount changes must not take a
 //! CPU from the kubelet making them.
@@ -176,6 +177,28 @@ impl HealWindow {
         self.raise();
     }
 
+    /// The heal is done; telling of it (log lines, metrics, Events) is
+    /// left, which nobody waits for, while the new daemon is answering its
+    /// readers' first requests: the loop reports at the normal priority,
+    /// not on a CPU the daemon cannot take. Whether it was lowered, for
+    /// [`Self::raise_after_reports`]; the heal stays under way meanwhile.
+    pub fn lower_for_reports(&mut self) -> bool {
+        if !std::mem::take(&mut self.raised) {
+            return false;
+        }
+        self.priority.lower();
+        true
+    }
+
+    /// Back to the heal priority after the reports, if
+    /// [`Self::lower_for_reports`] lowered the loop: the rest of its turn
+    /// may heal another source.
+    pub fn raise_after_reports(&mut self, lowered: bool) {
+        if lowered {
+            self.raise();
+        }
+    }
+
     fn raise(&mut self) {
         if !self.raised {
             self.raised = self.priority.raise();
@@ -224,6 +247,16 @@ mod tests {
             window.close(true);
             assert_eq!(fifo(), Some(1), "an expected heal raises a lowered loop");
             window.close(false);
+            assert_eq!(fifo(), None);
+            window.open();
+            assert!(window.lower_for_reports());
+            assert_eq!(fifo(), None, "reports at the normal priority");
+            assert!(activity.is_under_way(), "the heal is still under way while it is reported");
+            window.raise_after_reports(true);
+            assert_eq!(fifo(), Some(1), "raised again for the rest of the turn");
+            window.close(false);
+            assert!(!window.lower_for_reports(), "nothing to lower");
+            window.raise_after_reports(false);
             assert_eq!(fifo(), None);
             let mut off = HealWindow::new(HealPriority::OFF, Arc::clone(&activity));
             off.open();
