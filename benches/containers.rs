@@ -14,9 +14,10 @@
 //!   arrives (so late by up to one `--interval-ms`);
 //! - the host heal's `latency_us` (its slowest target) with the containers,
 //!   then from its end to the containers' batch beginning, and that batch
-//!   (`took_us`), which add up to the first figure; and in a second run with the same targets and as many containers
-//!   reading a tmpfs instead (the same load, nothing of the connection in
-//!   them): what healing the containers adds to the host heal;
+//!   (`took_us`), which add up to the first figure; and in a second run
+//!   with the same targets and as many containers reading a tmpfs instead
+//!   (the same load, nothing of the connection in them): what healing the
+//!   containers adds to the host heal;
 //! - the daemon's death → its mounts in containers isolated (the search
 //!   for them and making them private, `took_us` of the `containers' dead
 //!   mounts isolated` line), and the search alone (`searched_us`), with the
@@ -164,7 +165,7 @@ fn measure(size: usize, cycles: usize, interval: Duration, on_volumes: bool, nam
         // One batch: every line has its latency and its duration.
         let took = container_batch.iter().filter_map(|line| line["fields"]["took_us"].as_u64()).max();
         figures.containers_took.extend(took);
-        figures.between.extend(latest.zip(took).map(|(latest, took)| (latest - took).saturating_sub(host)));
+        figures.between.extend(latest.zip(took).map(|(latest, took)| latest.saturating_sub(took).saturating_sub(host)));
         let expected = source.expected_content();
         let mut last_read = seen;
         for container in &containers {

@@ -51,7 +51,7 @@ struct Propagated<'a> {
     target: &'a Target,
     mapping: Mapping,
     /// The source's new mount.
-    top: FuseMount,
+    top: &'a FuseMount,
     /// When that mount was first seen.
     seen: Instant,
 }
@@ -144,7 +144,7 @@ impl<E: Executor> Supervisor<E> {
             {
                 // This scan may be the first to see the source's new mount.
                 let seen = self.source_seen_at(&mapping.source, source.top().dev).unwrap_or(self.scan_started);
-                propagated.push(Propagated { path, target, mapping: mapping.clone(), top: source.top().clone(), seen });
+                propagated.push(Propagated { path, target, mapping: mapping.clone(), top: source.top(), seen });
             }
         }
         // With a handle held on the covered layer, the report follows its
@@ -153,7 +153,7 @@ impl<E: Executor> Supervisor<E> {
             .into_iter()
             .partition(|heal| self.records.get(heal.path).is_some_and(|record| record.held.is_some()));
         let mut healed_sources: Vec<_> =
-            propagated.iter().map(|heal| (heal.mapping.source.clone(), heal.mapping.dev, heal.top.clone())).collect();
+            propagated.iter().map(|heal| (heal.mapping.source.clone(), heal.mapping.dev, heal.top)).collect();
         healed_sources.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
         healed_sources.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
         // A heal cut short after its stacks (the supervisor killed) left
