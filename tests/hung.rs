@@ -193,12 +193,35 @@ fn past_four_stuck_daemons_the_newest_mount_waits_and_says_so_once() {
     let log = world.check(world.node.supervisor()).log().split_off(from);
     assert_eq!(log.iter().filter(|line| waits(line)).count(), 1, "said more than once:\n{}", log.join("\n"));
     assert_eq!(log.iter().filter(|line| left_waiting(line)).count(), 4, "{}", log.join("\n"));
+    // What the other source's heals started has ended (its new daemons
+    // watched, then the log quiet), so that no scan comes from elsewhere
+    // after the stuck daemon ends: once, one did come first, and hid that
+    // the end of an earlier mount's probe asked for none while the newest
+    // waited.
+    let watched_other = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains("other-data");
+    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 2, watched_other)));
+    world.check(world.node.supervisor().map(|s| wait_until_quiet(|| s.log_len())));
     // One stuck daemon ends, and its probe with it: the newest mount is
-    // probed at the scan its end brings, and healed once its daemon
+    // probed at the scan that end asks for, and healed once its daemon
     // answers.
     drop(stuck.remove(0));
     world.node.source.answer().expect("the newest daemon answers");
     world.check(world.node.converge(TIMEOUT));
+}
+
+/// Returns once `log_len` has not grown for 300 ms, or after 5 s of a log
+/// that keeps growing.
+fn wait_until_quiet(log_len: impl Fn() -> usize) {
+    let started = Instant::now();
+    let mut seen = log_len();
+    while started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = log_len();
+        if now == seen {
+            return;
+        }
+        seen = now;
+    }
 }
 
 /// `statfs` of the mount at `path`, on a thread of its own: an error if it

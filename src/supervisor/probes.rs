@@ -238,8 +238,12 @@ impl<E: Executor> Supervisor<E> {
     pub(super) fn on_probe(&mut self, report: ProbeReport) {
         if !self.prober.finished(&report.source, report.mount_id) {
             debug!(source = %report.source.display(), mount_id = report.mount_id, "an earlier mount's probe answered");
-            // The newest mount's probe may have waited for this one to end.
-            if !self.prober.in_flight(&report.source) {
+            // The newest mount's probe may have waited for this one to end:
+            // for the last in flight, or for a place among the earlier ones
+            // left waiting. Nothing else need come to start it (the stuck
+            // daemon that ended was no longer a watched source's).
+            let newest_waits = self.sources.get(&report.source).is_some_and(|record| record.waiting_said);
+            if !self.prober.in_flight(&report.source) || newest_waits {
                 self.rescan();
             }
             return;
