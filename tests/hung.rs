@@ -193,14 +193,17 @@ fn past_four_stuck_daemons_the_newest_mount_waits_and_says_so_once() {
     let log = world.check(world.node.supervisor()).log().split_off(from);
     assert_eq!(log.iter().filter(|line| waits(line)).count(), 1, "said more than once:\n{}", log.join("\n"));
     assert_eq!(log.iter().filter(|line| left_waiting(line)).count(), 4, "{}", log.join("\n"));
-    // What the other source's heals started has ended (its new daemons
+    // What the other source's heals started has ended (its last daemon
     // watched, then the log quiet), so that no scan comes from elsewhere
     // after the stuck daemon ends: once, one did come first, and hid that
     // the end of an earlier mount's probe asked for none while the newest
     // waited.
+    let supervisor = world.check(world.node.supervisor());
+    let other_healed = |line: &str| line.contains("\"healed\"") && line.contains("pod-other");
+    let last_heal = supervisor.log().iter().rposition(|line| other_healed(line)).map_or(from, |at| at + 1);
     let watched_other = |line: &str| line.contains("\"watching the FUSE daemon\"") && line.contains("other-data");
-    world.check(world.node.supervisor().and_then(|s| s.wait_for_lines(TIMEOUT, from, 2, watched_other)));
-    world.check(world.node.supervisor().map(|s| wait_until_quiet(|| s.log_len())));
+    world.check(supervisor.wait_for_lines(TIMEOUT, last_heal, 1, watched_other));
+    wait_until_quiet(|| supervisor.log_len());
     // One stuck daemon ends, and its probe with it: the newest mount is
     // probed at the scan that end asks for, and healed once its daemon
     // answers.
