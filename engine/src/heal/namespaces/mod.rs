@@ -540,16 +540,20 @@ impl Namespaces {
     fn learn_new(&self, read: NamespaceRead) {
         // Not known: what was copied for its inode was another namespace's.
         self.forget_copies(read.namespace);
-        self.copy_ahead([&read]);
         let mut known = self.known();
         known.warn_once_if_over_caps(&read);
         let late = known.replaced_held_by(&read, &self.connections);
-        let holder = (!late.is_empty()).then(|| read.clone());
+        let learnt = read.clone();
         known.learn(read);
         drop(known);
-        if let Some(read) = holder {
-            self.hand_over_late(&read, late);
+        if !late.is_empty() {
+            self.hand_over_late(&learnt, late);
         }
+        // Known first: copying ahead waits for the namespace workers, which
+        // a heal may hold, and a heal meanwhile must find this namespace to
+        // isolate its copies of the dead mount before the host heal (a
+        // slave copy would get the new mount over its dead one otherwise).
+        self.copy_ahead([&learnt]);
     }
 
     /// Hands `read`'s mounts of the replaced connections `late` (by the
@@ -650,13 +654,9 @@ impl Namespaces {
             if self.is_known(read.namespace) || watcher.watch(read.anchor).is_err() {
                 continue;
             }
-            debug!(
-                namespace = read.namespace,
-                pid = read.anchor.pid,
-                fuse_mounts = read.fuse_mounts.len(),
-                "mount namespace learnt by a walk"
-            );
+            let (namespace, pid, fuse_mounts) = (read.namespace, read.anchor.pid, read.fuse_mounts.len());
             self.learn_new(read);
+            debug!(namespace, pid, fuse_mounts, "mount namespace learnt by a walk");
             learnt += 1;
         }
         let took_us = started.elapsed().as_micros() as u64;
