@@ -108,8 +108,20 @@ impl StagedNode {
     /// pod target and of both extra binds, never a bind of it.
     fn sources_recorded(&self) {
         let state = self.sandbox.outside_path(&self.state_dir.join("state.json"));
-        let text = std::fs::read_to_string(&state).expect("state file");
-        let value: serde_json::Value = serde_json::from_str(&text).expect("state JSON");
+        // Saved after the heal's reports, which may come after the readers
+        // read again: waited for until it holds every target.
+        let read = || -> Option<(String, serde_json::Value)> {
+            let text = std::fs::read_to_string(&state).ok()?;
+            let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+            let targets = value["targets"].as_object()?;
+            self.readers
+                .iter()
+                .all(|(path, _)| targets.contains_key(&path.display().to_string()))
+                .then_some((text, value))
+        };
+        scenario::wait_for("the state file holding every target", TIMEOUT, || read().is_some())
+            .unwrap_or_else(|err| panic!("{err}: {}", std::fs::read_to_string(&state).unwrap_or_default()));
+        let (text, value) = read().expect("the state file read again");
         let targets = value["targets"].as_object().expect("targets");
         for (path, _) in &self.readers {
             let mapping = &targets[&path.display().to_string()];

@@ -532,12 +532,19 @@ impl Namespaces {
         }
         let fuse_mounts = read.fuse_mounts.len();
         let receives = read.receives;
-        self.learn_new(read);
+        let learnt = self.learn_new(read);
         debug!(namespace, pid, fuse_mounts, receives, "mount namespace learnt");
+        self.copy_ahead([&learnt]);
     }
 
-    /// Learns `read`, of a namespace not known, whose anchor is watched.
-    fn learn_new(&self, read: NamespaceRead) {
+    /// Learns `read`, of a namespace not known, whose anchor is watched, and
+    /// returns it for the caller to say so and then copy ahead the mounts
+    /// nested in its copies (see `copy_ahead`): known first, since copying
+    /// ahead waits for the namespace workers, which a heal may hold, and a
+    /// heal meanwhile must find this namespace to isolate its copies of the
+    /// dead mount before the host heal (a slave copy would get the new
+    /// mount over its dead one otherwise).
+    fn learn_new(&self, read: NamespaceRead) -> NamespaceRead {
         // Not known: what was copied for its inode was another namespace's.
         self.forget_copies(read.namespace);
         let mut known = self.known();
@@ -549,11 +556,7 @@ impl Namespaces {
         if !late.is_empty() {
             self.hand_over_late(&learnt, late);
         }
-        // Known first: copying ahead waits for the namespace workers, which
-        // a heal may hold, and a heal meanwhile must find this namespace to
-        // isolate its copies of the dead mount before the host heal (a
-        // slave copy would get the new mount over its dead one otherwise).
-        self.copy_ahead([&learnt]);
+        learnt
     }
 
     /// Hands `read`'s mounts of the replaced connections `late` (by the
@@ -655,8 +658,9 @@ impl Namespaces {
                 continue;
             }
             let (namespace, pid, fuse_mounts) = (read.namespace, read.anchor.pid, read.fuse_mounts.len());
-            self.learn_new(read);
+            let read = self.learn_new(read);
             debug!(namespace, pid, fuse_mounts, "mount namespace learnt by a walk");
+            self.copy_ahead([&read]);
             learnt += 1;
         }
         let took_us = started.elapsed().as_micros() as u64;
