@@ -119,9 +119,13 @@ impl StagedNode {
                 .all(|(path, _)| targets.contains_key(&path.display().to_string()))
                 .then_some((text, value))
         };
-        scenario::wait_for("the state file holding every target", TIMEOUT, || read().is_some())
-            .unwrap_or_else(|err| panic!("{err}: {}", std::fs::read_to_string(&state).unwrap_or_default()));
-        let (text, value) = read().expect("the state file read again");
+        let mut found = None;
+        scenario::wait_for("the state file holding every target", TIMEOUT, || {
+            found = read();
+            found.is_some()
+        })
+        .unwrap_or_else(|err| panic!("{err}: {}", std::fs::read_to_string(&state).unwrap_or_default()));
+        let (text, value) = found.expect("found when the wait ended");
         let targets = value["targets"].as_object().expect("targets");
         for (path, _) in &self.readers {
             let mapping = &targets[&path.display().to_string()];
