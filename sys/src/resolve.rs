@@ -17,6 +17,16 @@ pub fn open_beneath(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::openat2(dir, path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)?)
 }
 
+/// [`open_beneath`] that also crosses no mount (`RESOLVE_NO_XDEV`): `path`
+/// is looked up within the mount `dir` is on, and names only a place on
+/// that mount, or the call fails with `EXDEV` (a mount on the way, or at
+/// `path` itself). Its lookups ask no filesystem but that one's.
+pub fn open_beneath_within_mount(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
+    let resolve =
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV;
+    Ok(rustix::fs::openat2(dir, path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)?)
+}
+
 /// `open(path, O_PATH|O_CLOEXEC|O_NOFOLLOW)`: an fd on whatever is at `path`
 /// (the topmost mount if it is a mount point), without following a symlink in
 /// the last component. Meant for absolute paths the caller trusts.
