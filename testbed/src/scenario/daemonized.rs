@@ -20,6 +20,23 @@ pub(super) fn serving_child(
     command_line: &[OsString],
     daemon: &'static str,
 ) -> Result<u32, ScenarioError> {
+    let found = find_serving_child(parent, command_line, daemon);
+    if found.is_err() {
+        // A child forked before the parent was given up on is nobody's to
+        // stop otherwise: it would serve on, and keep the test's mount
+        // namespace, after the test. The command line names the sandbox.
+        for pid in processes_running(command_line).into_iter().filter(|pid| *pid != parent.pid()) {
+            let _ = fuse_supervisor_sys::process::signal(pid, fuse_supervisor_sys::process::Signal::Kill);
+        }
+    }
+    found
+}
+
+fn find_serving_child(
+    parent: &SandboxChild,
+    command_line: &[OsString],
+    daemon: &'static str,
+) -> Result<u32, ScenarioError> {
     let mut status = None;
     wait_for(&format!("{daemon} (pid {}) to daemonize and exit", parent.pid()), MOUNT_TIMEOUT, || {
         status = parent.try_wait().ok().flatten();
