@@ -63,6 +63,7 @@ fn a_bomb_leaves_the_agent_small_and_healing(extra_args: &[&str]) {
         binds: BINDS,
         path_bytes: PATH_BYTES,
         fuse: Some(source.path.clone()),
+        fuse_binds: false,
     };
     let before_start = MountBomb::start(&sandbox, &bomb("bomb-before")).expect("first bomb");
 

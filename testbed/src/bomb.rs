@@ -35,6 +35,9 @@ pub struct BombOptions {
     pub path_bytes: usize,
     /// A FUSE directory bound onto the chain's end last.
     pub fuse: Option<PathBuf>,
+    /// The binds are of `fuse` instead of a short directory: every one a
+    /// FUSE mount whose paths a reader must ask for to keep it.
+    pub fuse_binds: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,8 +78,12 @@ pub fn run(options: &BombOptions) -> Result<(), BombError> {
         length += 1 + name.len();
     }
     let here = Path::new(".");
+    let bound = match &options.fuse {
+        Some(fuse) if options.fuse_binds => fuse,
+        _ => &source,
+    };
     for bind in 0..options.binds {
-        mount::bind(&source, here).map_err(step(format!("make bind {bind}")))?;
+        mount::bind(bound, here).map_err(step(format!("make bind {bind}")))?;
     }
     if let Some(fuse) = &options.fuse {
         mount::bind(fuse, here).map_err(step(format!("bind {} at the chain's end", fuse.display())))?;
@@ -108,6 +115,9 @@ impl MountBomb {
         args.extend(["--path-bytes".into(), options.path_bytes.to_string().into()]);
         if let Some(fuse) = &options.fuse {
             args.extend(["--fuse".into(), fuse.clone().into()]);
+        }
+        if options.fuse_binds {
+            args.push("--fuse-binds".into());
         }
         command.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let program = binary.display().to_string();

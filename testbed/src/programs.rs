@@ -153,6 +153,9 @@ enum Program {
         path_bytes: usize,
         #[arg(long)]
         fuse: Option<PathBuf>,
+        /// The binds are of the FUSE directory: every one a FUSE mount.
+        #[arg(long, requires = "fuse")]
+        fuse_binds: bool,
     },
     /// Run PROGRAM under a seccomp filter that refuses CALLS with ERRNO
     /// and allows every other call, as a container runtime's profile
@@ -310,8 +313,8 @@ fn run(program: Program) -> anyhow::Result<()> {
             })
         }
         .map_err(Into::into),
-        Program::MountBomb { dir, binds, path_bytes, fuse } => {
-            bomb::run(&BombOptions { dir, binds, path_bytes, fuse }).map_err(Into::into)
+        Program::MountBomb { dir, binds, path_bytes, fuse, fuse_binds } => {
+            bomb::run(&BombOptions { dir, binds, path_bytes, fuse, fuse_binds }).map_err(Into::into)
         }
         Program::RefuseCalls { calls, errno, program } => refuse_calls(calls, errno, &program),
         Program::CsiPlugin { socket, name, node_id, no_stage_unstage, trust_proc_mounts, call_log, hang_stage } => {

@@ -145,6 +145,18 @@ fn listmount_names_namespaces() -> bool {
 /// to a caller). Fails only for want of descriptors, which a caller must
 /// not take for a process gone.
 pub fn read(proc_root: &Path, pid: u32, caps: &TableCaps) -> io::Result<Option<NamespaceTable>> {
+    read_counted(proc_root, pid, caps, &mut |_| {})
+}
+
+/// [`read`], telling `listed` of the mounts as they are listed (their
+/// number since the last call): a reader can change its pace as a table
+/// turns out big, before it is read whole.
+pub fn read_counted(
+    proc_root: &Path,
+    pid: u32,
+    caps: &TableCaps,
+    listed: &mut dyn FnMut(usize),
+) -> io::Result<Option<NamespaceTable>> {
     let dir = proc_root.join(pid.to_string());
     if listmount_names_namespaces() {
         let namespace = match File::open(dir.join("ns/mnt")) {
@@ -156,7 +168,7 @@ pub fn read(proc_root: &Path, pid: u32, caps: &TableCaps) -> io::Result<Option<N
         // Not an nsfs file (a test's fake /proc), or a namespace the
         // kernel does not let this process name: read as text.
         if let Some(id) = namespace.and_then(|namespace| ns::mount_namespace_id(namespace.as_fd()).ok()) {
-            match by_listmount(id, caps) {
+            match by_listmount(id, caps, listed) {
                 Ok(table) => return Ok(Some(table)),
                 // Gone since it was named.
                 Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -165,7 +177,7 @@ pub fn read(proc_root: &Path, pid: u32, caps: &TableCaps) -> io::Result<Option<N
         }
     }
     match File::open(dir.join("mountinfo")) {
-        Ok(file) => match stream(file, caps) {
+        Ok(file) => match stream_counted(file, caps, listed) {
             Ok(table) => Ok(Some(table)),
             Err(err) => gone_unless_out_of_descriptors(err),
         },
@@ -190,9 +202,10 @@ struct Kept {
 }
 
 impl Kept {
-    /// Whether one more FUSE mount fits the count cap (else counted out).
-    fn has_room(&mut self, caps: &TableCaps) -> bool {
-        let room = self.fuse_mounts.len() < caps.fuse_mounts;
+    /// Whether one more FUSE mount fits the count cap (else counted out),
+    /// with `refused` more already asked for and found too long.
+    fn has_room(&mut self, caps: &TableCaps, refused: usize) -> bool {
+        let room = self.fuse_mounts.len() + refused < caps.fuse_mounts;
         if !room {
             self.overflow.unkept_fuse_mounts += 1;
         }
@@ -237,7 +250,7 @@ impl Kept {
     }
 }
 
-fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTable> {
+fn by_listmount(namespace_id: u64, caps: &TableCaps, listed_now: &mut dyn FnMut(usize)) -> io::Result<NamespaceTable> {
     let namespace = Namespace::Id(namespace_id);
     let mut page = [0u64; LIST_PAGE];
     let mut after = 0;
@@ -248,6 +261,7 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
     let mut fuse_ids: HashMap<u64, u32> = HashMap::new();
     loop {
         let listed = listmount::mount_ids_page(namespace, after, &mut page)?;
+        listed_now(listed);
         for &unique_id in &page[..listed] {
             total_mounts += 1;
             let kind = match statmount::mount_kind(unique_id, namespace) {
@@ -259,7 +273,11 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
             if let Some(&parent) = fuse_ids.get(&kind.parent_unique_id) {
                 kept.with_mounts_on.insert(parent);
             }
-            if !mountinfo::is_fuse_type(&kind.fs_type) || !kept.has_room(caps) {
+            // Those found too long count against the room as well: the
+            // kernel writes out a path whole before it says it did not fit,
+            // and 6,000 FUSE binds at 29 KB paths took a CPU-second a read,
+            // at the heal priority when the search at a death reads it.
+            if !mountinfo::is_fuse_type(&kind.fs_type) || !kept.has_room(caps, kept.overflow.long_mounts) {
                 continue;
             }
             let stat = match statmount::mount_stat_within(unique_id, namespace, caps.mount_text_bytes) {
@@ -306,12 +324,18 @@ fn by_listmount(namespace_id: u64, caps: &TableCaps) -> io::Result<NamespaceTabl
 
 /// A mountinfo text read from `source` line by line within `caps`.
 pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable> {
+    stream_counted(source, caps, &mut |_| {})
+}
+
+/// [`stream`], telling `listed` of each line read.
+fn stream_counted(source: impl Read, caps: &TableCaps, listed: &mut dyn FnMut(usize)) -> io::Result<NamespaceTable> {
     let mut lines = CappedLines::new(source, caps.line_bytes);
     let mut kept = Kept::default();
     let mut fuse_ids: HashSet<u32> = HashSet::new();
     let (mut receives, mut total_mounts) = (false, 0usize);
     while let Some(line) = lines.next_line()? {
         total_mounts += 1;
+        listed(1);
         let line = match line {
             CappedLine::Line(line) => line,
             CappedLine::TooLong => {
@@ -327,7 +351,7 @@ pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable>
         if fuse_ids.contains(&entry.parent_id) {
             kept.with_mounts_on.insert(entry.parent_id);
         }
-        if entry.is_fuse() && kept.has_room(caps) {
+        if entry.is_fuse() && kept.has_room(caps, 0) {
             let table_order = u32::try_from(total_mounts).unwrap_or(u32::MAX);
             if kept.keep(FuseMount::of_line(&entry, table_order), caps) {
                 fuse_ids.insert(entry.mount_id);

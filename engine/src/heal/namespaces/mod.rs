@@ -61,7 +61,7 @@ use super::carry::NestedSlot;
 use super::connections::{FUSE_CONNECTIONS, FuseConnections};
 use super::containers::{self, ContainerHealError, ForeignMount, NamespaceWorkers, dead_tops, open_namespace_of};
 use super::nested_copies::NestedCopies;
-use super::priority::{HealActivity, HealPriority};
+use super::priority::{HealActivity, HealPriority, RealtimeReads};
 use crate::errors::chain;
 use crate::model::namespace_table::{self, Overflow, TableCaps};
 use crate::model::table::{Dev, FuseMount};
@@ -363,11 +363,14 @@ impl Namespaces {
         generations: impl RangeBounds<u64>,
     ) -> Result<Holding, ContainerHealError> {
         let skip = &self.and_host(skip);
+        // Searched at a death on the loop, raised: a tenant's table is
+        // read at the heal priority only up to a node's worth of mounts.
+        let mut realtime = RealtimeReads::of_this_thread();
         let candidates: Vec<(u64, ProcessId)> = {
             let known = self.known();
             if !known.kept {
                 drop(known);
-                let walked = walk(&self.proc_root, skip, || {})?;
+                let walked = walk_counted(&self.proc_root, skip, || {}, &mut |listed| realtime.listed(listed))?;
                 let read = walked.len();
                 let mounts = walked.iter().flat_map(|read| read.foreign_mounts(dead)).collect();
                 return Ok(Holding { mounts, read, walked: true });
@@ -383,8 +386,10 @@ impl Namespaces {
         };
         let mut holding = Holding::default();
         for (namespace, anchor) in candidates {
-            let read = read_namespace(&self.proc_root, anchor.pid, Some(namespace))
-                .map_err(|source| ContainerHealError::Walk { proc_root: self.proc_root.clone(), source })?;
+            let read = read_namespace_counted(&self.proc_root, anchor.pid, Some(namespace), &mut |listed| {
+                realtime.listed(listed)
+            })
+            .map_err(|source| ContainerHealError::Walk { proc_root: self.proc_root.clone(), source })?;
             holding.read += 1;
             let mut known = self.known();
             match read.filter(|read| read.anchor == anchor) {
@@ -808,12 +813,25 @@ fn namespace_of(proc_root: &Path, pid: u32) -> Option<u64> {
 /// its pid, or left the namespace while it was read. Fails only for want
 /// of descriptors, which a caller must not take for a process gone.
 pub fn read_namespace(proc_root: &Path, pid: u32, expected: Option<u64>) -> io::Result<Option<NamespaceRead>> {
+    read_namespace_counted(proc_root, pid, expected, &mut |_| {})
+}
+
+/// [`read_namespace`], telling `listed` of its mounts as they are listed
+/// ([`namespace_table::read_counted`]).
+fn read_namespace_counted(
+    proc_root: &Path,
+    pid: u32,
+    expected: Option<u64>,
+    listed: &mut dyn FnMut(usize),
+) -> io::Result<Option<NamespaceRead>> {
     let Some(namespace) = namespace_of(proc_root, pid) else { return Ok(None) };
     if expected.is_some_and(|expected| expected != namespace) {
         return Ok(None);
     }
     let Some(before) = stat_of(proc_root, pid)? else { return Ok(None) };
-    let Some(table) = namespace_table::read(proc_root, pid, &TableCaps::DEFAULT)? else { return Ok(None) };
+    let Some(table) = namespace_table::read_counted(proc_root, pid, &TableCaps::DEFAULT, listed)? else {
+        return Ok(None);
+    };
     // Still the same process, still there: the table was its namespace's.
     let after = stat_of(proc_root, pid)?;
     if namespace_of(proc_root, pid) != Some(namespace)
@@ -850,7 +868,17 @@ fn stat_of(proc_root: &Path, pid: u32) -> io::Result<Option<Stat>> {
 pub fn walk(
     proc_root: &Path,
     skip: &BTreeSet<u64>,
+    pause: impl FnMut(),
+) -> Result<Vec<NamespaceRead>, ContainerHealError> {
+    walk_counted(proc_root, skip, pause, &mut |_| {})
+}
+
+/// [`walk`], telling `listed` of the mounts of each table as they are listed.
+fn walk_counted(
+    proc_root: &Path,
+    skip: &BTreeSet<u64>,
     mut pause: impl FnMut(),
+    listed: &mut dyn FnMut(usize),
 ) -> Result<Vec<NamespaceRead>, ContainerHealError> {
     let walk_error = |source| ContainerHealError::Walk { proc_root: proc_root.to_path_buf(), source };
     let mut pids: Vec<u32> = fs::read_dir(proc_root)
@@ -876,7 +904,7 @@ pub fn walk(
         // container's init) that exits before its table is read: the
         // namespace is then read through the next one.
         pause();
-        if let Some(read) = read_namespace(proc_root, pid, Some(namespace)).map_err(walk_error)? {
+        if let Some(read) = read_namespace_counted(proc_root, pid, Some(namespace), listed).map_err(walk_error)? {
             reads.insert(namespace, read);
         }
     }
