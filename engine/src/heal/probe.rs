@@ -57,6 +57,14 @@ pub struct ProbeReport {
     pub outcome: ProbeOutcome,
     /// How long the source took to answer (or fail): the daemon's time.
     pub waited: Duration,
+    /// The probed mount's root where the outcome holds no handle on it,
+    /// kept until the loop has read the report: while it is held, the
+    /// kernel cannot give the mount's ID to a newer mount. Let go in the
+    /// probe's thread, the ID of a source unmounted during its probe went
+    /// to its replacement before the loop heard of the end, and the scan
+    /// in between took the replacement for the mount being probed (its
+    /// heal waited for a probe that had ended).
+    pub holding: Option<OwnedFd>,
 }
 
 /// Starts probes and remembers which are in flight and since when.
@@ -150,10 +158,10 @@ impl Prober {
         let reported = source.to_path_buf();
         let job: ProbeJob = Box::new(move || {
             let asked = Instant::now();
-            let outcome = probe(root, &subdirs);
+            let (outcome, holding) = probe(root, &subdirs);
             let waited = asked.elapsed();
             // The loop may be gone on shutdown; nothing to report to then.
-            let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome, waited }));
+            let _ = report.send(wrap(ProbeReport { source: reported, mount_id, outcome, waited, holding }));
         });
         let thread = match self.spare.take() {
             Some(spare) => spare,
@@ -232,13 +240,14 @@ pub fn open_mount_root(source: &Path) -> io::Result<(u32, OwnedFd)> {
 
 /// `statfs` of the source, then its subdirectories opened: through the
 /// FUSE call helper, so that a daemon that never answers holds none of the
-/// agent's threads.
-fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> ProbeOutcome {
+/// agent's threads. With the root back where the outcome does not hold it
+/// ([`ProbeReport::holding`]).
+fn probe(root: OwnedFd, subdirs: &[PathBuf]) -> (ProbeOutcome, Option<OwnedFd>) {
     match fuse_calls::ask(root.as_fd(), true, subdirs) {
-        Answer::StatfsFailed(err) => ProbeOutcome::Failed(err),
+        Answer::StatfsFailed(err) => (ProbeOutcome::Failed(err), Some(root)),
         Answer::Opened(opened) => {
             let opened = subdirs.iter().cloned().zip(opened.into_iter().map(|result| result.map_err(Arc::new)));
-            ProbeOutcome::Live(SourceHandles { root, subdirs: opened.collect() })
+            (ProbeOutcome::Live(SourceHandles { root, subdirs: opened.collect() }), None)
         }
     }
 }
