@@ -86,11 +86,12 @@ impl HealPriority {
 
 /// How many mounts of other namespaces' tables a thread reads at the
 /// real-time priority it is at, at most, before it reads on at the normal
-/// policy ([`RealtimeReads`]): a node's containers hold a few dozen mounts
-/// each (100 of them about 3,000), read at once; a tenant's table is as big
-/// as it makes it, and 6,000 binds were 140 ms of a CPU to list, 2.3 s to
-/// read as mountinfo, which at `SCHED_FIFO` kept the kernel's own threads
-/// (its workqueues, RCU's grace periods) off that CPU.
+/// policy ([`RealtimeReads`]; a mountinfo line counts a mount per KiB):
+/// a node's containers hold a few dozen mounts each (100 of them about
+/// 3,000), read at once; a tenant's table is as big as it makes it, and
+/// 6,000 binds at 29 KB mount points were 140 ms of a CPU to list, 2.3 s
+/// to read as mountinfo, which at `SCHED_FIFO` kept the kernel's own
+/// threads (its workqueues, RCU's grace periods) off that CPU.
 pub const REALTIME_READ_MOUNTS: usize = 4096;
 
 /// The reads of other namespaces' tables by a thread that may be raised

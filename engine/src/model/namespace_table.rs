@@ -327,7 +327,9 @@ pub fn stream(source: impl Read, caps: &TableCaps) -> io::Result<NamespaceTable>
     stream_counted(source, caps, &mut |_| {})
 }
 
-/// [`stream`], telling `listed` of each line read.
+/// [`stream`], telling `listed` of each line read, as a mount per KiB of
+/// it begun: the kernel writes a line out whole, and a tenant decides how
+/// long its lines are (a skipped one was over `caps.line_bytes`).
 fn stream_counted(source: impl Read, caps: &TableCaps, listed: &mut dyn FnMut(usize)) -> io::Result<NamespaceTable> {
     let mut lines = CappedLines::new(source, caps.line_bytes);
     let mut kept = Kept::default();
@@ -335,10 +337,13 @@ fn stream_counted(source: impl Read, caps: &TableCaps, listed: &mut dyn FnMut(us
     let (mut receives, mut total_mounts) = (false, 0usize);
     while let Some(line) = lines.next_line()? {
         total_mounts += 1;
-        listed(1);
         let line = match line {
-            CappedLine::Line(line) => line,
+            CappedLine::Line(line) => {
+                listed(1 + line.len() / 1024);
+                line
+            }
             CappedLine::TooLong => {
+                listed(1 + caps.line_bytes / 1024);
                 kept.overflow.long_mounts += 1;
                 continue;
             }

@@ -32,6 +32,27 @@ fn a_line_over_the_cap_is_skipped_and_counted() {
     assert_eq!(read.read_by, ReadBy::Mountinfo);
 }
 
+/// A reader is told of a streamed table's mounts as a mount per KiB of
+/// each line begun: a tenant's long lines cost what their text does.
+#[test]
+fn a_streamed_line_counts_a_mount_per_kib_begun() {
+    // About 3,000 bytes: three KiB begun; the other under one.
+    let long = fuse_line(21, 1, 50, &format!("/deep/{}", "d".repeat(2950)));
+    assert!((2048..3072).contains(&long.len()), "{}", long.len());
+    let short = fuse_line(22, 1, 50, &format!("/deeper/{}", "d".repeat(600)));
+    assert!(short.len() < 1024, "{}", short.len());
+    let table = format!("{ROOT}{long}{short}");
+    let mut counted = Vec::new();
+    let read = stream_counted(table.as_bytes(), &TableCaps::DEFAULT, &mut |mounts| counted.push(mounts)).unwrap();
+    assert_eq!(read.total_mounts, 3);
+    assert_eq!(counted, [1, 3, 1]);
+    // Over the cap, a line counts as the cap's KiB, however long it was.
+    let caps = TableCaps { line_bytes: 1024, ..TableCaps::DEFAULT };
+    let mut counted = Vec::new();
+    stream_counted(table.as_bytes(), &caps, &mut |mounts| counted.push(mounts)).unwrap();
+    assert_eq!(counted, [1, 2, 1]);
+}
+
 #[test]
 fn fuse_mounts_past_a_namespace_cap_are_left_out_and_counted() {
     let mut table = ROOT.to_owned();
