@@ -13,8 +13,7 @@ use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxFlags};
 /// on the way fail (`EXDEV`, `ELOOP`). The result is an `O_PATH` fd: no
 /// `open` call reaches the filesystem, so it is safe on a dead FUSE mount.
 pub fn open_beneath(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
-    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-    Ok(rustix::fs::openat2(dir, path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)?)
+    open_path_beneath(dir, path, ResolveFlags::empty())
 }
 
 /// [`open_beneath`] that also crosses no mount (`RESOLVE_NO_XDEV`): `path`
@@ -22,8 +21,13 @@ pub fn open_beneath(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
 /// that mount, or the call fails with `EXDEV` (a mount on the way, or at
 /// `path` itself). Its lookups ask no filesystem but that one's.
 pub fn open_beneath_within_mount(dir: BorrowedFd<'_>, path: &Path) -> io::Result<OwnedFd> {
-    let resolve =
-        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV;
+    open_path_beneath(dir, path, ResolveFlags::NO_XDEV)
+}
+
+/// `openat2(dir, path, O_PATH|O_CLOEXEC)` beneath `dir`, refusing symlinks
+/// and magic links, with `more` resolve flags.
+fn open_path_beneath(dir: BorrowedFd<'_>, path: &Path, more: ResolveFlags) -> io::Result<OwnedFd> {
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | more;
     Ok(rustix::fs::openat2(dir, path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty(), resolve)?)
 }
 
