@@ -6,10 +6,14 @@
 //! `cargo xtask stress …`: the same packages, then the integration tests
 //! run repeatedly beside busy-looping processes (`stress.rs`).
 //!
+//! Both run the tests with the kernel's session autogroups off, as root
+//! (`autogroups.rs`).
+//!
 //! `cargo xtask demo [ARGS…]`: builds the node agent and the test world's
 //! binary (release) and runs `fuse-supervisor-testbed demo ARGS…`, which
 //! runs the agent built beside it.
 
+mod autogroups;
 mod stress;
 mod system_packages;
 
@@ -32,7 +36,10 @@ fn main() -> ExitCode {
         Some("demo") => demo(args.collect()),
         Some("stress") => match stress::parse_args(args.collect()) {
             Ok(stress_args) => match ensure_test_packages() {
-                Ok(()) => stress::stress(stress_args),
+                Ok(()) => {
+                    let _autogroups_off = autogroups::turn_off();
+                    stress::stress(stress_args)
+                }
                 Err(message) => {
                     eprintln!("xtask: {message}");
                     ExitCode::from(2)
@@ -45,6 +52,8 @@ fn main() -> ExitCode {
         },
         // A busy-looping child of `stress`, not for people.
         Some("hog") => stress::hog(),
+        // What turns the autogroups on again once the tests end, not for people.
+        Some("autogroups-on-when-done") => autogroups::on_when_done(&args.next().unwrap_or_default()),
         Some("-h" | "--help") => {
             println!("{USAGE}\n{}", stress::USAGE);
             ExitCode::SUCCESS
@@ -63,6 +72,7 @@ fn test(cargo_args: Vec<OsString>) -> ExitCode {
     }
     let (mut command, _) = cargo();
     command.args(["test", "--workspace"]).args(&cargo_args);
+    let _autogroups_off = autogroups::turn_off();
     run(&mut command)
 }
 
