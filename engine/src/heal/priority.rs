@@ -76,10 +76,14 @@ impl HealPriority {
         }
     }
 
-    /// Back to the normal policy.
-    fn lower(self) {
-        if let Err(err) = process::set_thread_realtime(None) {
-            debug!(err = %chain(&err), "cannot return to the normal scheduling policy");
+    /// Back to the normal policy; whether the thread is there now.
+    fn lower(self) -> bool {
+        match process::set_thread_realtime(None) {
+            Ok(()) => true,
+            Err(err) => {
+                debug!(err = %chain(&err), "cannot return to the normal scheduling policy");
+                false
+            }
         }
     }
 }
@@ -122,25 +126,20 @@ impl RealtimeReads {
         if self.left > 0 || self.lowered || self.raised.is_none() {
             return;
         }
-        match process::set_thread_realtime(None) {
-            Ok(()) => {
-                self.lowered = true;
-                debug!(
-                    mounts = REALTIME_READ_MOUNTS,
-                    "past its share of other namespaces' mounts read at the heal priority: the rest at the normal one"
-                );
-            }
-            Err(err) => debug!(err = %chain(&err), "cannot return to the normal scheduling policy"),
+        if HealPriority(self.raised).lower() {
+            self.lowered = true;
+            debug!(
+                mounts = REALTIME_READ_MOUNTS,
+                "past its share of other namespaces' mounts read at the heal priority: the rest at the normal one"
+            );
         }
     }
 }
 
 impl Drop for RealtimeReads {
     fn drop(&mut self) {
-        if self.lowered
-            && let Err(err) = process::set_thread_realtime(self.raised)
-        {
-            debug!(err = %chain(&err), "cannot return to the heal priority");
+        if self.lowered {
+            HealPriority(self.raised).raise();
         }
     }
 }
